@@ -1,0 +1,60 @@
+"""Shared benchmark plumbing: operand generation per recipe, timing, rooflines, table output."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+
+import torch
+
+from cutedsl_gemm import reference as R
+
+FP8_TFLOPS = 1979.0  # H100 SXM dense FP8
+HBM_TBPS = 3.0  # achievable (measured 3.0-3.06 TB/s on the lent H100)
+
+SETS = {
+    "dsv3": [(m, n, k) for m in (1024, 6144) for (n, k) in (
+        (1536, 7168), (3072, 1536), (576, 7168), (7168, 256), (7168, 2048),
+        (4608, 7168), (7168, 2304), (512, 7168), (4096, 512))],
+    "llama70b_decode": [(m, 8192, 8192) for m in (1, 16, 32, 64, 128)],
+    "square": [(4096, 4096, 4096), (8192, 8192, 8192)],
+}
+
+
+def make_operands(m, n, k, recipe, device="cuda", fmt_a="e4m3", fmt_b="e4m3"):
+    """Random bf16-range data quantized with the reference quantizer; scales in torch._scaled_mm layout."""
+    a = torch.randn(m, k, device=device)
+    w = torch.randn(n, k, device=device)
+    qa, sa_plain, qw, sw_plain = R.quantize_operands(a, w, recipe, fmt_a, fmt_b)
+    if recipe == "tensor":
+        sa, sb = sa_plain.reshape(()), sw_plain.reshape(())
+    else:  # row: (M, 1) x (1, N)
+        sa, sb = sa_plain.reshape(m, 1).contiguous(), sw_plain.reshape(1, n).contiguous()
+    return qa, qw, sa, sb, (qa, sa_plain, qw, sw_plain)
+
+
+def bench(fn, warmup=25, rep=100):
+    """Median time in ms (triton do_bench: CUDA events, L2 flushed before each run)."""
+    from triton.testing import do_bench
+
+    return do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def tflops(m, n, k, ms):
+    return 2.0 * m * n * k / (ms * 1e-3) / 1e12
+
+
+def gbps(m, n, k, ms, out_bytes=2):
+    return (m * k + n * k + m * n * out_bytes) / (ms * 1e-3) / 1e9
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
+
+
+def write_json(path, rows):
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)

@@ -1,0 +1,8 @@
+"""cutedsl_gemm: low-precision GEMM kernels for Hopper and Blackwell in the CuTe DSL, called from PyTorch."""
+
+from cutedsl_gemm.formats import ELEMENT_FORMATS, RECIPES, ElementFormat, ScalingRecipe, element_format, recipe
+from cutedsl_gemm.api import scaled_mm
+
+__version__ = "0.1.0"
+
+__all__ = ["scaled_mm", "ELEMENT_FORMATS", "RECIPES", "ElementFormat", "ScalingRecipe", "element_format", "recipe"]

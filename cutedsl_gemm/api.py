@@ -1,0 +1,118 @@
+"""Public GEMM entry points on torch tensors."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+
+from cutedsl_gemm import dispatch, validation as V
+from cutedsl_gemm.jit import KERNEL_CACHE
+
+
+@functools.lru_cache(maxsize=None)
+def _device_info(index: int):
+    props = torch.cuda.get_device_properties(index)
+    return f"sm_{props.major}{props.minor}a" if props.major >= 9 else f"sm_{props.major}{props.minor}", props.multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _dummy_bias(index: int) -> torch.Tensor:
+    # Stands in for the bias argument of instances built without one; never read.
+    return torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", index))
+
+
+def _compiled(inst):
+    """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
+    from cutedsl_gemm.sm90_compile import compile_gemm
+
+    return KERNEL_CACHE.get(inst, lambda: compile_gemm(inst.sm90_config()), arch=inst.arch)
+
+
+def _epilogue_recipe(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> str:
+    """torch._scaled_mm's conventions: one scalar each (tensor-wise) or (M, 1) x (1, N) (row-wise)."""
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
+        if s.dtype != torch.float32:
+            raise TypeError(f"{name} must be torch.float32, got {s.dtype}")
+    if scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dim() <= 2 and scale_b.dim() <= 2:
+        return "tensor"
+    if tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
+        if m > 1 and scale_a.stride(0) != 1:
+            raise ValueError(f"scale_a (M, 1) must be contiguous, got strides {tuple(scale_a.stride())}")
+        if n > 1 and scale_b.stride(1) != 1:
+            raise ValueError(f"scale_b (1, N) must be contiguous, got strides {tuple(scale_b.stride())}")
+        return "row"
+    raise ValueError(
+        f"scale shapes {tuple(scale_a.shape)} and {tuple(scale_b.shape)} match no recipe: expected one element each "
+        f"(tensor-wise) or scale_a ({m}, 1) with scale_b (1, {n}) (row-wise)"
+    )
+
+
+def scaled_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale_a: torch.Tensor,
+    scale_b: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """FP8 GEMM with torch._scaled_mm's argument conventions.
+
+    ``out = (a * scale_a) @ (b * scale_b) + bias`` computed with fp32 accumulation, where ``a`` is (M, K)
+    row-major, ``b`` is (K, N) column-major (``w.t()`` of a row-major (N, K) weight), both E4M3 or E5M2.
+    Scales are fp32 dequantization factors: one element each (tensor-wise) or ``scale_a`` (M, 1) and
+    ``scale_b`` (1, N) (row-wise). ``bias`` is (N,) in ``out_dtype`` or fp32.
+    """
+    device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    m, k = a.shape
+    k2, n = b.shape
+    if k != k2:
+        raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} (expected b (K={k}, N))")
+    a_name = V.require_fp8("a", a)
+    b_name = V.require_fp8("b", b)
+    out_name = V.require_out_dtype(out_dtype)
+    recipe = _epilogue_recipe(scale_a, scale_b, m, n)
+    bias_name = None
+    if bias is not None:
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias must have shape (N,) = ({n},), got {tuple(bias.shape)}")
+        if bias.dtype not in (out_dtype, torch.float32):
+            raise TypeError(f"bias must be {out_dtype} (the output dtype) or torch.float32, got {bias.dtype}")
+        if bias.stride(0) != 1 and n > 1:
+            raise ValueError("bias must be contiguous")
+        bias_name = V.OUT_NAMES[bias.dtype]
+    if out is not None:
+        if tuple(out.shape) != (m, n) or out.dtype != out_dtype:
+            raise ValueError(f"out must be a ({m}, {n}) {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+        if n > 1 and out.stride(1) != 1 or m > 1 and (out.stride(0) * out.element_size()) % V.TMA_ALIGN:
+            raise ValueError(f"out must be row-major with 16-byte aligned rows, got strides {tuple(out.stride())}")
+        if out.data_ptr() % V.TMA_ALIGN:
+            raise ValueError("out must have a 16-byte aligned base address (TMA store)")
+    else:
+        out = torch.empty((m, n), dtype=out_dtype, device=device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        out.zero_() if bias is None else out.copy_(bias.to(out_dtype).expand(m, n))
+        return out
+    V.require_k_major("a", a, 1, "row-major (M, K)")
+    V.require_k_major("b", b, 0, "column-major (K, N), i.e. w.t() of a row-major (N, K) weight")
+    if (n * out.element_size()) % V.TMA_ALIGN:
+        raise ValueError(f"N={n}: the TMA store needs output rows of a multiple of 16 bytes (N % {V.TMA_ALIGN // out.element_size()} == 0)")
+
+    arch, sms = _device_info(device.index)
+    if not arch.startswith("sm_90"):
+        V.require_hopper(device)
+    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m)
+    fn = _compiled(inst)
+    if recipe == "tensor":
+        scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
+    fn(a, b, out, scale_a, scale_b, bias if bias is not None else _dummy_bias(device.index), sms // (inst.cluster_m * inst.cluster_n))
+    return out

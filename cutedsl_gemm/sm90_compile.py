@@ -1,0 +1,44 @@
+"""Tracing the Hopper kernels: fake (shape-symbolic) arguments and cute.compile for one configuration."""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, cutlass_dtype
+
+COMPILE_OPTIONS = "--enable-tvm-ffi"
+
+
+def fake_gemm_args(cfg: Sm90GemmConfig):
+    """Fake tensors with symbolic M, N, K so one compilation serves every shape.
+
+    K and N carry the divisibility TMA needs (16-byte aligned rows) so the kernel may assume it; the host
+    validates it before every call.
+    """
+    m = cute.sym_int()
+    n = cute.sym_int(divisibility=16)
+    k = cute.sym_int(divisibility=16)
+    a = make_fake_compact_tensor(cutlass_dtype(cfg.a_dtype), (m, k), stride_order=(1, 0), assumed_align=16)
+    # b follows torch._scaled_mm: (K, N) column-major (the transpose of a row-major (N, K) weight).
+    b = make_fake_compact_tensor(cutlass_dtype(cfg.b_dtype), (k, n), stride_order=(0, 1), assumed_align=16)
+    d = make_fake_compact_tensor(cutlass_dtype(cfg.out_dtype), (m, n), stride_order=(1, 0), assumed_align=16)
+    if cfg.recipe == "tensor":
+        sa = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+        sb = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+    elif cfg.recipe == "row":
+        sa = make_fake_compact_tensor(cutlass.Float32, (m, 1), stride_order=(1, 0), assumed_align=4)
+        sb = make_fake_compact_tensor(cutlass.Float32, (1, n), stride_order=(1, 0), assumed_align=4)
+    else:
+        raise ValueError(f"recipe {cfg.recipe!r} is not an epilogue-scaled recipe")
+    if cfg.bias_dtype:
+        bias = make_fake_compact_tensor(cutlass_dtype(cfg.bias_dtype), (n,), assumed_align=4)
+    else:
+        bias = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
+    return a, b, d, sa, sb, bias, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+
+
+def compile_gemm(cfg: Sm90GemmConfig):
+    kernel = Sm90Fp8Gemm(cfg)
+    return cute.compile(kernel, *fake_gemm_args(cfg), options=COMPILE_OPTIONS)

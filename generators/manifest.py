@@ -1,0 +1,150 @@
+"""The kernel instance manifest: every kernel configuration this library builds, declared once.
+
+Runtime dispatch (``cutedsl_gemm.dispatch``), the precompiler, the AOT exporter and the catalog all read
+``INSTANCES``; there is no other list of configurations. A row is a *tile configuration* crossed with the
+type axes it supports; ``expand()`` turns the table into concrete, hashable instances.
+
+Validity rules (shared-memory budget, TMA alignment, MMA shape limits) are checked by ``validate`` and run
+on every row at import time, so a bad edit to the table fails loudly.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Iterable, Optional, Tuple
+
+
+
+@dataclass(frozen=True)
+class KernelInstance:
+    """One compiled kernel: everything that changes generated code, nothing that doesn't (M, N, K)."""
+
+    arch: str  # "sm_90a" | "sm_100a"
+    op: str  # "gemm" | "quantize"
+    schedule: str  # "cooperative" | "pingpong" | "small_m"
+    recipe: str  # formats.RECIPES key
+    a_dtype: str
+    b_dtype: str
+    out_dtype: str
+    bias_dtype: Optional[str]
+    tile_m: int
+    tile_n: int
+    cluster_m: int = 1
+    cluster_n: int = 1
+    stages: int = 0  # 0 = as many as shared memory allows
+    # Dispatch: this instance serves problems with m_min <= M <= m_max.
+    m_min: int = 1
+    m_max: int = 1 << 31
+
+    @property
+    def name(self) -> str:
+        bias = f"_bias{self.bias_dtype}" if self.bias_dtype else ""
+        return (
+            f"{self.arch}_{self.op}_{self.schedule}_{self.recipe}_{self.a_dtype}x{self.b_dtype}_{self.out_dtype}{bias}"
+            f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+        )
+
+    def sm90_config(self):
+        """The kernel-class configuration this instance compiles to."""
+        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90GemmConfig
+
+        return Sm90GemmConfig(
+            a_dtype=self.a_dtype,
+            b_dtype=self.b_dtype,
+            out_dtype=self.out_dtype,
+            recipe=self.recipe,
+            bias_dtype=self.bias_dtype,
+            tile_m=self.tile_m,
+            tile_n=self.tile_n,
+            cluster_m=self.cluster_m,
+            cluster_n=self.cluster_n,
+            stages=self.stages,
+        )
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """A row of the table: a tile/cluster/schedule and the type axes it is built for."""
+
+    arch: str
+    op: str
+    schedule: str
+    recipes: Tuple[str, ...]
+    tile_m: int
+    tile_n: int
+    cluster_m: int = 1
+    cluster_n: int = 1
+    stages: int = 0
+    m_min: int = 1
+    m_max: int = 1 << 31
+    ab_dtypes: Tuple[Tuple[str, str], ...] = (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2"))
+    out_dtypes: Tuple[str, ...] = ("bf16", "fp16", "fp32")
+    # None = no bias; "out" = same dtype as the output; "fp32".
+    bias_kinds: Tuple[Optional[str], ...] = (None, "out", "fp32")
+
+
+# ------------------------------------------------------------------------------------------------
+# THE TABLE
+# ------------------------------------------------------------------------------------------------
+TABLE: Tuple[TileConfig, ...] = (
+    # Hopper, epilogue-scaled FP8: 128x256 cooperative tiles, W multicast over a 2x1 cluster.
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1),
+)
+
+
+class ManifestError(ValueError):
+    pass
+
+
+def validate(inst: KernelInstance) -> None:
+    """Raise ManifestError with the reason if an instance cannot be built.
+
+    The rules live with the kernel classes (they own their shared-memory plans); this only routes.
+    """
+    if inst.arch == "sm_90a" and inst.op == "gemm":
+        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
+
+        try:
+            Sm90Fp8Gemm.check_config(inst.sm90_config())
+        except ValueError as e:
+            raise ManifestError(f"{inst.name}: {e}") from None
+    else:
+        raise ManifestError(f"{inst.name}: no kernel family for arch={inst.arch} op={inst.op}")
+
+
+def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
+    out = []
+    for row in table:
+        for recipe, (a, b), o, bias in itertools.product(row.recipes, row.ab_dtypes, row.out_dtypes, row.bias_kinds):
+            out.append(
+                KernelInstance(
+                    arch=row.arch,
+                    op=row.op,
+                    schedule=row.schedule,
+                    recipe=recipe,
+                    a_dtype=a,
+                    b_dtype=b,
+                    out_dtype=o,
+                    bias_dtype=o if bias == "out" else bias,
+                    tile_m=row.tile_m,
+                    tile_n=row.tile_n,
+                    cluster_m=row.cluster_m,
+                    cluster_n=row.cluster_n,
+                    stages=row.stages,
+                    m_min=row.m_min,
+                    m_max=row.m_max,
+                )
+            )
+    for inst in out:
+        validate(inst)
+    return tuple(out)
+
+
+INSTANCES: Tuple[KernelInstance, ...] = expand()
+
+
+def select(instances=None, **want) -> Tuple[KernelInstance, ...]:
+    """Instances whose fields equal every keyword given (e.g. ``select(arch="sm_90a", recipe="row")``)."""
+    rows = INSTANCES if instances is None else instances
+    return tuple(i for i in rows if all(getattr(i, k) == v for k, v in want.items()))

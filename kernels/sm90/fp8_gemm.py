@@ -1,0 +1,451 @@
+"""Hopper (sm_90a) persistent warp-specialized FP8 GEMM with epilogue scaling.
+
+D (M, N) = scale(A (M, K) @ W (N, K)^T) [+ bias (N,)], A and W K-major E4M3/E5M2, fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+
+from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
+
+SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
+
+
+@dataclass(frozen=True)
+class Sm90GemmConfig:
+    """Compile-time configuration of one kernel instance (the manifest row it was built from)."""
+
+    a_dtype: str = "e4m3"  # "e4m3" | "e5m2"
+    b_dtype: str = "e4m3"
+    out_dtype: str = "bf16"  # "bf16" | "fp16" | "fp32"
+    recipe: str = "row"  # "tensor" | "row"
+    bias_dtype: Optional[str] = None  # None = no bias
+    tile_m: int = 128
+    tile_n: int = 256
+    cluster_m: int = 2
+    cluster_n: int = 1
+    stages: int = 0  # 0: as many as shared memory allows
+    group_m: int = 8  # rasterisation group (cluster tiles)
+
+    @property
+    def cluster_shape_mn(self):
+        return (self.cluster_m, self.cluster_n)
+
+
+_DTYPES = {
+    "e4m3": cutlass.Float8E4M3FN,
+    "e5m2": cutlass.Float8E5M2,
+    "bf16": cutlass.BFloat16,
+    "fp16": cutlass.Float16,
+    "fp32": cutlass.Float32,
+}
+
+
+def cutlass_dtype(name: str):
+    return _DTYPES[name]
+
+
+class Sm90Fp8Gemm:
+    """Persistent cooperative WGMMA FP8 GEMM.
+
+    | warp group | role | registers |
+    |---|---|---|
+    | 0 (warp 0) | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec) |
+    | 1, 2 | MMA consumers: each owns 64 rows of the 128 x tile_n tile (cooperative), then the epilogue | 232 (setmaxnreg.inc) |
+
+    | pipeline | producer -> consumer | stages |
+    |---|---|---|
+    | mainloop (PipelineTmaAsync) | TMA warp -> both consumer warp groups | ``stages`` (>= 4 where smem allows) |
+    | epilogue store (PipelineTmaStore) | consumer warp groups -> TMA store engine | 2 |
+
+    Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
+    compilation serves every M, N, K (all three are run-time values). The epilogue applies the recipe's
+    scales in fp32 (per-tensor: one scalar product; row-wise: per-row A scale x per-column W scale), adds
+    the bias, converts, stages the tile in shared memory and writes it with TMA stores (which clip at the
+    M/N edges, so partial tiles need no predication).
+    """
+
+    num_threads_per_warp_group = 128
+    producer_regs = 40
+    consumer_regs = 232
+    epi_stages = 2  # two 128x32 output buffers: enough to overlap one TMA store, leaves room for 4 A/W stages
+
+    def __init__(self, cfg: Sm90GemmConfig):
+        self.check_config(cfg)
+        self.cfg = cfg
+        self.a_dtype = cutlass_dtype(cfg.a_dtype)
+        self.b_dtype = cutlass_dtype(cfg.b_dtype)
+        self.d_dtype = cutlass_dtype(cfg.out_dtype)
+        self.bias_dtype = cutlass_dtype(cfg.bias_dtype) if cfg.bias_dtype else None
+        self.acc_dtype = Float32
+        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, 128)
+        self.num_mma_warp_groups = 2
+        self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.num_threads_per_warp_group
+        self.num_mma_threads = self.num_mma_warp_groups * self.num_threads_per_warp_group
+        self.epi_tile = (128, 32)
+        self.ab_stages = cfg.stages or self.max_stages(cfg)
+        self.smem_bytes = self.smem_usage(cfg, self.ab_stages)
+
+    @classmethod
+    def check_config(cls, cfg: Sm90GemmConfig) -> None:
+        """Raise ValueError naming the broken rule (MMA shape, cluster, shared-memory budget)."""
+        if cfg.tile_m != 128:
+            raise ValueError(f"the cooperative schedule splits tile_m=128 over two warp groups, got tile_m={cfg.tile_m}")
+        if cfg.tile_n % 64 or not 64 <= cfg.tile_n <= 256:
+            raise ValueError(f"WGMMA N per warp group must be a multiple of 64 up to 256, got tile_n={cfg.tile_n}")
+        cm, cn = cfg.cluster_shape_mn
+        if cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
+            raise ValueError(f"cluster shape must be powers of two with at most 4 CTAs, got {cfg.cluster_shape_mn}")
+        stages = cfg.stages or cls.max_stages(cfg)
+        need = cls.smem_usage(cfg, stages)
+        if stages < 2 or need > SM90_SMEM_CAPACITY:
+            raise ValueError(
+                f"{stages} stages of {cls.stage_bytes(cfg)} B plus a {cls.epilogue_bytes(cfg)} B epilogue need "
+                f"{need} B of shared memory; the budget is {SM90_SMEM_CAPACITY} B per CTA and >= 2 stages"
+            )
+
+    # ---- host-side sizing (also used by the manifest's validity rules) -------------------------------
+    @staticmethod
+    def stage_bytes(cfg: Sm90GemmConfig) -> int:
+        return (cfg.tile_m + cfg.tile_n) * 128  # one byte per FP8 element, K tile of 128
+
+    @classmethod
+    def epilogue_bytes(cls, cfg: Sm90GemmConfig) -> int:
+        width = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.out_dtype]
+        return 128 * 32 * width * cls.epi_stages
+
+    reserved_bytes = 2048  # mbarriers and 1 KiB alignment of the buffers
+
+    @classmethod
+    def smem_usage(cls, cfg: Sm90GemmConfig, stages: int) -> int:
+        return stages * cls.stage_bytes(cfg) + cls.epilogue_bytes(cfg) + cls.reserved_bytes
+
+    @classmethod
+    def max_stages(cls, cfg: Sm90GemmConfig) -> int:
+        free = SM90_SMEM_CAPACITY - cls.epilogue_bytes(cfg) - cls.reserved_bytes
+        return min(8, free // cls.stage_bytes(cfg))
+
+    # ---- host entry (traced once per configuration) -----------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # (M, K) K-major
+        mB: cute.Tensor,  # (K, N) column-major, i.e. W (N, K) K-major seen as torch._scaled_mm's b
+        mD: cute.Tensor,  # (M, N) N-major
+        mSA: cute.Tensor,  # per-tensor: (1,); row-wise: (M, 1)
+        mSB: cute.Tensor,  # per-tensor: (1,); row-wise: (1, N)
+        mBias: cute.Tensor,  # (N,) or a 1-element dummy when there is no bias
+        max_clusters: Int32,
+        stream,
+    ):
+        mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))  # -> (N, K)
+        self.a_layout = utils.LayoutEnum.from_tensor(mA)
+        self.b_layout = utils.LayoutEnum.from_tensor(mB)
+        self.d_layout = utils.LayoutEnum.from_tensor(mD)
+        bM, bN, bK = self.tile_shape_mnk
+        cm, cn = self.cfg.cluster_shape_mn
+
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (2, 1, 1),
+            tiler_mn=(64, bN),
+        )
+        a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.a_dtype, self.ab_stages)
+        b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stages)
+        d_smem = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, self.epi_stages)
+
+        tma_a, tA = self._make_tma_load(mA, a_smem, (bM, bK), cn)
+        tma_b, tB = self._make_tma_load(mB, b_smem, (bN, bK), cm)
+        tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
+            mD,
+            cute.slice_(d_smem, (None, None, 0)),
+            self.epi_tile,
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        assert SharedStorage.size_in_bytes() <= SM90_SMEM_CAPACITY, (SharedStorage.size_in_bytes(), self.cfg)
+
+        M, N = mD.shape
+        tiles_m = ceil_div(M, bM)
+        tiles_n = ceil_div(N, bN)
+        # Cluster tiles that exist; the host caps max_clusters at what fits on the GPU.
+        ctiles = ceil_div(tiles_m, cm) * ceil_div(tiles_n, cn)
+        grid_clusters = cutlass.min(ctiles, max_clusters)
+
+        self.kernel(
+            tiled_mma, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, mBias, a_smem, b_smem, d_smem, tiles_m, tiles_n
+        ).launch(
+            grid=(cm, cn, grid_clusters),
+            block=(self.threads_per_cta, 1, 1),
+            cluster=(cm, cn, 1),
+            smem=self.shared_storage.size_in_bytes(),
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    def _make_tma_load(self, tensor, smem_layout_staged, tile, mcast):
+        op = (
+            cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+            if mcast == 1
+            else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        )
+        return cute.nvgpu.cpasync.make_tiled_tma_atom(
+            op, tensor, cute.slice_(smem_layout_staged, (None, None, 0)), tile, num_multicast=mcast
+        )
+
+    # ---- device ----------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tiled_mma: cute.TiledMma,
+        tma_a: cute.CopyAtom,
+        mA: cute.Tensor,
+        tma_b: cute.CopyAtom,
+        mB: cute.Tensor,
+        tma_d: cute.CopyAtom,
+        mD: cute.Tensor,
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        mBias: cute.Tensor,
+        a_smem: cute.ComposedLayout,
+        b_smem: cute.ComposedLayout,
+        d_smem: cute.ComposedLayout,
+        tiles_m: Int32,
+        tiles_n: Int32,
+    ):
+        bM, bN, bK = self.tile_shape_mnk
+        cm, cn = self.cfg.cluster_shape_mn
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.num_threads_per_warp_group)
+
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+
+        cta_layout = cute.make_layout((cm, cn, 1))
+        cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        cluster_coord = cta_layout.get_flat_coord(cta_rank)
+        # A is shared by the CTAs of a cluster row (same M), W by those of a cluster column (same N).
+        a_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1) if cn > 1 else 0
+        b_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0) if cm > 1 else 0
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
+            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
+        )
+        # Every consumer warp releases a stage to each CTA that multicast into it.
+        consumer_arrivals = (cm + cn - 1) * self.num_mma_warp_groups * 4
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mainloop_barriers.data_ptr(),
+            num_stages=self.ab_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, cn), is_relaxed=True)
+
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+
+        gA = cute.local_tile(mA, (bM, bK), (None, None))  # (bM, bK, tiles_m, tiles_k)
+        gB = cute.local_tile(mB, (bN, bK), (None, None))
+        gD = cute.local_tile(mD, (bM, bN), (None, None))
+        k_tiles = cute.size(gA, mode=[3])
+
+        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+            tma_a,
+            cluster_coord[1],
+            cute.make_layout(cn),
+            cute.group_modes(sA, 0, 2),
+            cute.group_modes(gA, 0, 2),
+        )
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b,
+            cluster_coord[0],
+            cute.make_layout(cm),
+            cute.group_modes(sB, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
+
+        cluster_id = cute.arch.block_idx()[2]
+        num_clusters = cute.arch.grid_dim()[2]
+
+        pipeline.pipeline_init_wait(cluster_shape_mn=(cm, cn))
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m)
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                unit = cluster_id
+                while unit < sched.num_units:
+                    tm, tn, _ = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+                    tAgA_t = tAgA[(None, tm, None)]
+                    tBgB_t = tBgB[(None, tn, None)]
+                    for kt in cutlass.range(k_tiles, unroll=1):
+                        mainloop.producer_acquire(state)
+                        bar = mainloop.producer_get_barrier(state)
+                        cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
+                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
+                        mainloop.producer_commit(state)
+                        state.advance()
+                    unit += num_clusters
+                mainloop.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m)
+            mma_tidx = tidx - self.num_threads_per_warp_group
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            tCsA = thr_mma.partition_A(sA)
+            tCsB = thr_mma.partition_B(sB)
+            tCrA = tiled_mma.make_fragment_A(tCsA)
+            tCrB = tiled_mma.make_fragment_B(tCsB)
+            acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0)]).shape, self.acc_dtype)
+
+            epi = self._make_epilogue(tiled_mma, sD, mma_tidx)
+            store_pipe = pipeline.PipelineTmaStore.create(
+                num_stages=self.epi_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
+            )
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
+            # ACCUMULATE stays a trace-time constant (True), set outside the run-time loops (a value set
+            # inside one would escape its region); zeroing the accumulator per tile is cheap.
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            tiles_done = Int32(0)
+            unit = cluster_id
+            while unit < sched.num_units:
+                tm, tn, _ = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+                read_state, release_state = self._mainloop(
+                    tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles
+                )
+                self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn)
+                self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
+                tiles_done += 1
+                unit += num_clusters
+            store_pipe.producer_tail()
+
+    # ---- consumer pieces -------------------------------------------------------------------------
+    @cute.jit
+    def _mainloop(self, tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles):
+        """acc = A_tile @ W_tile^T over all K tiles; keeps one WGMMA batch in flight."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        cute.nvgpu.warpgroup.fence()
+        # First K tile: nothing to release yet. Every later tile frees the stage of the batch before it
+        # (wait_group(1) leaves only the batch just issued in flight). k_tiles >= 1 (the host never
+        # launches for K == 0).
+        mainloop.consumer_wait(read_state)
+        self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
+        read_state.advance()
+        for kt in cutlass.range(1, k_tiles, unroll=1):
+            mainloop.consumer_wait(read_state)
+            self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            read_state.advance()
+        cute.nvgpu.warpgroup.wait_group(0)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            coord = (None, None, kb, stage)
+            cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn):
+        """acc <- acc * scale (+ bias) in fp32, with scale from the recipe."""
+        bM, bN, _ = self.tile_shape_mnk
+        M, N = mD.shape
+        cD = cute.local_tile(cute.make_identity_tensor((M, N)), (bM, bN), (tm, tn))
+        tCcD = thr_mma.partition_C(cD)
+        if cutlass.const_expr(self.cfg.recipe == "tensor"):
+            alpha = Float32(mSA[0]) * Float32(mSB[0])
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                acc[i] = acc[i] * alpha
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcD[i]
+                # Rows/columns past the edge are clipped by the TMA store; clamp so the loads stay in bounds.
+                sa = Float32(mSA[cutlass.min(m, M - 1), 0])
+                sb = Float32(mSB[0, cutlass.min(n, N - 1)])
+                acc[i] = acc[i] * (sa * sb)
+        if cutlass.const_expr(self.bias_dtype is not None):
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                m, n = tCcD[i]
+                acc[i] = acc[i] + Float32(mBias[cutlass.min(n, N - 1)])
+
+    def _make_epilogue(self, tiled_mma, sD, mma_tidx):
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype)
+        copy_atom_d = cute.make_copy_atom(
+            cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.d_dtype
+        )
+        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_d, tiled_mma))
+        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
+        return tiled_copy_r2s, thr_copy_r2s.partition_D(sD), cute.shape(thr_copy_r2s.partition_S(sD))
+
+    @cute.jit
+    def _store_tile(self, epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx):
+        """Registers -> shared memory (stmatrix) -> global memory (TMA store), one 128 x 32 slice at a time."""
+        tiled_copy_r2s, tRS_sD, rD_shape = epi
+        tRS_rAcc = tiled_copy_r2s.retile(acc)
+        tRS_rD = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, self.acc_dtype)
+        tRS_rD_out = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, self.d_dtype)
+        n_per_slice = cute.size(tRS_rD)
+
+        gD_tile = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
+        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+            tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
+        )
+        slices = cute.size(gD_tile, mode=[1])
+        slice_shape = gD_tile.shape[1]
+        slice_layout = cute.make_layout(slice_shape, stride=(slice_shape[1], 1))
+        first = tiles_done * slices
+        for s in cutlass.range_constexpr(slices):
+            for v in cutlass.range_constexpr(n_per_slice):
+                tRS_rD[v] = tRS_rAcc[s * n_per_slice + v]
+            tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
+            buf = (first + s) % self.epi_stages
+            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+            # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
+            cute.arch.fence_proxy("async.shared", space="cta")
+            epi_barrier.arrive_and_wait()
+            if warp_idx == 4:
+                cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, slice_layout.get_hier_coord(s))])
+                store_pipe.producer_commit()
+                store_pipe.producer_acquire()
+            epi_barrier.arrive_and_wait()

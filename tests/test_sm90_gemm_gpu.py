@@ -1,0 +1,104 @@
+"""Hopper FP8 GEMM on the GPU: every output element checked against the float64 reference."""
+
+import pytest
+import torch
+
+import cutedsl_gemm
+from cutedsl_gemm import reference as R
+from cutedsl_gemm.jit import KERNEL_CACHE
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 2e-4}
+FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+# (M, N, K, A fmt, B fmt, out dtype, recipe, bias)
+CASES = [
+    (1, 512, 256, "e4m3", "e4m3", torch.bfloat16, "tensor", False),
+    (7, 576, 2048, "e4m3", "e4m3", torch.bfloat16, "row", True),
+    (64, 4608, 7168, "e4m3", "e4m3", torch.bfloat16, "row", False),
+    (129, 7168, 2048, "e4m3", "e5m2", torch.bfloat16, "tensor", True),
+    (1000, 512, 7168, "e5m2", "e4m3", torch.float16, "row", False),
+    (6144, 4608, 7168, "e4m3", "e4m3", torch.bfloat16, "row", False),
+    (6144, 576, 256, "e5m2", "e5m2", torch.float32, "tensor", False),
+    (1, 7168, 7168, "e4m3", "e4m3", torch.float32, "row", True),
+    (7, 4608, 256, "e4m3", "e4m3", torch.float16, "tensor", True),
+    (64, 512, 2048, "e5m2", "e4m3", torch.bfloat16, "tensor", False),
+    (129, 576, 7168, "e4m3", "e4m3", torch.bfloat16, "row", True),
+    (1000, 7168, 256, "e4m3", "e4m3", torch.bfloat16, "tensor", False),
+    (6144, 7168, 2048, "e4m3", "e4m3", torch.bfloat16, "tensor", True),
+    (1, 4608, 2048, "e4m3", "e5m2", torch.float16, "row", False),
+    (7, 7168, 7168, "e5m2", "e5m2", torch.bfloat16, "row", False),
+    (64, 576, 256, "e4m3", "e4m3", torch.float32, "row", True),
+    (129, 512, 2048, "e4m3", "e4m3", torch.bfloat16, "row", False),
+    (1000, 4608, 2048, "e4m3", "e4m3", torch.float32, "tensor", True),
+    (6144, 512, 7168, "e4m3", "e4m3", torch.float16, "tensor", False),
+    (1000, 576, 7168, "e4m3", "e4m3", torch.bfloat16, "tensor", False),
+    (333, 1040, 464, "e4m3", "e4m3", torch.bfloat16, "row", True),  # nothing divides the tile
+    (4096, 4096, 4096, "e4m3", "e4m3", torch.bfloat16, "row", False),
+]
+
+
+def _operands(m, n, k, fa, fb, recipe):
+    a = torch.randn(m, k, device="cuda") * 3
+    w = torch.randn(n, k, device="cuda")
+    qa, sa, qw, sw = R.quantize_operands(a, w, recipe, fa, fb)
+    if recipe == "tensor":
+        scale_a, scale_b = sa.reshape(()), sw.reshape(())
+    else:
+        scale_a, scale_b = sa.reshape(m, 1).contiguous(), sw.reshape(1, n).contiguous()
+    return qa, qw, scale_a, scale_b, (qa, sa, qw, sw)
+
+
+@pytest.mark.parametrize("m,n,k,fa,fb,out_dtype,recipe,use_bias", CASES)
+def test_scaled_mm_matches_reference(m, n, k, fa, fb, out_dtype, recipe, use_bias):
+    torch.manual_seed(m * 31 + n * 7 + k)
+    qa, qw, scale_a, scale_b, plain = _operands(m, n, k, fa, fb, recipe)
+    bias = torch.randn(n, device="cuda").to(out_dtype) if use_bias else None
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")  # unwritten tiles stay NaN
+    res = cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype, out=out)
+    assert res is out
+    torch.cuda.synchronize()
+    ref = R.reference_gemm(*plain, recipe, bias=bias)
+    err = R.rel_error(out, ref)
+    assert err <= TOL[out_dtype], f"relative error {err:.3e} > {TOL[out_dtype]:.0e}"
+
+
+def test_matches_torch_scaled_mm_and_allocates_output():
+    m, n, k = 256, 1024, 1024
+    qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", "row")
+    ours = cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out_dtype=torch.bfloat16)
+    theirs = torch._scaled_mm(qa, qw.t(), sa, sb, out_dtype=torch.bfloat16)
+    assert ours.shape == (m, n) and ours.dtype == torch.bfloat16
+    assert R.rel_error(ours, theirs.double()) < 4e-3
+
+
+def test_fresh_data_each_run_and_no_recompile_across_shapes():
+    before = KERNEL_CACHE.stats.compiles
+    for (m, n, k) in [(3, 512, 256), (200, 1024, 512), (515, 2048, 1024), (1, 512, 4096)]:
+        qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", "row")
+        out = cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb)
+        assert R.rel_error(out, R.reference_gemm(*plain, "row")) <= 2e-3
+    assert KERNEL_CACHE.stats.compiles - before <= 1  # at most the first shape compiles
+
+
+def test_zero_sized_problems_launch_nothing():
+    qa = torch.randn(0, 256, device="cuda").to(torch.float8_e4m3fn)
+    qw = torch.randn(512, 256, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    assert cutedsl_gemm.scaled_mm(qa, qw.t(), one, one).shape == (0, 512)
+    qa = torch.randn(4, 0, device="cuda").to(torch.float8_e4m3fn)
+    qw = torch.randn(512, 0, device="cuda").to(torch.float8_e4m3fn)
+    out = cutedsl_gemm.scaled_mm(qa, qw.t(), one, one)
+    assert out.shape == (4, 512) and bool((out == 0).all())
+
+
+def test_runs_on_current_stream():
+    m, n, k = 512, 1024, 2048
+    qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", "tensor")
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=out)
+    s.synchronize()
+    assert R.rel_error(out, R.reference_gemm(*plain, "tensor")) <= 2e-3
