@@ -62,6 +62,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from . import fp_packing
 from .formats import E2M1, E4M3, E5M2, E2M3, E3M2, UE8M0, ElementFormat, element_format
 
 MX_BLOCK = 32
@@ -217,28 +218,20 @@ def decode_minifloat(codes: torch.Tensor, fmt) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Packing (private until cutedsl_gemm.fp_packing lands; same conventions as torch/CUTLASS)
+# Packing: the conventions of cutedsl_gemm.fp_packing (torch / TMA layouts), shared with the f8f6f4 GEMM
 # ----------------------------------------------------------------------------------------------------
 
 
 def pack_codes(codes: torch.Tensor, fmt) -> torch.Tensor:
     """(rows, K) element codes -> packed bytes: FP8 (rows, K), FP6 (rows, 3K/4), FP4 (rows, K/2)."""
     fmt = element_format(fmt)
-    rows, k = codes.shape
     c = codes.to(torch.uint8)
     if fmt.bits == 8:
         return c.contiguous()
     if fmt.bits == 4:
-        if k % 2:
-            raise ValueError(f"FP4 packing needs an even K, got {k}")
-        return (c[:, 0::2] | (c[:, 1::2] << 4)).contiguous()
+        return fp_packing.pack_e2m1(c)
     if fmt.bits == 6:
-        if k % 4:
-            raise ValueError(f"FP6 packing needs K divisible by 4, got {k}")
-        g = c.view(rows, k // 4, 4).to(torch.int32)
-        word = g[..., 0] | (g[..., 1] << 6) | (g[..., 2] << 12) | (g[..., 3] << 18)
-        out = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
-        return out.to(torch.uint8).reshape(rows, 3 * k // 4)
+        return fp_packing.pack_fp6(c)
     raise ValueError(f"no packing for {fmt.bits}-bit elements")
 
 
@@ -249,15 +242,8 @@ def unpack_codes(packed: torch.Tensor, fmt, k: int) -> torch.Tensor:
     rows = p.shape[0]
     if fmt.bits == 8:
         return p.reshape(rows, k).clone()
-    if fmt.bits == 4:
-        p = p.reshape(rows, k // 2)
-        return torch.stack([p & 0xF, p >> 4], dim=-1).reshape(rows, k)
-    if fmt.bits == 6:
-        g = p.reshape(rows, k // 4, 3).to(torch.int32)
-        word = g[..., 0] | (g[..., 1] << 8) | (g[..., 2] << 16)
-        out = torch.stack([(word >> (6 * i)) & 0x3F for i in range(4)], dim=-1)
-        return out.to(torch.uint8).reshape(rows, k)
-    raise ValueError(f"no packing for {fmt.bits}-bit elements")
+    codes = fp_packing.unpack_e2m1(p) if fmt.bits == 4 else fp_packing.unpack_fp6(p)
+    return codes.reshape(rows, k)
 
 
 def packed_cols(fmt, k: int) -> int:

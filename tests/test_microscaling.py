@@ -139,6 +139,16 @@ def test_encoder_nan_and_signed_zero():
     assert ms.encode_minifloat(x, E2M3).tolist() == [0, 0x20, 0x20, 0]
 
 
+@pytest.mark.parametrize("fmt", (E3M2, E2M3, E2M1), ids=lambda f: f.name)
+def test_encoder_agrees_with_fp_packing(fmt):
+    """A second, independently written sub-byte encoder (the f8f6f4 GEMM's) gives the same codes."""
+    from cutedsl_gemm import fp_packing
+
+    x = bf16_all()
+    x = x[~torch.isnan(x)]
+    assert torch.equal(ms.encode_minifloat(x, fmt), fp_packing.encode(x, fmt))
+
+
 @pytest.mark.parametrize("fmt", ALL_FMTS, ids=lambda f: f.name)
 def test_decode_roundtrip(fmt):
     codes = torch.arange(1 << fmt.bits, dtype=torch.int64).to(torch.uint8)
