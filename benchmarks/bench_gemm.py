@@ -17,7 +17,7 @@ from benchmarks.common import SETS, FP8_TFLOPS, bench, gbps, geomean, make_opera
 from cutedsl_gemm import reference as R
 
 
-def run(sets, recipes, out_path=None, check=True):
+def run(sets, recipes, out_path=None, check=True, fast_accum=False):
     rows = []
     print(f"{'set':16s} {'recipe':6s} {'M':>5s} {'N':>5s} {'K':>5s} | {'ours us':>8s} {'cuBLAS us':>9s} {'ratio':>6s} | "
           f"{'TFLOPS':>7s} {'%peak':>6s} {'GB/s':>6s} | {'err':>8s} {'cublas err':>10s} | bf16 us")
@@ -27,8 +27,8 @@ def run(sets, recipes, out_path=None, check=True):
                 qa, qw, sa, sb, plain = make_operands(m, n, k, recipe)
                 b = qw.t()
                 out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                ours = lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out_dtype=torch.bfloat16, out=out)
-                cublas = lambda: torch._scaled_mm(qa, b, sa, sb, out_dtype=torch.bfloat16)
+                ours = lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out_dtype=torch.bfloat16, out=out, use_fast_accum=fast_accum)
+                cublas = lambda: torch._scaled_mm(qa, b, sa, sb, out_dtype=torch.bfloat16, use_fast_accum=fast_accum)
                 ours()
                 ref = R.reference_gemm(*plain, recipe) if check else None
                 err = R.rel_error(out, ref) if check else float("nan")
@@ -42,7 +42,7 @@ def run(sets, recipes, out_path=None, check=True):
                 abf, wbf = qa.to(torch.bfloat16), qw.to(torch.bfloat16)
                 t_bf = bench(lambda: torch.matmul(abf, wbf.t())) * 1e3
                 tf = tflops(m, n, k, t_o / 1e3)
-                row = dict(set=set_name, recipe=recipe, m=m, n=n, k=k, ours_us=t_o, cublas_us=t_c, bf16_us=t_bf,
+                row = dict(set=set_name, recipe=recipe, fast_accum=fast_accum, m=m, n=n, k=k, ours_us=t_o, cublas_us=t_c, bf16_us=t_bf,
                            ratio=t_c / t_o, tflops=tf, pct_peak=100 * tf / FP8_TFLOPS, gbps=gbps(m, n, k, t_o / 1e3),
                            err=err, cublas_err=c_err)
                 rows.append(row)
@@ -64,8 +64,10 @@ def main(argv=None):
     p.add_argument("--sets", default="square,dsv3,llama70b_decode")
     p.add_argument("--recipes", default="tensor,row")
     p.add_argument("--out", default=None)
+    p.add_argument("--fast-accum", action="store_true", help="use_fast_accum=True for both us and cuBLAS")
     args = p.parse_args(argv)
-    run(args.sets.split(","), args.recipes.split(","), args.out)
+    print(f"use_fast_accum={args.fast_accum}")
+    run(args.sets.split(","), args.recipes.split(","), args.out, fast_accum=args.fast_accum)
 
 
 if __name__ == "__main__":

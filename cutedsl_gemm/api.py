@@ -60,6 +60,7 @@ def scaled_mm(
     bias: Optional[torch.Tensor] = None,
     out_dtype: torch.dtype = torch.bfloat16,
     out: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """FP8 GEMM with torch._scaled_mm's argument conventions.
 
@@ -67,6 +68,10 @@ def scaled_mm(
     row-major, ``b`` is (K, N) column-major (``w.t()`` of a row-major (N, K) weight), both E4M3 or E5M2.
     Scales are fp32 dequantization factors: one element each (tensor-wise) or ``scale_a`` (M, 1) and
     ``scale_b`` (1, N) (row-wise). ``bias`` is (N,) in ``out_dtype`` or fp32.
+
+    ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
+    outside the tensor cores (accurate at large K); True lets the tensor cores accumulate all of K (faster,
+    larger error at large K).
     """
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
     if a.dim() != 2 or b.dim() != 2:
@@ -110,7 +115,7 @@ def scaled_mm(
     arch, sms = _device_info(device.index)
     if not arch.startswith("sm_90"):
         V.require_hopper(device)
-    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m)
+    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, "fast" if use_fast_accum else "promoted")
     fn = _compiled(inst)
     if recipe == "tensor":
         scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)

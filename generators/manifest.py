@@ -33,6 +33,7 @@ class KernelInstance:
     cluster_m: int = 1
     cluster_n: int = 1
     stages: int = 0  # 0 = as many as shared memory allows
+    accum: str = "promoted"  # "promoted" | "fast" (torch's use_fast_accum)
     # Dispatch: this instance serves problems with m_min <= M <= m_max.
     m_min: int = 1
     m_max: int = 1 << 31
@@ -42,7 +43,7 @@ class KernelInstance:
         bias = f"_bias{self.bias_dtype}" if self.bias_dtype else ""
         return (
             f"{self.arch}_{self.op}_{self.schedule}_{self.recipe}_{self.a_dtype}x{self.b_dtype}_{self.out_dtype}{bias}"
-            f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}"
+            f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}"
         )
 
     def sm90_config(self):
@@ -60,6 +61,7 @@ class KernelInstance:
             cluster_m=self.cluster_m,
             cluster_n=self.cluster_n,
             stages=self.stages,
+            accum=self.accum,
         )
 
 
@@ -76,6 +78,7 @@ class TileConfig:
     cluster_m: int = 1
     cluster_n: int = 1
     stages: int = 0
+    accum: str = "promoted"
     m_min: int = 1
     m_max: int = 1 << 31
     ab_dtypes: Tuple[Tuple[str, str], ...] = (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2"))
@@ -88,8 +91,11 @@ class TileConfig:
 # THE TABLE
 # ------------------------------------------------------------------------------------------------
 TABLE: Tuple[TileConfig, ...] = (
-    # Hopper, epilogue-scaled FP8: 128x256 cooperative tiles, W multicast over a 2x1 cluster.
-    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1),
+    # Hopper, epilogue-scaled FP8, W multicast over a 2x1 cluster. Promoted accumulation (the default, as
+    # torch's use_fast_accum=False) keeps two extra fragments in registers, so its tiles are 128 wide;
+    # fast accumulation affords 128x256 tiles.
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 128, cluster_m=2, cluster_n=1, accum="promoted"),
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
 )
 
 
@@ -132,6 +138,7 @@ def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
                     cluster_m=row.cluster_m,
                     cluster_n=row.cluster_n,
                     stages=row.stages,
+                    accum=row.accum,
                     m_min=row.m_min,
                     m_max=row.m_max,
                 )

@@ -50,18 +50,24 @@ def _operands(m, n, k, fa, fb, recipe):
     return qa, qw, scale_a, scale_b, (qa, sa, qw, sw)
 
 
+@pytest.mark.parametrize("fast_accum", [False, True], ids=["promoted", "fast"])
 @pytest.mark.parametrize("m,n,k,fa,fb,out_dtype,recipe,use_bias", CASES)
-def test_scaled_mm_matches_reference(m, n, k, fa, fb, out_dtype, recipe, use_bias):
+def test_scaled_mm_matches_reference(m, n, k, fa, fb, out_dtype, recipe, use_bias, fast_accum):
     torch.manual_seed(m * 31 + n * 7 + k)
     qa, qw, scale_a, scale_b, plain = _operands(m, n, k, fa, fb, recipe)
     bias = torch.randn(n, device="cuda").to(out_dtype) if use_bias else None
     out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")  # unwritten tiles stay NaN
-    res = cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype, out=out)
+    res = cutedsl_gemm.scaled_mm(
+        qa, qw.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype, out=out, use_fast_accum=fast_accum
+    )
     assert res is out
     torch.cuda.synchronize()
     ref = R.reference_gemm(*plain, recipe, bias=bias)
     err = R.rel_error(out, ref)
-    assert err <= TOL[out_dtype], f"relative error {err:.3e} > {TOL[out_dtype]:.0e}"
+    # Fast accumulation lets the tensor cores' reduced-precision FP8 accumulator run over all of K: allow
+    # its known extra error (cuBLAS with use_fast_accum=True shows the same), but still catch wrong tiles.
+    tol = TOL[out_dtype] if not fast_accum else max(TOL[out_dtype], 4e-3)
+    assert err <= tol, f"relative error {err:.3e} > {tol:.0e}"
 
 
 def test_matches_torch_scaled_mm_and_allocates_output():

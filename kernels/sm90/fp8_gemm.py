@@ -35,6 +35,10 @@ class Sm90GemmConfig:
     cluster_n: int = 1
     stages: int = 0  # 0: as many as shared memory allows
     group_m: int = 8  # rasterisation group (cluster tiles)
+    # "fast": WGMMA accumulates the whole K in its accumulator (torch's use_fast_accum=True). "promoted":
+    # each 128-deep K tile goes into a fresh accumulator that is added into an fp32 one, bounding the error
+    # of the tensor cores' reduced-precision FP8 accumulation (torch's default, use_fast_accum=False).
+    accum: str = "promoted"
 
     @property
     def cluster_shape_mn(self):
@@ -102,6 +106,13 @@ class Sm90Fp8Gemm:
             raise ValueError(f"the cooperative schedule splits tile_m=128 over two warp groups, got tile_m={cfg.tile_m}")
         if cfg.tile_n % 64 or not 64 <= cfg.tile_n <= 256:
             raise ValueError(f"WGMMA N per warp group must be a multiple of 64 up to 256, got tile_n={cfg.tile_n}")
+        if cfg.accum not in ("fast", "promoted"):
+            raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
+        if cfg.accum == "promoted" and cfg.tile_n > 128:
+            raise ValueError(
+                f"promoted accumulation keeps three 64 x tile_n fp32 fragments per warp group in registers; "
+                f"tile_n={cfg.tile_n} > 128 does not fit"
+            )
         cm, cn = cfg.cluster_shape_mn
         if cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
             raise ValueError(f"cluster shape must be powers of two with at most 4 CTAs, got {cfg.cluster_shape_mn}")
@@ -327,7 +338,11 @@ class Sm90Fp8Gemm:
             tCsB = thr_mma.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
-            acc = cute.make_rmem_tensor(thr_mma.partition_C(gD[(None, None, 0, 0)]).shape, self.acc_dtype)
+            acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0)]).shape
+            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            temps = None
+            if cutlass.const_expr(self.cfg.accum == "promoted"):
+                temps = (cute.make_rmem_tensor(acc_shape, self.acc_dtype), cute.make_rmem_tensor(acc_shape, self.acc_dtype))
 
             epi = self._make_epilogue(tiled_mma, sD, mma_tidx)
             store_pipe = pipeline.PipelineTmaStore.create(
@@ -345,9 +360,14 @@ class Sm90Fp8Gemm:
             unit = cluster_id
             while unit < sched.num_units:
                 tm, tn, _ = sched.coords(unit, cluster_coord[0], cluster_coord[1])
-                read_state, release_state = self._mainloop(
-                    tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles
-                )
+                if cutlass.const_expr(self.cfg.accum == "fast"):
+                    read_state, release_state = self._mainloop(
+                        tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles
+                    )
+                else:
+                    read_state, release_state = self._mainloop_promoted(
+                        tiled_mma, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles
+                    )
                 self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn)
                 self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
                 tiles_done += 1
@@ -380,6 +400,71 @@ class Sm90Fp8Gemm:
         return read_state, release_state
 
     @cute.jit
+    def _mainloop_promoted(self, tiled_mma, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles):
+        """acc = sum over K tiles of (A_tile @ W_tile^T), each K tile accumulated in a fresh fragment.
+
+        Two fragments alternate so the tensor cores never wait for a promotion: while K tile t runs into
+        one, K tile t-1 (already retired: wait_group(1)) is added from the other into ``acc``. The loop is
+        unrolled by two because register fragments cannot be indexed at run time.
+        """
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        t0, t1 = temps
+        acc.fill(0.0)
+        t0.fill(0.0)
+        t1.fill(0.0)
+        mainloop.consumer_wait(read_state)
+        self._issue_k_tile(tiled_mma, t0, tCrA, tCrB, read_state.index, num_k_blocks)
+        read_state.advance()
+        for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
+            mainloop.consumer_wait(read_state)
+            self._issue_k_tile(tiled_mma, t1, tCrA, tCrB, read_state.index, num_k_blocks)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, t0)
+            mainloop.consumer_wait(read_state)
+            self._issue_k_tile(tiled_mma, t0, tCrA, tCrB, read_state.index, num_k_blocks)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, t1)
+        if (k_tiles - 1) % 2 == 1:
+            mainloop.consumer_wait(read_state)
+            self._issue_k_tile(tiled_mma, t1, tCrA, tCrB, read_state.index, num_k_blocks)
+            read_state.advance()
+            cute.nvgpu.warpgroup.wait_group(1)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, t0)
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, t1)
+        else:
+            cute.nvgpu.warpgroup.wait_group(0)
+            mainloop.consumer_release(release_state)
+            release_state.advance()
+            self._promote(acc, t0)
+        return read_state, release_state
+
+    @cute.jit
+    def _issue_k_tile(self, tiled_mma, frag, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
+        # The fragment was just written by ordinary instructions (zeroed by _promote): fence first.
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            coord = (None, None, kb, stage)
+            cute.gemm(tiled_mma, frag, tCrA[coord], tCrB[coord], frag)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _promote(self, acc, frag):
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
+            acc[i] = acc[i] + frag[i]
+            frag[i] = Float32(0.0)
+
+    @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
         for kb in cutlass.range_constexpr(num_k_blocks):
             coord = (None, None, kb, stage)
@@ -395,17 +480,17 @@ class Sm90Fp8Gemm:
         tCcD = thr_mma.partition_C(cD)
         if cutlass.const_expr(self.cfg.recipe == "tensor"):
             alpha = Float32(mSA[0]) * Float32(mSB[0])
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] * alpha
         else:
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 m, n = tCcD[i]
                 # Rows/columns past the edge are clipped by the TMA store; clamp so the loads stay in bounds.
                 sa = Float32(mSA[cutlass.min(m, M - 1), 0])
                 sb = Float32(mSB[0, cutlass.min(n, N - 1)])
                 acc[i] = acc[i] * (sa * sb)
         if cutlass.const_expr(self.bias_dtype is not None):
-            for i in cutlass.range_constexpr(cute.size(acc)):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
                 m, n = tCcD[i]
                 acc[i] = acc[i] + Float32(mBias[cutlass.min(n, N - 1)])
 
