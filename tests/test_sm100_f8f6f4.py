@@ -1,0 +1,280 @@
+"""Blackwell f8f6f4 GEMM.
+
+CPU tiers: validation errors, the float64 reference for every type pair, the instruction-descriptor
+encoding, and (marked ``compile``) sm_100a compilation of the 1-CTA and 2-CTA kernels with PTX checks and
+cache reuse across type pairs. ``blackwell`` tests run the kernel against the reference; they are skipped
+on machines without an sm_100 GPU and have not been run in this project yet.
+"""
+
+import itertools
+import re
+
+import pytest
+import torch
+
+from cutedsl_gemm import fp_packing as fp
+from cutedsl_gemm import sm100
+from cutedsl_gemm.formats import F8F6F4_FORMATS
+from cutedsl_gemm.jit import KERNEL_CACHE
+from cutedsl_gemm.reference import rel_error
+
+FMTS = [f.name for f in F8F6F4_FORMATS]
+PAIRS = list(itertools.product(FMTS, FMTS))
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _operands(m, n, k, fa, fb, device="cpu", seed=0):
+    """a (M, K) and b (K, N) column-major, quantized to fa / fb, plus unit scales."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * 2
+    w = torch.randn(n, k, generator=g) * 2
+    a = fp.quantize_operand(x, fa).to(device)
+    b = fp.quantize_operand(w, fb).to(device).t()  # (K_storage, N), K contiguous
+    one = torch.ones(1, dtype=torch.float32, device=device)
+    return a, b, one, one.clone()
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference and validation (CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fa,fb", PAIRS)
+def test_reference_every_pair_matches_decoded_matmul(fa, fb):
+    a, b, sa, sb = _operands(8, 16, 128, fa, fb)
+    sa.fill_(0.5)
+    sb.fill_(3.0)
+    bias = torch.linspace(-1, 1, 16)
+    ref = sm100.reference_f8f6f4(a, b, fmt_a=fa, fmt_b=fb, scale_a=sa, scale_b=sb, bias=bias)
+    # Independent path: decode each element through the code tables row by row.
+    av = fp.decode_operand(a, fa).double()
+    wv = torch.stack([fp.decode_operand(b.t()[i : i + 1], fb)[0] for i in range(16)]).double()
+    want = 1.5 * av @ wv.t() + bias.double()
+    assert ref.dtype == torch.float64 and ref.shape == (8, 16)
+    assert torch.allclose(ref, want, rtol=0, atol=1e-9)
+    assert want.abs().max() > 0
+
+
+def test_prepare_accepts_torch_fp4_and_infers_formats():
+    a, b, sa, sb = _operands(4, 8, 128, "e4m3", "e2m1")
+    b4 = b.t().contiguous().view(torch.float4_e2m1fn_x2).t()
+    p = sm100.prepare(a, b4, scale_a=sa, scale_b=sb)  # both formats from the dtypes
+    assert (p.fmt_a.name, p.fmt_b.name, p.m, p.n, p.k) == ("e4m3", "e2m1", 4, 8, 128)
+    assert p.b.shape == (8, 64) and p.b.dtype == torch.uint8
+
+
+def test_prepare_requires_format_for_packed_uint8():
+    a, b, sa, sb = _operands(4, 8, 128, "e2m3", "e4m3")
+    with pytest.raises(TypeError, match="fmt_a"):
+        sm100.prepare(a, b, scale_a=sa, scale_b=sb)
+    p = sm100.prepare(a, b, fmt_a="e2m3", scale_a=sa, scale_b=sb)
+    assert p.k == 128 and p.a.shape == (4, 96)
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(fa="e2m1", k=64), ValueError, "multiple of 128 elements"),
+        (dict(fa="e3m2", k=192), ValueError, "multiple of 128 elements"),
+        (dict(fa="e4m3", k=40), ValueError, "multiple of 16 elements"),
+        (dict(fa="e5m2", fmt_a="e4m3"), TypeError, "must be stored as"),
+        (dict(fa="e4m3", fmt_a="ue8m0"), ValueError, "must be one of e4m3"),
+        (dict(fa="e4m3", out_dtype=torch.int8), TypeError, "out_dtype"),
+        (dict(fa="e4m3", n=12), ValueError, "multiple of 16 bytes"),
+    ],
+)
+def test_prepare_rejects(kwargs, exc, match):
+    k = kwargs.pop("k", 128)
+    n = kwargs.pop("n", 16)
+    fa = kwargs.pop("fa")
+    a, b, sa, sb = _operands(4, n, k, fa, "e4m3")
+    kw = dict(fmt_a=kwargs.pop("fmt_a", fa if a.dtype == torch.uint8 else None), scale_a=sa, scale_b=sb, **kwargs)
+    with pytest.raises(exc, match=match):
+        sm100.prepare(a, b, **kw)
+
+
+def test_prepare_rejects_misaligned_subbyte_base_and_layouts():
+    a, b, sa, sb = _operands(4, 16, 256, "e2m1", "e4m3")
+    storage = torch.zeros(4 * 128 + 16, dtype=torch.uint8)
+    shift = (16 - storage.data_ptr() % 32) % 32  # a base that is 16- but not 32-byte aligned
+    mis = storage[shift : shift + 4 * 128].view(4, 128)
+    assert mis.data_ptr() % 32 == 16
+    with pytest.raises(ValueError, match="32-byte aligned"):
+        sm100.prepare(mis, b, fmt_a="e2m1", scale_a=sa, scale_b=sb)
+    with pytest.raises(ValueError, match="K-contiguous"):
+        sm100.prepare(a, b.t().contiguous(), fmt_a="e2m1", fmt_b="e4m3", scale_a=sa, scale_b=sb)  # (N, K)
+    with pytest.raises(ValueError, match="packed back to back"):
+        sm100.prepare(torch.zeros(4, 256, dtype=torch.uint8)[:, :128], b, fmt_a="e2m1", scale_a=sa, scale_b=sb)
+    with pytest.raises(ValueError, match="one-element torch.float32"):
+        sm100.prepare(a, b, fmt_a="e2m1", scale_a=torch.ones(4), scale_b=sb)
+    with pytest.raises(ValueError, match="K mismatch"):
+        a2, _, _, _ = _operands(4, 16, 128, "e2m1", "e4m3")
+        sm100.prepare(a2, b, fmt_a="e2m1", scale_a=sa, scale_b=sb)
+    with pytest.raises(ValueError, match=r"bias must have shape \(16,\)"):
+        sm100.prepare(a, b, fmt_a="e2m1", scale_a=sa, scale_b=sb, bias=torch.zeros(8))
+
+
+def test_swizzle_constraint_named():
+    with pytest.raises(ValueError, match="128-byte swizzle or none"):
+        sm100.Sm100Config(swizzle="64B")
+
+
+def test_every_pair_shares_one_compile_key():
+    keys = set()
+    for fa, fb in PAIRS:
+        a, b, sa, sb = _operands(4, 16, 128, fa, fb)
+        keys.add(sm100.prepare(a, b, fmt_a=fa, fmt_b=fb, scale_a=sa, scale_b=sb).config.key())
+    assert len(keys) == 1
+    assert not any(name in repr(keys) for name in FMTS)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10, reason="sm_100 present")
+def test_launch_refuses_cpu_or_non_blackwell():
+    a, b, sa, sb = _operands(4, 16, 128, "e4m3", "e2m1")
+    a, b, sa, sb = (t.to(DEV) for t in (a, b, sa, sb))
+    with pytest.raises(RuntimeError, match=r"sm_100"):
+        sm100.sm100_f8f6f4_mm(a, b, fmt_b="e2m1", scale_a=sa, scale_b=sb)
+
+
+def test_static_instruction_descriptor_matches_dsl_builder():
+    from cutlass.experimental import primitives as prims
+
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, Sm100F8F6F4Gemm
+
+    for m, n in ((128, 64), (128, 128), (256, 128), (256, 256)):
+        want = int(prims.Tcgen05InstrDesc.build(c_dtype=__import__("cutlass").Float32, m_dim=m, n_dim=n))
+        assert Sm100F8F6F4Gemm._static_idesc(m, n) == want
+    # Format codes as the PTX instruction-descriptor table (and the DSL's enum) define them.
+    assert MMA_FORMAT_CODE == sm100.MMA_FORMAT_CODE
+    assert MMA_FORMAT_CODE == {k: int(getattr(prims.Tcgen05InputFormat, k.upper())) for k in MMA_FORMAT_CODE}
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation for sm_100a (CPU)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """1-CTA and 2-CTA kernels compiled once for the module, with their PTX kept."""
+    ptx_dir = tmp_path_factory.mktemp("ptx")
+    before = KERNEL_CACHE.stats.compiles
+    out = {}
+    for use_2cta in (False, True):
+        cfg = sm100.Sm100Config(out_dtype="BFloat16", has_bias=True, use_2cta=use_2cta)
+        out[use_2cta] = (cfg, sm100.compiled_kernel(cfg, arch="sm_100a", ptx_dir=str(ptx_dir)))
+    out["compiles"] = KERNEL_CACHE.stats.compiles - before
+    return out
+
+
+def _mma_lines(ptx):
+    return [ln.strip() for ln in ptx.splitlines() if "tcgen05.mma" in ln]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("use_2cta,group", [(False, 1), (True, 2)])
+def test_ptx_issues_f8f6f4_mma_with_runtime_descriptor(compiled, use_2cta, group):
+    _, fn = compiled[use_2cta]
+    ptx = fn.__ptx__
+    assert ptx and ".target sm_100a" in ptx
+    lines = _mma_lines(ptx)
+    assert len(lines) == 4, lines  # 4 K blocks of 32 per 128-wide K tile
+    idesc_regs = set()
+    for ln in lines:
+        mt = re.match(rf"tcgen05\.mma\.cta_group::{group}\.kind::f8f6f4\S*\s+\[%r\d+\],\s*%rd\d+,\s*%rd\d+,\s*(%r\d+),", ln)
+        assert mt, ln
+        idesc_regs.add(mt.group(1))
+    assert len(idesc_regs) == 1
+    reg = idesc_regs.pop()
+    # The descriptor register is (run-time bits) OR (static M/N/accumulator bits) ...
+    m_tile = 256 if use_2cta else 128
+    static = sm100_static(m_tile, 128)
+    defs = re.findall(rf"or\.b32\s+{re.escape(reg)},\s*(%r\d+),\s*(\d+);", ptx)
+    assert defs and int(defs[0][1]) == static, defs
+    # ... and the run-time bits are two kernel parameters shifted into a_format (7) and b_format (10).
+    src = defs[0][0]
+    parts = re.findall(rf"or\.b32\s+{re.escape(src)},\s*(%r\d+),\s*(%r\d+);", ptx)
+    assert parts, src
+    shifts = {}
+    for r in parts[0]:
+        sh = re.findall(rf"shl\.b32\s+{re.escape(r)},\s*(%r\d+),\s*(\d+);", ptx)
+        assert sh, r
+        shifts[int(sh[0][1])] = sh[0][0]
+    assert sorted(shifts) == [7, 10]
+    for r in shifts.values():
+        assert re.search(rf"ld\.param\.b32\s+{re.escape(r)},\s*\[\w+_param_\d+\];", ptx), r
+
+
+def sm100_static(m, n):
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import Sm100F8F6F4Gemm
+
+    return Sm100F8F6F4Gemm._static_idesc(m, n)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("use_2cta,group", [(False, 1), (True, 2)])
+def test_ptx_structure(compiled, use_2cta, group):
+    ptx = compiled[use_2cta][1].__ptx__
+    assert f"tcgen05.alloc.cta_group::{group}" in ptx and f"tcgen05.dealloc.cta_group::{group}" in ptx
+    assert f"tcgen05.commit.cta_group::{group}" in ptx
+    assert "tcgen05.ld.sync.aligned" in ptx
+    # Three TMA descriptors per operand (8-bit, 6-bit unpack, 4-bit unpack): six load sites, one store.
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
+    assert len(loads) == 6
+    assert len(re.findall(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared::cta", ptx)) == 1
+    # Per-stage byte count is a run-time value (depends on the operand formats).
+    assert re.search(r"mbarrier\.arrive\.expect_tx\.shared\.b64\s+%rd\d+,\s*\[%r\d+\],\s*%r\d+;", ptx)
+
+
+@pytest.mark.compile
+def test_second_type_pair_reuses_compilation(compiled):
+    assert compiled["compiles"] == 2  # one per CTA mode, none per type pair
+    before = KERNEL_CACHE.stats.compiles
+    for fa, fb in (("e4m3", "e4m3"), ("e2m3", "e2m1"), ("e3m2", "e5m2")):
+        a, b, sa, sb = _operands(256, 128, 256, fa, fb)
+        p = sm100.prepare(a, b, fmt_a=fa, fmt_b=fb, scale_a=sa, scale_b=sb, bias=torch.zeros(128), use_2cta=False)
+        assert sm100.compiled_kernel(p.config, arch="sm_100a") is compiled[False][1]
+    assert KERNEL_CACHE.stats.compiles == before
+
+
+@pytest.mark.compile
+def test_tma_data_type_per_operand_format():
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import STORAGE_OF_CODE, Sm100F8F6F4Gemm, describe_tma_loads
+
+    found = describe_tma_loads(Sm100F8F6F4Gemm())
+    for fmt in FMTS:
+        storage = sm100.STORAGE_CLASS[fmt]
+        assert STORAGE_OF_CODE[sm100.MMA_FORMAT_CODE[fmt]] == storage
+        desc = found[storage]
+        assert f"tma_format = {sm100.TMA_DATA_TYPE[fmt]}>" in desc, (fmt, desc)
+        # One 128 x 128 K tile moves 128*128*bits of global memory, which is what the TMA warp expects.
+        bits = {"e4m3": 8, "e5m2": 8, "e2m3": 6, "e3m2": 6, "e2m1": 4}[fmt]
+        assert f"copy_bits = {128 * 128 * bits}," in desc
+
+
+# ------------------------------------------------------------------------------------------------
+# On an sm_100 GPU (skipped elsewhere; not run in this project so far)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("fa,fb", PAIRS)
+@pytest.mark.parametrize("m,n,k,use_2cta", [(128, 128, 128, False), (300, 200, 384, False), (512, 256, 512, True)])
+def test_gpu_matches_reference(fa, fb, m, n, k, use_2cta):
+    a, b, sa, sb = _operands(m, n, k, fa, fb, device="cuda", seed=m + n + k)
+    sa.fill_(0.25)
+    bias = torch.randn(n, device="cuda")
+    out = sm100.sm100_f8f6f4_mm(a, b, fmt_a=fa, fmt_b=fb, scale_a=sa, scale_b=sb, bias=bias, use_2cta=use_2cta)
+    ref = sm100.reference_f8f6f4(a, b, fmt_a=fa, fmt_b=fb, scale_a=sa, scale_b=sb, bias=bias)
+    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
+    assert rel_error(out, ref) <= 2e-3
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+def test_gpu_output_dtypes_without_bias(out_dtype):
+    a, b, sa, sb = _operands(256, 256, 256, "e2m3", "e2m1", device="cuda")
+    out = sm100.sm100_f8f6f4_mm(a, b, fmt_a="e2m3", fmt_b="e2m1", scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    ref = sm100.reference_f8f6f4(a, b, fmt_a="e2m3", fmt_b="e2m1", scale_a=sa, scale_b=sb)
+    assert out.dtype == out_dtype
+    assert rel_error(out, ref) <= (1e-5 if out_dtype == torch.float32 else 2e-3)
