@@ -34,6 +34,13 @@ Every thread works on *vectors* of 16 consecutive elements of one row: two 16-by
   lane per iteration. Rows can be long (K = 8192 bf16 is 16 KB), so the row is read twice: amax, then
   cast (the second read hits L1/L2).
 
+Performance notes (from ptxas -v for sm_90a; not yet measured): the tile kernels use 128 registers, so
+2 CTAs = 512 threads per SM, each with 8 x 16 B loads in flight (64 KB per SM, several times what
+3 TB/s needs). The ALU work is dominated by the per-element IEEE ``div.rn.f32`` (~10 instructions with
+its slow-path check) that the contract requires; should the H100 run show < 80% of 3.0 TB/s, the
+bit-exact alternative is one correctly rounded reciprocal per group plus an FMA-corrected quotient
+(Markstein), with plain division kept for groups whose scale is near the fp32 range limits.
+
 Scale layouts are the caller's: the kernels index a 2-D cute tensor with whatever (compact) strides it
 was compiled for (M-major (1, M) or row-major), and for the cuBLAS layout of BxB scales whose K-block
 dimension is padded to a multiple of 4, the CTA of the last K block also writes 1.0 into the padding
