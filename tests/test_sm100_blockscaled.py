@@ -98,3 +98,111 @@ def test_quantizer_compiles_for_sm100(sm100_env, recipe, fmt, dtype, cg):
     if recipe == "nvfp4":
         assert "div.rn.f32" in ptx and "rcp.rn.f32" in ptx
         assert ("atom.global.max.u32" in ptx) == cg  # device-side tensor amax only when computing g
+
+
+# ---------------------------------------------------------------- host entry: conventions and validation (CPU)
+
+from cutedsl_gemm import sm100_blockscaled as bs  # noqa: E402
+from torch.nn.functional import ScalingType, SwizzleType  # noqa: E402
+
+
+def _operands(m, n, k, fa, fb, seed=0, nvfp4=False):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    if nvfp4:
+        return ms.quantize_nvfp4_reference(a), ms.quantize_nvfp4_reference(w)
+    return ms.quantize_mx_reference(a, fa), ms.quantize_mx_reference(w, fb)
+
+
+@pytest.mark.parametrize(
+    "fa,fb,kind",
+    [(E4M3, E4M3, "mxf8f6f4"), (E5M2, E4M3, "mxf8f6f4"), (E3M2, E2M3, "mxf8f6f4"), (E4M3, E2M1, "mxf8f6f4"),
+     (E2M1, E2M1, "mxf4")],
+    ids=lambda v: getattr(v, "name", v),
+)
+def test_reference_mm_mx_and_kind(fa, fb, kind):
+    qa, qw = _operands(130, 72, 256, fa, fb, seed=1)
+    p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb)
+    assert p.config.kind == kind and p.config.sf_vec == 32
+    out = bs.mm_quantized(qa, qw, reference=True)
+    # independent: dequantize through plain scales and the element decoder
+    deq = lambda q: (ms.decode_minifloat(q.codes(), q.fmt).double().view(q.shape[0], -1, 32)
+                     * torch.exp2(q.plain_scales().view(torch.uint8).double() - 127).unsqueeze(-1)).view(q.shape)
+    assert torch.allclose(out, deq(qa) @ deq(qw).t(), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_mm_nvfp4_global_scales():
+    qa, qw = _operands(64, 32, 128, E2M1, E2M1, seed=2, nvfp4=True)
+    p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales,
+                               global_scale_a=qa.global_scale, global_scale_b=qw.global_scale)
+    assert p.config.kind == "mxf4nvf4" and p.config.sf_vec == 16
+    out = bs.mm_quantized(qa, qw, reference=True)
+    assert torch.allclose(out, qa.dequantize() @ qw.dequantize().t(), rtol=1e-12, atol=1e-12)
+    # the global scales really are applied: dropping them changes the result by their product
+    no_g = bs.reference_blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales)
+    ratio = qa.global_scale.double().item() * qw.global_scale.double().item()
+    assert torch.allclose(out, no_g * ratio, rtol=1e-12)
+
+
+def test_scaled_mm_adapter_matches_torch_conventions():
+    qa, qw = _operands(128, 64, 256, E4M3, E4M3, seed=3)
+    direct = bs.mm_quantized(qa, qw, reference=True)
+    via = bs.scaled_mm(qa.data, qw.data.t(), qa.scales, ScalingType.BlockWise1x32, qw.scales, ScalingType.BlockWise1x32,
+                       swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=SwizzleType.SWIZZLE_32_4_4,
+                       output_dtype=torch.float32, reference=True)
+    assert via.dtype == torch.float32 and torch.allclose(via.double(), direct.float().double())
+    # NO_SWIZZLE plain scales are converted to the blocked layout
+    plain = bs.scaled_mm(qa.data, qw.data.t(), qa.plain_scales(), ScalingType.BlockWise1x32, qw.plain_scales(),
+                         ScalingType.BlockWise1x32, swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
+                         output_dtype=torch.float32, reference=True)
+    assert torch.equal(plain, via)
+    # NVFP4 with [BlockWise1x16, TensorWise] lists
+    na, nw = _operands(64, 32, 128, E2M1, E2M1, seed=4, nvfp4=True)
+    nv = bs.scaled_mm(na.data, nw.data.t(), [na.scales, na.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
+                      [nw.scales, nw.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
+                      output_dtype=torch.float32, reference=True)
+    assert torch.allclose(nv.double(), (na.dequantize() @ nw.dequantize().t()).float().double())
+
+
+def test_validation_errors():
+    qa, qw = _operands(128, 64, 256, E4M3, E4M3, seed=5)
+    na, nw = _operands(128, 64, 256, E2M1, E2M1, seed=5, nvfp4=True)
+    # wrong vector size for the scale dtype
+    with pytest.raises(ValueError, match="vector size 16 does not match"):
+        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, block_size=16)
+    with pytest.raises(ValueError, match="BlockWise1x32"):
+        bs.scaled_mm(qa.data, qw.data.t(), qa.scales, ScalingType.BlockWise1x128, qw.scales, ScalingType.BlockWise1x128)
+    # wrong scale dtype
+    with pytest.raises(TypeError, match="float8_e8m0fnu"):
+        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales.view(torch.uint8), qw.scales)
+    # NVFP4 scales with FP8 operands
+    with pytest.raises(ValueError, match="e2m1 x e2m1"):
+        bs.prepare_blockscaled(qa.data, qw.data.t(), na.scales, nw.scales)
+    # mixed recipes
+    with pytest.raises(ValueError, match="different recipes"):
+        bs.prepare_blockscaled(na.data, nw.data.t(), na.scales, ms.quantize_mx_reference(torch.ones(64, 256), "e2m1").scales)
+    # K not a multiple of the block (FP8 K=48 passes TMA's 16-element rule but not MX's 32)
+    a48 = torch.zeros(128, 48).to(torch.float8_e4m3fn)
+    w48 = torch.zeros(64, 48).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="multiple of the scale block 32"):
+        bs.prepare_blockscaled(a48, w48.t(), qa.scales, qw.scales)
+    # scale element count for the wrong shape names the padded expectation
+    with pytest.raises(ValueError, match="rows padded to 128"):
+        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales[:64], qw.scales)
+    # global scales only with NVFP4
+    with pytest.raises(ValueError, match="belong to NVFP4"):
+        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, global_scale_a=torch.ones(1))
+    with pytest.raises(TypeError, match="float32"):
+        bs.prepare_blockscaled(na.data, nw.data.t(), na.scales, nw.scales, global_scale_a=torch.ones(2))
+    # the GEMM itself needs an sm_100 GPU and says so
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="Blackwell"):
+            bs.blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales)
+
+
+def test_quantize_dispatch_cpu_is_reference():
+    x = torch.randn(33, 64)
+    a = bs.quantize_mx(x, "e3m2")
+    b = ms.quantize_mx_reference(x, "e3m2")
+    assert torch.equal(a.data, b.data) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
