@@ -210,13 +210,16 @@ def fake_args(cfg: Sm100Config):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    def operand(div):
+    def operand(div, align):
         shape = (cute.sym_int(), cute.sym_int(divisibility=div))
-        return make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(1, 0), assumed_align=SUBBYTE_BASE_ALIGN)
+        return make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(1, 0), assumed_align=align)
 
-    # Row-byte divisibility of each storage view: 16 (8-bit), 96 (128 x 6 bit), 64 (128 x 4 bit).
-    views = [operand(16), operand(96), operand(64)]
-    views_b = [operand(16), operand(96), operand(64)]
+    # Row-byte divisibility of each storage view: 16 (8-bit), 96 (128 x 6 bit), 64 (128 x 4 bit); base
+    # alignment as validated by operand_bytes (16 bytes for 8-bit, 32 for TMA unpacking).
+    def views():
+        return [operand(16, BYTE_BASE_ALIGN), operand(96, SUBBYTE_BASE_ALIGN), operand(64, SUBBYTE_BASE_ALIGN)]
+
+    views_a, views_b = views(), views()
     out_t = getattr(cutlass, cfg.out_dtype)
     c = make_fake_compact_tensor(
         out_t, (cute.sym_int(), cute.sym_int(divisibility=128 // out_t.width)), stride_order=(1, 0), assumed_align=16
@@ -225,7 +228,7 @@ def fake_args(cfg: Sm100Config):
     sb = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
     bias = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
     i32 = cutlass.Int32
-    return (*views, *views_b, c, sa, sb, bias, i32(0), i32(0), i32(0), i32(1),
+    return (*views_a, *views_b, c, sa, sb, bias, i32(0), i32(0), i32(0), i32(1),
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
