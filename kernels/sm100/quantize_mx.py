@@ -191,10 +191,11 @@ class BlockScaleQuantizer:
                     inv = Float32(cutlass.select_(denom > Float32(0.0), inv, Float32(0.0)))
                     mul = Float32(cutlass.min(inv, _u2f(Uint32(_F32_MAX))))
                     scode = _sel(nan > Uint32(0), ms.E4M3_NAN, code)
-                mul = Float32(cutlass.select_(nan > Uint32(0), Float32(0.0), mul))
+                # a NaN block keeps its NaN scale and all-zero codes (+0, whatever the input signs)
+                keep = _sel(nan > Uint32(0), 0, 0xFFFFFFFF)
                 codes = cute.make_rmem_tensor((self.block,), Uint32)
                 for i in cutlass.range_constexpr(self.block):
-                    codes[i] = encode_element(_f2u(Float32(rX[i]) * mul), fmt)
+                    codes[i] = encode_element(_f2u(Float32(rX[i]) * mul), fmt) & keep
                 gQ = cute.local_tile(mQ, (1, self.out_bytes), (r, c))
                 rQ = cute.make_fragment_like(gQ)
                 self._pack(codes, rQ)
