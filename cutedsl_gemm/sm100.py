@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from . import fp_packing
-from .formats import E2M1, E2M3, E3M2, E4M3, E5M2, F8F6F4_FORMATS, ElementFormat, element_format
+from .formats import E2M1, E4M3, E5M2, F8F6F4_FORMATS, ElementFormat, element_format
 from .jit import KERNEL_CACHE
 
 #: tcgen05 kind::f8f6f4 instruction-descriptor format codes (written into the descriptor at run time).

@@ -9,7 +9,7 @@ and unit-testing the host side. It has not been run on a GPU here.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple, Type
+from typing import Type
 
 import cutlass
 import cutlass.cute as cute
