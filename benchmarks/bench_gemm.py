@@ -13,7 +13,7 @@ import argparse
 import torch
 
 import cutedsl_gemm
-from benchmarks.common import SETS, FP8_TFLOPS, bench, gbps, geomean, make_operands, tflops, write_json
+from .common import SETS, FP8_TFLOPS, bench, gbps, geomean, make_operands, tflops, write_json
 from cutedsl_gemm import reference as R
 
 

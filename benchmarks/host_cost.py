@@ -11,7 +11,7 @@ import time
 import torch
 
 import cutedsl_gemm
-from benchmarks.common import make_operands
+from .common import make_operands
 
 
 def per_call_us(fn, calls):

@@ -2,7 +2,8 @@
 
 from cutedsl_gemm.formats import ELEMENT_FORMATS, RECIPES, ElementFormat, ScalingRecipe, element_format, recipe
 from cutedsl_gemm.api import scaled_mm
+from cutedsl_gemm.quantize import quantize_fp8
 
 __version__ = "0.1.0"
 
-__all__ = ["scaled_mm", "ELEMENT_FORMATS", "RECIPES", "ElementFormat", "ScalingRecipe", "element_format", "recipe"]
+__all__ = ["scaled_mm", "quantize_fp8", "ELEMENT_FORMATS", "RECIPES", "ElementFormat", "ScalingRecipe", "element_format", "recipe"]

@@ -27,7 +27,7 @@ def _compiled(inst):
     """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
     from cutedsl_gemm.sm90_compile import compile_gemm
 
-    return KERNEL_CACHE.get(inst, lambda: compile_gemm(inst.sm90_config()), arch=inst.arch)
+    return KERNEL_CACHE.get(inst, lambda: compile_gemm(inst.sm90_config(), inst.arch), arch=inst.arch)
 
 
 def _epilogue_recipe(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> str:
@@ -61,6 +61,8 @@ def scaled_mm(
     out_dtype: torch.dtype = torch.bfloat16,
     out: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
+    fmt_a=None,
+    fmt_b=None,
 ) -> torch.Tensor:
     """FP8 GEMM with torch._scaled_mm's argument conventions.
 
@@ -72,8 +74,20 @@ def scaled_mm(
     ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
     outside the tensor cores (accurate at large K); True lets the tensor cores accumulate all of K (faster,
     larger error at large K).
+
+    On Blackwell (sm_100) the call goes to the tcgen05 f8f6f4 kernel, which also takes packed FP6/FP4
+    operands; ``fmt_a``/``fmt_b`` name their formats where the torch dtype cannot ("e2m3", "e3m2", "e2m1").
     """
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
+    if torch.cuda.get_device_capability(device)[0] == 10:
+        if out is not None:
+            raise ValueError("out= is not supported by the sm_100 f8f6f4 path yet; omit it")
+        from cutedsl_gemm.sm100 import sm100_f8f6f4_mm
+
+        return sm100_f8f6f4_mm(a, b, fmt_a=fmt_a, fmt_b=fmt_b, scale_a=scale_a, scale_b=scale_b, bias=bias, out_dtype=out_dtype)
+    if fmt_a is not None or fmt_b is not None:
+        raise ValueError("fmt_a/fmt_b select FP6/FP4 operand formats, which need a Blackwell (sm_100) GPU; "
+                         "on Hopper pass float8_e4m3fn / float8_e5m2 tensors")
     if a.dim() != 2 or b.dim() != 2:
         raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     m, k = a.shape

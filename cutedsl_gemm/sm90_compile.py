@@ -39,6 +39,7 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
     return a, b, d, sa, sb, bias, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
 
 
-def compile_gemm(cfg: Sm90GemmConfig):
+def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):
+    """cute.compile for ``arch`` (the target goes in the options, so no GPU and no env var are needed)."""
     kernel = Sm90Fp8Gemm(cfg)
-    return cute.compile(kernel, *fake_gemm_args(cfg), options=COMPILE_OPTIONS)
+    return cute.compile(kernel, *fake_gemm_args(cfg), options=f"{COMPILE_OPTIONS} --gpu-arch {arch}")

@@ -206,3 +206,58 @@ def test_quantize_dispatch_cpu_is_reference():
     a = bs.quantize_mx(x, "e3m2")
     b = ms.quantize_mx_reference(x, "e3m2")
     assert torch.equal(a.data, b.data) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
+
+
+# ---------------------------------------------------------------- block-scaled MMA hooks: PTX (compile only)
+
+
+@pytest.mark.parametrize("kind,sf_fmt", [("mxf8f6f4", 1), ("mxf4", 1), ("mxf4nvf4", 0)])
+def test_block_scaled_idesc_fields(kind, sf_fmt):
+    from cutedsl_gemm.kernels.sm100.blockscaled_gemm import mx_idesc
+
+    d = mx_idesc(kind, 128, 256)
+    assert (d >> 17) & 0x3F == 256 >> 3  # n_dim
+    assert (d >> 27) & 0x3 == 128 >> 7  # m_dim
+    assert (d >> 23) & 0x3 == sf_fmt  # scale format: UE8M0 (MX) / UE4M3 (NVFP4)
+    assert (d >> 15) & 0x3 == 0  # K-major A and B
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,block", [("mxf8f6f4", 32), ("mxf4", 32), ("mxf4nvf4", 16)])
+def test_block_scaled_mma_ptx(sm100_env, kind, block):
+    from cutedsl_gemm.kernels.sm100.blockscaled_gemm import compile_probe
+
+    ptx = compile_probe(kind).__ptx__
+    assert ".target sm_100a" in ptx
+    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::(\w+)\.block_scale\.block(\d+)", ptx)
+    assert mmas and set(mmas) == {(kind, str(block))}
+    assert "tcgen05.cp.cta_group::1.32x128b.warpx4" in ptx  # scale factors staged smem -> TMEM
+    assert "kind::f8f6f4" not in ptx  # no dense MMA sneaks in
+
+
+def test_gemm_launch_reports_missing_skeleton_hooks():
+    from cutedsl_gemm.kernels.sm100 import blockscaled_gemm
+
+    qa, qw = _operands(128, 64, 256, E4M3, E4M3, seed=6)
+    p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales)
+    with pytest.raises(NotImplementedError, match="f8f6f4 GEMM skeleton"):
+        blockscaled_gemm.launch(p)
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("recipe,fa,fb", [("mx", E4M3, E4M3), ("mx", E3M2, E2M3), ("mx", E2M1, E2M1), ("mx", E4M3, E2M1),
+                                          ("nvfp4", E2M1, E2M1)], ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("m,n,k", [(128, 128, 256), (300, 136, 512), (1024, 512, 1024)])
+def test_blockscaled_gemm_vs_float64(recipe, fa, fb, m, n, k):
+    g = torch.Generator().manual_seed(m + n + k)
+    a = torch.randn(m, k, generator=g).cuda()
+    w = torch.randn(n, k, generator=g).cuda()
+    if recipe == "nvfp4":
+        qa, qw = bs.quantize_nvfp4(a), bs.quantize_nvfp4(w)
+    else:
+        qa, qw = bs.quantize_mx(a, fa), bs.quantize_mx(w, fb)
+    out = bs.mm_quantized(qa, qw, out_dtype=torch.float32)
+    ref = qa.dequantize() @ qw.dequantize().t()
+    from cutedsl_gemm.reference import rel_error
+
+    assert rel_error(out, ref) < 1e-5  # fp32 accumulation of exactly representable products

@@ -1,0 +1,3 @@
+from cutedsl_gemm.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,140 @@
+"""Compile-and-inspect: what a kernel instance turns into, without a GPU.
+
+``inspect_compiled`` reads the PTX (the MMA, copy and register-reallocation instructions present) and the
+cubin (registers per thread and stack frame from the ELF ``.nv.info`` attributes), so the compile-only test
+tier and ``cutedsl-gemm demo`` can check that the instructions we meant are there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from typing import Dict, List
+
+# PTX instruction families worth reporting, most specific first.
+_PTX_PATTERNS = (
+    r"wgmma\.mma_async[\w.:]*",
+    r"tcgen05\.mma[\w.:]*",
+    r"cp\.async\.bulk\.tensor[\w.:]*",
+    r"setmaxnreg[\w.]*",
+    r"stmatrix[\w.:]*",
+    r"tcgen05\.(?:alloc|dealloc|ld|st|cp|commit)[\w.:]*",
+)
+
+# ELF .nv.info attribute ids (EIATTR_*) we read.
+_EIATTR_REGCOUNT = 0x2F
+_EIATTR_FRAME_SIZE = 0x11
+_EIFMT_SVAL = 0x04
+
+
+@dataclass
+class KernelReport:
+    name: str
+    instructions: Dict[str, int] = field(default_factory=dict)
+    registers: int = -1
+    frame_bytes: int = -1
+    smem_bytes: int = -1
+    ptx: str = ""
+
+    def has(self, pattern: str) -> bool:
+        return re.search(pattern, self.ptx) is not None
+
+    def summary_lines(self) -> List[str]:
+        lines = [f"{self.name}: {self.registers} registers/thread, {self.frame_bytes} B stack frame, "
+                 f"{self.smem_bytes} B shared memory"]
+        for ins, n in sorted(self.instructions.items()):
+            lines.append(f"    {n:4d} x {ins}")
+        return lines
+
+
+def ptx_instructions(ptx: str) -> Dict[str, int]:
+    counts: Dict[str, int] = {}
+    for pat in _PTX_PATTERNS:
+        for m in re.findall(pat, ptx):
+            counts[m] = counts.get(m, 0) + 1
+    return counts
+
+
+def cubin_resources(cubin: bytes) -> Dict[str, int]:
+    """Registers and stack frame of the (single) kernel in a cubin, from its .nv.info sections."""
+    if not cubin or cubin[:4] != b"\x7fELF":
+        return {}
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    sections = []
+    for i in range(shnum):
+        name, _typ, _flags, _addr, offset, size = struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+        sections.append((name, offset, size))
+    str_off = sections[shstrndx][1]
+
+    def sec_name(n):
+        return cubin[str_off + n : cubin.index(b"\0", str_off + n)].decode()
+
+    out: Dict[str, int] = {}
+    for name, offset, size in sections:
+        if not sec_name(name).startswith(".nv.info"):
+            continue
+        p, end = offset, offset + size
+        while p + 2 <= end:
+            fmt, attr = cubin[p], cubin[p + 1]
+            if fmt == _EIFMT_SVAL:
+                length = struct.unpack_from("<H", cubin, p + 2)[0]
+                payload = cubin[p + 4 : p + 4 + length]
+                if attr == _EIATTR_REGCOUNT and length >= 8:
+                    out["registers"] = max(out.get("registers", 0), struct.unpack_from("<II", payload)[1])
+                elif attr == _EIATTR_FRAME_SIZE and length >= 8:
+                    out["frame_bytes"] = max(out.get("frame_bytes", 0), struct.unpack_from("<II", payload)[1])
+                p += 4 + length
+            elif fmt in (0x02, 0x03):  # 2-byte value / 2-byte header + value
+                p += 4
+            else:
+                p += 2
+    return out
+
+
+@contextlib.contextmanager
+def keep_artifacts(arch: str):
+    """Ask the DSL to keep PTX and cubin of what is compiled inside, for ``arch``."""
+    from cutlass.base_dsl.env_manager import _parse_keep_tokens  # noqa: F401  (fails loudly if the DSL moved it)
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    saved = {k: getattr(envar, k) for k in ("keep_ptx", "keep_cubin")}
+    envar.keep_ptx, envar.keep_cubin = True, True
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(envar, k, v)
+
+
+def inspect_compiled(name: str, compiled, smem_bytes: int = -1) -> KernelReport:
+    ptx = compiled.__ptx__ or ""
+    cubin = compiled.__cubin__
+    if isinstance(cubin, str):
+        cubin = cubin.encode("latin1")
+    res = cubin_resources(cubin or b"")
+    return KernelReport(
+        name=name,
+        instructions=ptx_instructions(ptx),
+        registers=res.get("registers", -1),
+        frame_bytes=res.get("frame_bytes", -1),
+        smem_bytes=smem_bytes,
+        ptx=ptx,
+    )
+
+
+def inspect_instance(inst) -> KernelReport:
+    """Compile a manifest instance for its arch (no GPU needed) and report on it."""
+    if inst.arch == "sm_90a" and inst.op == "gemm":
+        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
+        from cutedsl_gemm.sm90_compile import compile_gemm
+
+        cfg = inst.sm90_config()
+        with keep_artifacts(inst.arch):
+            compiled = compile_gemm(cfg, inst.arch)
+        return inspect_compiled(inst.name, compiled, Sm90Fp8Gemm(cfg).smem_bytes)
+    raise ValueError(f"no inspector for {inst.name}")

@@ -1,0 +1,62 @@
+"""Compile-only tier (no GPU): the Hopper kernels hold the instructions we meant."""
+
+import pytest
+
+from cutedsl_gemm import dispatch
+from cutedsl_gemm.generators import manifest
+from cutedsl_gemm.inspect import inspect_instance
+
+pytestmark = pytest.mark.compile
+
+
+@pytest.fixture(scope="module")
+def reports():
+    want = [
+        ("row", "e4m3", "e4m3", "bf16", None, "promoted"),
+        ("tensor", "e5m2", "e4m3", "fp32", "fp32", "promoted"),
+        ("row", "e4m3", "e5m2", "fp16", "fp16", "fast"),
+    ]
+    return {w: inspect_instance(dispatch.select_gemm("sm_90a", w[0], w[1], w[2], w[3], w[4], 4096, w[5])) for w in want}
+
+
+def test_wgmma_with_the_operand_types(reports):
+    for (recipe, a, b, out, bias, accum), rep in reports.items():
+        n = 128 if accum == "promoted" else 256
+        assert rep.has(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{a}\.{b}"), rep.name
+
+
+def test_tma_loads_multicast_and_stores(reports):
+    for rep in reports.values():
+        assert rep.has(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes\.multicast::cluster")
+        assert rep.has(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\.bulk_group")  # TMA store epilogue
+
+
+def test_register_reallocation_and_no_spills(reports):
+    for rep in reports.values():
+        assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40\b") and rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232\b")
+        # The default (promoted) path must not spill. The 128x256 fast path with a bias is known to keep a
+        # 16 B stack frame (64 per-column scale and bias loads live at once); bound it so it cannot grow.
+        limit = 0 if "promoted" in rep.name else 16
+        assert rep.frame_bytes <= limit, f"{rep.name} spills ({rep.frame_bytes} B stack frame)"
+        assert 0 < rep.registers <= 168
+
+
+def test_stmatrix_only_for_16_bit_outputs(reports):
+    for (recipe, a, b, out, bias, accum), rep in reports.items():
+        assert rep.has(r"stmatrix") == (out != "fp32"), rep.name
+
+
+def test_manifest_rejects_oversize_tiles_with_reason():
+    bad = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
+    with pytest.raises(manifest.ManifestError, match="does not fit"):
+        manifest.expand([bad])
+    too_many = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, stages=6, accum="fast")
+    with pytest.raises(manifest.ManifestError, match="shared memory"):
+        manifest.expand([too_many])
+
+
+def test_dispatch_reads_the_manifest():
+    inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 1000)
+    assert inst in manifest.INSTANCES and inst.accum == "promoted"
+    with pytest.raises(dispatch.NoKernelError, match="no kernel instance"):
+        dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "int8", None, 10)
