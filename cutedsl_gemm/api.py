@@ -23,6 +23,10 @@ def _dummy_bias(index: int) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", index))
 
 
+# manifest instance -> (compiled function, clusters to launch on this GPU)
+_LAUNCH_CACHE: dict = {}
+
+
 def _compiled(inst):
     """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
     from cutedsl_gemm.sm90_compile import compile_gemm
@@ -79,7 +83,8 @@ def scaled_mm(
     operands; ``fmt_a``/``fmt_b`` name their formats where the torch dtype cannot ("e2m3", "e3m2", "e2m1").
     """
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
-    if torch.cuda.get_device_capability(device)[0] == 10:
+    arch, sms = _device_info(device.index)
+    if arch.startswith("sm_100"):
         if out is not None:
             raise ValueError("out= is not supported by the sm_100 f8f6f4 path yet; omit it")
         from cutedsl_gemm.sm100 import sm100_f8f6f4_mm
@@ -126,12 +131,14 @@ def scaled_mm(
     if (n * out.element_size()) % V.TMA_ALIGN:
         raise ValueError(f"N={n}: the TMA store needs output rows of a multiple of 16 bytes (N % {V.TMA_ALIGN // out.element_size()} == 0)")
 
-    arch, sms = _device_info(device.index)
     if not arch.startswith("sm_90"):
         V.require_hopper(device)
     inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, "fast" if use_fast_accum else "promoted")
-    fn = _compiled(inst)
+    hit = _LAUNCH_CACHE.get(inst)
+    if hit is None:
+        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), sms // (inst.cluster_m * inst.cluster_n))
+    fn, max_clusters = hit
     if recipe == "tensor":
         scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
-    fn(a, b, out, scale_a, scale_b, bias if bias is not None else _dummy_bias(device.index), sms // (inst.cluster_m * inst.cluster_n))
+    fn(a, b, out, scale_a, scale_b, bias if bias is not None else _dummy_bias(device.index), max_clusters)
     return out

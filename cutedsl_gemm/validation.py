@@ -18,12 +18,15 @@ def require_cuda_tensors(**tensors) -> torch.device:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.device.type != "cuda":
-            raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {t.device}")
+        d = t.device
         if device is None:
-            device = t.device
-        elif t.device != device:
-            raise ValueError(f"all tensors must be on one device: {name} is on {t.device}, expected {device}")
+            if d.type != "cuda":
+                raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {d}")
+            device = d
+        elif d != device:
+            if d.type != "cuda":
+                raise ValueError(f"{name} must be a CUDA tensor, got a tensor on {d}")
+            raise ValueError(f"all tensors must be on one device: {name} is on {d}, expected {device}")
     return device
 
 
