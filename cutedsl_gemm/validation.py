@@ -66,12 +66,3 @@ def require_k_major(name: str, t: torch.Tensor, k_dim: int, layout_hint: str) ->
         )
     if t.data_ptr() % TMA_ALIGN:
         raise ValueError(f"{name}: TMA needs a {TMA_ALIGN}-byte aligned base address, got 0x{t.data_ptr():x}")
-
-
-def require_scale(name: str, s: torch.Tensor, shapes, expected_text: str) -> None:
-    if not isinstance(s, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
-    if s.dtype != torch.float32:
-        raise TypeError(f"{name} must be torch.float32 ({expected_text}), got {s.dtype}")
-    if tuple(s.shape) not in shapes:
-        raise ValueError(f"{name} has shape {tuple(s.shape)}; expected {expected_text}")

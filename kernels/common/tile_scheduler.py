@@ -80,8 +80,3 @@ class PersistentTileScheduler:
             cn * self.cluster_n + cta_n_in_cluster,
             k_split,
         )
-
-
-def persistent_cluster_count(num_units: int, max_active_clusters: int) -> int:
-    """Host side: how many clusters to launch (never more than there are work units)."""
-    return max(1, min(num_units, max_active_clusters))

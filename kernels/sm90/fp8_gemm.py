@@ -416,28 +416,16 @@ class Sm90Fp8Gemm:
         self._issue_k_tile(tiled_mma, t0, tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
         for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
-            mainloop.consumer_wait(read_state)
-            self._issue_k_tile(tiled_mma, t1, tCrA, tCrB, read_state.index, num_k_blocks)
-            read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, t0)
-            mainloop.consumer_wait(read_state)
-            self._issue_k_tile(tiled_mma, t0, tCrA, tCrB, read_state.index, num_k_blocks)
-            read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, t1)
+            read_state, release_state = self._overlapped_step(
+                tiled_mma, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks
+            )
+            read_state, release_state = self._overlapped_step(
+                tiled_mma, acc, t0, t1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks
+            )
         if (k_tiles - 1) % 2 == 1:
-            mainloop.consumer_wait(read_state)
-            self._issue_k_tile(tiled_mma, t1, tCrA, tCrB, read_state.index, num_k_blocks)
-            read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(1)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, t0)
+            read_state, release_state = self._overlapped_step(
+                tiled_mma, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks
+            )
             cute.nvgpu.warpgroup.wait_group(0)
             mainloop.consumer_release(release_state)
             release_state.advance()
@@ -447,6 +435,21 @@ class Sm90Fp8Gemm:
             mainloop.consumer_release(release_state)
             release_state.advance()
             self._promote(acc, t0)
+        return read_state, release_state
+
+    @cute.jit
+    def _overlapped_step(
+        self, tiled_mma, acc, issue_into, promote_from, tCrA, tCrB, mainloop, read_state, release_state,
+        num_k_blocks: cutlass.Constexpr,
+    ):
+        """Issue the next K tile into one fragment, then retire the previous one from the other."""
+        mainloop.consumer_wait(read_state)
+        self._issue_k_tile(tiled_mma, issue_into, tCrA, tCrB, read_state.index, num_k_blocks)
+        read_state.advance()
+        cute.nvgpu.warpgroup.wait_group(1)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        self._promote(acc, promote_from)
         return read_state, release_state
 
     @cute.jit
