@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from cutedsl_gemm import dispatch, validation as V
+from cutedsl_gemm import dispatch, scale_layouts, validation as V
 from cutedsl_gemm.jit import KERNEL_CACHE
 
 
@@ -34,27 +34,6 @@ def _compiled(inst):
     return KERNEL_CACHE.get(inst, lambda: compile_gemm(inst.sm90_config(), inst.arch), arch=inst.arch)
 
 
-def _epilogue_recipe(scale_a: torch.Tensor, scale_b: torch.Tensor, m: int, n: int) -> str:
-    """torch._scaled_mm's conventions: one scalar each (tensor-wise) or (M, 1) x (1, N) (row-wise)."""
-    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
-        if not isinstance(s, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
-        if s.dtype != torch.float32:
-            raise TypeError(f"{name} must be torch.float32, got {s.dtype}")
-    if scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dim() <= 2 and scale_b.dim() <= 2:
-        return "tensor"
-    if tuple(scale_a.shape) == (m, 1) and tuple(scale_b.shape) == (1, n):
-        if m > 1 and scale_a.stride(0) != 1:
-            raise ValueError(f"scale_a (M, 1) must be contiguous, got strides {tuple(scale_a.stride())}")
-        if n > 1 and scale_b.stride(1) != 1:
-            raise ValueError(f"scale_b (1, N) must be contiguous, got strides {tuple(scale_b.stride())}")
-        return "row"
-    raise ValueError(
-        f"scale shapes {tuple(scale_a.shape)} and {tuple(scale_b.shape)} match no recipe: expected one element each "
-        f"(tensor-wise) or scale_a ({m}, 1) with scale_b (1, {n}) (row-wise)"
-    )
-
-
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -67,17 +46,24 @@ def scaled_mm(
     use_fast_accum: bool = False,
     fmt_a=None,
     fmt_b=None,
+    scale_recipe_a=None,
+    scale_recipe_b=None,
 ) -> torch.Tensor:
     """FP8 GEMM with torch._scaled_mm's argument conventions.
 
     ``out = (a * scale_a) @ (b * scale_b) + bias`` computed with fp32 accumulation, where ``a`` is (M, K)
     row-major, ``b`` is (K, N) column-major (``w.t()`` of a row-major (N, K) weight), both E4M3 or E5M2.
-    Scales are fp32 dequantization factors: one element each (tensor-wise) or ``scale_a`` (M, 1) and
-    ``scale_b`` (1, N) (row-wise). ``bias`` is (N,) in ``out_dtype`` or fp32.
+    Scales are fp32 dequantization factors, in torch's shapes (see ``cutedsl_gemm.scale_layouts``):
+    tensor-wise (one element each), row-wise (``scale_a`` (M, 1), ``scale_b`` (1, N)), or block-scaled per
+    128-deep K block: 1x128 x 128x128 (DeepSeek-V3: ``scale_a`` (M, Kb), ``scale_b`` (Kb, ceil(N/128))),
+    128x128 x 128x128 and 1x128 x 1x128. The shapes pick the recipe; ``scale_recipe_a``/``scale_recipe_b``
+    (strings or ``torch.nn.functional.ScalingType``, as in ``F.scaled_mm``) name it explicitly.
+    ``bias`` is (N,) in ``out_dtype`` or fp32.
 
     ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
     outside the tensor cores (accurate at large K); True lets the tensor cores accumulate all of K (faster,
-    larger error at large K).
+    larger error at large K). Block-scaled recipes always scale and add each K block outside the tensor
+    cores, so the flag does not apply to them.
 
     On Blackwell (sm_100) the call goes to the tcgen05 f8f6f4 kernel, which also takes packed FP6/FP4
     operands; ``fmt_a``/``fmt_b`` name their formats where the torch dtype cannot ("e2m3", "e3m2", "e2m1").
@@ -102,7 +88,7 @@ def scaled_mm(
     a_name = V.require_fp8("a", a)
     b_name = V.require_fp8("b", b)
     out_name = V.require_out_dtype(out_dtype)
-    recipe = _epilogue_recipe(scale_a, scale_b, m, n)
+    recipe, scale_a, scale_b = scale_layouts.resolve(scale_a, scale_b, m, n, k, scale_recipe_a, scale_recipe_b)
     bias_name = None
     if bias is not None:
         if tuple(bias.shape) != (n,):
@@ -133,12 +119,11 @@ def scaled_mm(
 
     if not arch.startswith("sm_90"):
         V.require_hopper(device)
-    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, "fast" if use_fast_accum else "promoted")
+    accum = "fast" if use_fast_accum and recipe in ("tensor", "row") else "promoted"
+    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum)
     hit = _LAUNCH_CACHE.get(inst)
     if hit is None:
         hit = _LAUNCH_CACHE[inst] = (_compiled(inst), sms // (inst.cluster_m * inst.cluster_n))
     fn, max_clusters = hit
-    if recipe == "tensor":
-        scale_a, scale_b = scale_a.reshape(1), scale_b.reshape(1)
     fn(a, b, out, scale_a, scale_b, bias if bias is not None else _dummy_bias(device.index), max_clusters)
     return out

@@ -101,9 +101,13 @@ def keep_artifacts(arch: str):
     from cutlass.base_dsl.env_manager import _parse_keep_tokens  # noqa: F401  (fails loudly if the DSL moved it)
     from cutlass.cutlass_dsl import CuTeDSL
 
+    import tempfile
+
     envar = CuTeDSL._get_dsl().envar
-    saved = {k: getattr(envar, k) for k in ("keep_ptx", "keep_cubin")}
+    saved = {k: getattr(envar, k) for k in ("keep_ptx", "keep_cubin", "dump_dir")}
     envar.keep_ptx, envar.keep_cubin = True, True
+    # The DSL also writes what it keeps to dump_dir (default: the working directory); keep that out of trees.
+    envar.dump_dir = tempfile.mkdtemp(prefix="cutedsl_gemm_dump_")
     try:
         yield
     finally:

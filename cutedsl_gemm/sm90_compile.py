@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
+from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES
 from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, cutlass_dtype
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
@@ -30,8 +31,17 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
     elif cfg.recipe == "row":
         sa = make_fake_compact_tensor(cutlass.Float32, (m, 1), stride_order=(1, 0), assumed_align=4)
         sb = make_fake_compact_tensor(cutlass.Float32, (1, n), stride_order=(1, 0), assumed_align=4)
+    elif cfg.recipe in BLOCK_RECIPES:
+        # (rows or row blocks, Kb) with run-time strides: torch's outer-dim-major and padded layouts and
+        # plain row-major ones are all read in place. W's scales come transposed to (N or N blocks, Kb).
+        kb = cute.sym_int()
+        gran_a, gran_b = BLOCK_RECIPES[cfg.recipe]
+        sa = make_fake_tensor(cutlass.Float32, (m if gran_a == "group" else cute.sym_int(), kb),
+                              (cute.sym_int(), cute.sym_int()), assumed_align=4)
+        sb = make_fake_tensor(cutlass.Float32, (n if gran_b == "group" else cute.sym_int(), kb),
+                              (cute.sym_int(), cute.sym_int()), assumed_align=4)
     else:
-        raise ValueError(f"recipe {cfg.recipe!r} is not an epilogue-scaled recipe")
+        raise ValueError(f"unknown recipe {cfg.recipe!r}")
     if cfg.bias_dtype:
         bias = make_fake_compact_tensor(cutlass_dtype(cfg.bias_dtype), (n,), assumed_align=4)
     else:

@@ -96,6 +96,12 @@ TABLE: Tuple[TileConfig, ...] = (
     # fast accumulation affords 128x256 tiles.
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 128, cluster_m=2, cluster_n=1, accum="promoted"),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
+    # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
+    # promoted-accumulation kernels with one 128-wide W scale block per tile.
+    TileConfig(
+        "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
+        cluster_m=2, cluster_n=1, accum="promoted",
+    ),
 )
 
 

@@ -15,6 +15,8 @@ def reports():
         ("row", "e4m3", "e4m3", "bf16", None, "promoted"),
         ("tensor", "e5m2", "e4m3", "fp32", "fp32", "promoted"),
         ("row", "e4m3", "e5m2", "fp16", "fp16", "fast"),
+        ("1x128_128x128", "e4m3", "e4m3", "bf16", "bf16", "promoted"),
+        ("1x128_1x128", "e5m2", "e4m3", "fp32", None, "promoted"),
     ]
     return {w: inspect_instance(dispatch.select_gemm("sm_90a", w[0], w[1], w[2], w[3], w[4], 4096, w[5])) for w in want}
 
@@ -39,6 +41,14 @@ def test_register_reallocation_and_no_spills(reports):
         limit = 0 if "promoted" in rep.name else 16
         assert rep.frame_bytes <= limit, f"{rep.name} spills ({rep.frame_bytes} B stack frame)"
         assert 0 < rep.registers <= 168
+
+
+def test_block_scales_ride_the_mainloop_pipeline(reports):
+    for (recipe, a, b, out, bias, accum), rep in reports.items():
+        block = "x128" in recipe
+        # 4-byte cp.async of the K tile's scales into its stage, and one noinc arrive per producer lane
+        assert rep.has(r"cp\.async\.ca\.shared\.global(\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*4") == block, rep.name
+        assert rep.has(r"cp\.async\.mbarrier\.arrive\.noinc\.shared(::cta)?\.b64") == block, rep.name
 
 
 def test_stmatrix_only_for_16_bit_outputs(reports):

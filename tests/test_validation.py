@@ -35,18 +35,6 @@ def test_k_major_and_tma_alignment_checks():
     V.require_k_major("b", fp8(64, 32).t(), 0, "column-major")  # the torch._scaled_mm layout passes
 
 
-def test_scale_recipe_detection():
-    m, n = 5, 7
-    assert api._epilogue_recipe(torch.ones(()), torch.ones(1), m, n) == "tensor"
-    assert api._epilogue_recipe(torch.ones(m, 1), torch.ones(1, n), m, n) == "row"
-    with pytest.raises(ValueError, match=r"scale_a \(5, 1\) with scale_b \(1, 7\)"):
-        api._epilogue_recipe(torch.ones(m, 1), torch.ones(n, 1), m, n)
-    with pytest.raises(TypeError, match="scale_b must be torch.float32"):
-        api._epilogue_recipe(torch.ones(()), torch.ones((), dtype=torch.bfloat16), m, n)
-    with pytest.raises(ValueError, match="must be contiguous"):
-        api._epilogue_recipe(torch.ones(m, 2)[:, :1], torch.ones(1, n), m, n)
-
-
 @pytest.mark.gpu
 def test_gpu_bad_inputs():
     dev = "cuda"

@@ -16,6 +16,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
+from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, scale_smem_bytes_per_stage, stage_scales, tile_scale
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
 
@@ -27,7 +28,9 @@ class Sm90GemmConfig:
     a_dtype: str = "e4m3"  # "e4m3" | "e5m2"
     b_dtype: str = "e4m3"
     out_dtype: str = "bf16"  # "bf16" | "fp16" | "fp32"
-    recipe: str = "row"  # "tensor" | "row"
+    # Epilogue-scaled: "tensor" | "row". Block-scaled (scales applied per 128-deep K block in the main
+    # loop): "1x128_128x128" (DeepSeek) | "128x128_128x128" | "1x128_1x128".
+    recipe: str = "row"
     bias_dtype: Optional[str] = None  # None = no bias
     tile_m: int = 128
     tile_n: int = 256
@@ -96,6 +99,8 @@ class Sm90Fp8Gemm:
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.num_threads_per_warp_group
         self.num_mma_threads = self.num_mma_warp_groups * self.num_threads_per_warp_group
         self.epi_tile = (128, 32)
+        self.block_scaled = is_block_scaled(cfg.recipe)
+        self.scale_gran = BLOCK_RECIPES.get(cfg.recipe)  # (A, W) granularity, or None
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages)
 
@@ -108,6 +113,14 @@ class Sm90Fp8Gemm:
             raise ValueError(f"WGMMA N per warp group must be a multiple of 64 up to 256, got tile_n={cfg.tile_n}")
         if cfg.accum not in ("fast", "promoted"):
             raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
+        if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
+            raise ValueError(f"recipe must be 'tensor', 'row' or one of {sorted(BLOCK_RECIPES)}, got {cfg.recipe!r}")
+        if is_block_scaled(cfg.recipe) and (cfg.accum != "promoted" or cfg.tile_n != 128):
+            raise ValueError(
+                f"block-scaled recipe {cfg.recipe!r} scales each K tile while promoting it: it needs "
+                f"accum='promoted' and tile_n=128 (one 128-wide W scale block per tile), got accum={cfg.accum!r} "
+                f"tile_n={cfg.tile_n}"
+            )
         if cfg.accum == "promoted" and cfg.tile_n > 128:
             raise ValueError(
                 f"promoted accumulation keeps three 64 x tile_n fp32 fragments per warp group in registers; "
@@ -127,7 +140,9 @@ class Sm90Fp8Gemm:
     # ---- host-side sizing (also used by the manifest's validity rules) -------------------------------
     @staticmethod
     def stage_bytes(cfg: Sm90GemmConfig) -> int:
-        return (cfg.tile_m + cfg.tile_n) * 128  # one byte per FP8 element, K tile of 128
+        # One byte per FP8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).
+        scales = scale_smem_bytes_per_stage(cfg.tile_m, cfg.tile_n) if is_block_scaled(cfg.recipe) else 0
+        return (cfg.tile_m + cfg.tile_n) * 128 + scales
 
     @classmethod
     def epilogue_bytes(cls, cfg: Sm90GemmConfig) -> int:
@@ -152,8 +167,8 @@ class Sm90Fp8Gemm:
         mA: cute.Tensor,  # (M, K) K-major
         mB: cute.Tensor,  # (K, N) column-major, i.e. W (N, K) K-major seen as torch._scaled_mm's b
         mD: cute.Tensor,  # (M, N) N-major
-        mSA: cute.Tensor,  # per-tensor: (1,); row-wise: (M, 1)
-        mSB: cute.Tensor,  # per-tensor: (1,); row-wise: (1, N)
+        mSA: cute.Tensor,  # per-tensor: (1,); row-wise: (M, 1); block-scaled: (M or ceil(M/128), Kb)
+        mSB: cute.Tensor,  # per-tensor: (1,); row-wise: (1, N); block-scaled: (N or ceil(N/128), Kb)
         mBias: cute.Tensor,  # (N,) or a 1-element dummy when there is no bias
         max_clusters: Int32,
         stream,
@@ -165,15 +180,21 @@ class Sm90Fp8Gemm:
         bM, bN, bK = self.tile_shape_mnk
         cm, cn = self.cfg.cluster_shape_mn
 
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.a_dtype,
-            self.b_dtype,
-            self.a_layout.sm90_mma_major_mode(),
-            self.b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            (2, 1, 1),
-            tiler_mn=(64, bN),
-        )
+        def make_tiled_mma():
+            return sm90_utils.make_trivial_tiled_mma(
+                self.a_dtype,
+                self.b_dtype,
+                self.a_layout.sm90_mma_major_mode(),
+                self.b_layout.sm90_mma_major_mode(),
+                self.acc_dtype,
+                (2, 1, 1),
+                tiler_mn=(64, bN),
+            )
+
+        tiled_mma = make_tiled_mma()
+        # A second MMA whose first K block overwrites its fragment (ACCUMULATE off): the promoted main loop
+        # starts each K tile with it, so fragments never need zeroing.
+        tiled_mma_fresh = make_tiled_mma()
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.a_dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stages)
         d_smem = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, self.epi_stages)
@@ -193,6 +214,9 @@ class Sm90Fp8Gemm:
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
+            # Block scales of each stage's K tile (a 1-element placeholder for epilogue-scaled recipes).
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.ab_stages if self.block_scaled else 1], 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.ab_stages if self.block_scaled else 1], 16]
 
         self.shared_storage = SharedStorage
         assert SharedStorage.size_in_bytes() <= SM90_SMEM_CAPACITY, (SharedStorage.size_in_bytes(), self.cfg)
@@ -205,7 +229,8 @@ class Sm90Fp8Gemm:
         grid_clusters = cutlass.min(ctiles, max_clusters)
 
         self.kernel(
-            tiled_mma, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, mBias, a_smem, b_smem, d_smem, tiles_m, tiles_n
+            tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, mBias, a_smem, b_smem, d_smem,
+            tiles_m, tiles_n,
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
@@ -230,6 +255,7 @@ class Sm90Fp8Gemm:
     def kernel(
         self,
         tiled_mma: cute.TiledMma,
+        tiled_mma_fresh: cute.TiledMma,
         tma_a: cute.CopyAtom,
         mA: cute.Tensor,
         tma_b: cute.CopyAtom,
@@ -270,10 +296,12 @@ class Sm90Fp8Gemm:
         )
         # Every consumer warp releases a stage to each CTA that multicast into it.
         consumer_arrivals = (cm + cn - 1) * self.num_mma_warp_groups * 4
+        # Block scales: every producer lane also arrives (after its cp.async copies land).
+        producer_arrivals = 1 + PRODUCER_LANES if self.block_scaled else 1
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mainloop_barriers.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)),
@@ -284,6 +312,12 @@ class Sm90Fp8Gemm:
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+        scale_slots = None
+        if cutlass.const_expr(self.block_scaled):
+            scale_slots = (
+                storage.sSA.get_tensor(cute.make_layout((bM, self.ab_stages))),
+                storage.sSB.get_tensor(cute.make_layout((bN, self.ab_stages))),
+            )
 
         gA = cute.local_tile(mA, (bM, bK), (None, None))  # (bM, bK, tiles_m, tiles_k)
         gB = cute.local_tile(mB, (bN, bK), (None, None))
@@ -315,6 +349,7 @@ class Sm90Fp8Gemm:
             if warp_idx == 0:
                 sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+                lane = cute.arch.lane_idx()
                 unit = cluster_id
                 while unit < sched.num_units:
                     tm, tn, _ = sched.coords(unit, cluster_coord[0], cluster_coord[1])
@@ -323,6 +358,10 @@ class Sm90Fp8Gemm:
                     for kt in cutlass.range(k_tiles, unroll=1):
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
+                        if cutlass.const_expr(self.block_scaled):
+                            stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane)
+                            stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane)
+                            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                         cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
                         cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
                         mainloop.producer_commit(state)
@@ -343,6 +382,10 @@ class Sm90Fp8Gemm:
             temps = None
             if cutlass.const_expr(self.cfg.accum == "promoted"):
                 temps = (cute.make_rmem_tensor(acc_shape, self.acc_dtype), cute.make_rmem_tensor(acc_shape, self.acc_dtype))
+            scales = None
+            if cutlass.const_expr(self.block_scaled):
+                # Each accumulator element's (row, column) inside the tile picks its scales.
+                scales = (scale_slots, thr_mma.partition_C(cute.make_identity_tensor((bM, bN))))
 
             epi = self._make_epilogue(tiled_mma, sD, mma_tidx)
             store_pipe = pipeline.PipelineTmaStore.create(
@@ -356,6 +399,8 @@ class Sm90Fp8Gemm:
             # ACCUMULATE stays a trace-time constant (True), set outside the run-time loops (a value set
             # inside one would escape its region); zeroing the accumulator per tile is cheap.
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            mmas = (tiled_mma_fresh, tiled_mma)
             tiles_done = Int32(0)
             unit = cluster_id
             while unit < sched.num_units:
@@ -366,7 +411,7 @@ class Sm90Fp8Gemm:
                     )
                 else:
                     read_state, release_state = self._mainloop_promoted(
-                        tiled_mma, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles
+                        mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
                     )
                 self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn)
                 self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
@@ -400,72 +445,88 @@ class Sm90Fp8Gemm:
         return read_state, release_state
 
     @cute.jit
-    def _mainloop_promoted(self, tiled_mma, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles):
-        """acc = sum over K tiles of (A_tile @ W_tile^T), each K tile accumulated in a fresh fragment.
+    def _mainloop_promoted(
+        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+    ):
+        """acc = sum over K tiles of scale_t * (A_tile @ W_tile^T), each K tile in a fresh fragment.
 
-        Two fragments alternate so the tensor cores never wait for a promotion: while K tile t runs into
-        one, K tile t-1 (already retired: wait_group(1)) is added from the other into ``acc``. The loop is
+        ``scale_t`` is 1 for the epilogue-scaled recipes and the K tile's block scales otherwise. Two
+        fragments alternate so the tensor cores never wait for a promotion: while K tile t runs into one,
+        K tile t-1 (already retired: wait_group(1)) is added from the other into ``acc``. The loop is
         unrolled by two because register fragments cannot be indexed at run time.
         """
         num_k_blocks = cute.size(tCrA, mode=[2])
         t0, t1 = temps
         acc.fill(0.0)
-        t0.fill(0.0)
-        t1.fill(0.0)
         mainloop.consumer_wait(read_state)
-        self._issue_k_tile(tiled_mma, t0, tCrA, tCrB, read_state.index, num_k_blocks)
+        self._issue_k_tile(mmas, t0, tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
         for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
             read_state, release_state = self._overlapped_step(
-                tiled_mma, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks
+                mmas, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
             read_state, release_state = self._overlapped_step(
-                tiled_mma, acc, t0, t1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks
+                mmas, acc, t0, t1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
         if (k_tiles - 1) % 2 == 1:
             read_state, release_state = self._overlapped_step(
-                tiled_mma, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks
+                mmas, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
             cute.nvgpu.warpgroup.wait_group(0)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, t1)
+            release_state = self._retire(acc, t1, mainloop, release_state, scales)
         else:
             cute.nvgpu.warpgroup.wait_group(0)
-            mainloop.consumer_release(release_state)
-            release_state.advance()
-            self._promote(acc, t0)
+            release_state = self._retire(acc, t0, mainloop, release_state, scales)
         return read_state, release_state
 
     @cute.jit
     def _overlapped_step(
-        self, tiled_mma, acc, issue_into, promote_from, tCrA, tCrB, mainloop, read_state, release_state,
-        num_k_blocks: cutlass.Constexpr,
+        self, mmas, acc, issue_into, promote_from, tCrA, tCrB, mainloop, read_state, release_state,
+        num_k_blocks: cutlass.Constexpr, scales,
     ):
         """Issue the next K tile into one fragment, then retire the previous one from the other."""
         mainloop.consumer_wait(read_state)
-        self._issue_k_tile(tiled_mma, issue_into, tCrA, tCrB, read_state.index, num_k_blocks)
+        self._issue_k_tile(mmas, issue_into, tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
         cute.nvgpu.warpgroup.wait_group(1)
-        mainloop.consumer_release(release_state)
-        release_state.advance()
-        self._promote(acc, promote_from)
+        release_state = self._retire(acc, promote_from, mainloop, release_state, scales)
         return read_state, release_state
 
     @cute.jit
-    def _issue_k_tile(self, tiled_mma, frag, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
-        # The fragment was just written by ordinary instructions (zeroed by _promote): fence first.
+    def _retire(self, acc, frag, mainloop, release_state, scales):
+        """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer."""
+        if cutlass.const_expr(self.block_scaled):
+            # The K tile's scales live in its stage: read them before releasing it.
+            self._promote_scaled(acc, frag, scales, release_state.index)
+            mainloop.consumer_release(release_state)
+        else:
+            mainloop.consumer_release(release_state)
+            self._promote(acc, frag)
+        release_state.advance()
+        return release_state
+
+    @cute.jit
+    def _issue_k_tile(self, mmas, frag, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
+        """frag = A_tile @ W_tile^T for one K tile: the first K block overwrites, the rest accumulate."""
+        # The fragment was just read by ordinary instructions (the promotion): fence first.
         cute.nvgpu.warpgroup.fence()
         for kb in cutlass.range_constexpr(num_k_blocks):
             coord = (None, None, kb, stage)
-            cute.gemm(tiled_mma, frag, tCrA[coord], tCrB[coord], frag)
+            cute.gemm(mmas[0] if kb == 0 else mmas[1], frag, tCrA[coord], tCrB[coord], frag)
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
     def _promote(self, acc, frag):
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = acc[i] + frag[i]
-            frag[i] = Float32(0.0)
+
+    @cute.jit
+    def _promote_scaled(self, acc, frag, scales, stage):
+        (slots_a, slots_b), tile_coords = scales
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
+            m, n = tile_coords[i]
+            s = tile_scale(slots_a, slots_b, self.scale_gran[0], self.scale_gran[1], m, n, stage)
+            acc[i] = acc[i] + frag[i] * s
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
@@ -476,12 +537,14 @@ class Sm90Fp8Gemm:
 
     @cute.jit
     def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn):
-        """acc <- acc * scale (+ bias) in fp32, with scale from the recipe."""
+        """acc <- acc * scale (+ bias) in fp32, with scale from the epilogue-scaled recipe."""
         bM, bN, _ = self.tile_shape_mnk
         M, N = mD.shape
         cD = cute.local_tile(cute.make_identity_tensor((M, N)), (bM, bN), (tm, tn))
         tCcD = thr_mma.partition_C(cD)
-        if cutlass.const_expr(self.cfg.recipe == "tensor"):
+        if cutlass.const_expr(self.block_scaled):
+            pass  # applied per K tile in the main loop
+        elif cutlass.const_expr(self.cfg.recipe == "tensor"):
             alpha = Float32(mSA[0]) * Float32(mSB[0])
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] * alpha

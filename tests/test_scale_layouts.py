@@ -1,0 +1,75 @@
+"""Recipe detection and scale views for scaled_mm (CPU: only shapes, strides and dtypes matter)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from cutedsl_gemm.scale_layouts import resolve
+
+
+def _torch_1x128(rows, kb):
+    # torch's BlockWise1x128 operand: (rows, Kb), outer-dim-major
+    return torch.rand(kb, rows).t()
+
+
+def _torch_128x128(rb, kb):
+    # torch's BlockWise128x128 operand: (rb, Kb) with the row stride padded to a multiple of 4
+    l4 = -(-kb // 4) * 4
+    return torch.rand(rb, l4)[:, :kb]
+
+
+def test_epilogue_recipes():
+    m, n, k = 5, 32, 256
+    r, sa, sb = resolve(torch.ones(()), torch.ones(1), m, n, k)
+    assert r == "tensor" and sa.shape == (1,) and sb.shape == (1,)
+    assert resolve(torch.ones(m, 1), torch.ones(1, n), m, n, k)[0] == "row"
+    with pytest.raises(ValueError, match=r"row x row: \(5, 1\) x \(1, 32\)"):
+        resolve(torch.ones(m, 1), torch.ones(n, 1), m, n, k)
+    with pytest.raises(TypeError, match="scale_b must be torch.float32"):
+        resolve(torch.ones(()), torch.ones((), dtype=torch.bfloat16), m, n, k)
+    with pytest.raises(ValueError, match="must be contiguous"):
+        resolve(torch.ones(m, 2)[:, :1], torch.ones(1, n), m, n, k)
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 576, 7168), (129, 512, 7056), (1000, 4608, 256)])
+def test_block_recipes_from_torch_layouts(m, n, k):
+    kb, mb, nb = -(-k // 128), -(-m // 128), -(-n // 128)
+    # DeepSeek: A 1x128, W 128x128 -- scale_b in b's orientation (Kb, ceil(N/128)), i.e. the transpose of
+    # the weight's (ceil(N/128), Kb) grid.
+    sw = _torch_128x128(nb, kb)
+    r, sa, sb = resolve(_torch_1x128(m, kb), sw.t(), m, n, k)
+    assert r == "1x128_128x128"
+    assert sa.shape == (m, kb) and sb.shape == (nb, kb) and torch.equal(sb, sw)
+    # 128x128 x 128x128 (not for M=1, where A's block grid is also a valid 1x128 grid)
+    if m > 1:
+        r, sa, sb = resolve(_torch_128x128(mb, kb), sw.t(), m, n, k)
+        assert r == "128x128_128x128" and sa.shape == (mb, kb)
+    # 1x128 x 1x128: scale_b (Kb, N)
+    sw1 = _torch_1x128(n, kb)
+    r, sa, sb = resolve(_torch_1x128(m, kb), sw1.t(), m, n, k)
+    assert r == "1x128_1x128" and sb.shape == (n, kb) and torch.equal(sb, sw1)
+
+
+def test_padded_block_scales_are_trimmed():
+    m, n, k = 300, 640, 640  # Kb = 5, padded to 8
+    sw = torch.rand(5, 8)  # (ceil(N/128), L4) as cuBLAS stores it
+    r, sa, sb = resolve(torch.rand(m, 5), sw.t(), m, n, k)
+    assert r == "1x128_128x128" and sb.shape == (5, 5) and torch.equal(sb, sw[:, :5])
+
+
+def test_explicit_recipes_and_errors():
+    m, n, k = 256, 256, 512
+    st = F.ScalingType
+    r, _, _ = resolve(torch.rand(m, 4), torch.rand(4, 2), m, n, k, st.BlockWise1x128, st.BlockWise128x128)
+    assert r == "1x128_128x128"
+    assert resolve(torch.rand(m, 4), torch.rand(4, 2), m, n, k, "1x128", "128x128")[0] == "1x128_128x128"
+    with pytest.raises(ValueError, match=r"scale_b for 128x128 scaling must have shape \(4, 2\)"):
+        resolve(torch.rand(m, 4), torch.rand(2, 4), m, n, k, "1x128", "128x128")
+    with pytest.raises(ValueError, match="128x128 x 1x128 are not supported"):
+        resolve(torch.rand(2, 4), torch.rand(4, n), m, n, k, st.BlockWise128x128, st.BlockWise1x128)
+    with pytest.raises(ValueError, match="give both"):
+        resolve(torch.rand(m, 4), torch.rand(4, 2), m, n, k, "1x128")
+    with pytest.raises(ValueError, match="unknown scale recipe"):
+        resolve(torch.rand(m, 4), torch.rand(4, 2), m, n, k, "1x64", "128x128")
+    with pytest.raises(ValueError, match=r"1x128 x 128x128: \(256, 4\) x \(4, 2\)"):
+        resolve(torch.rand(m, 3), torch.rand(4, 2), m, n, k)

@@ -1,0 +1,111 @@
+"""Hopper block-scaled FP8 GEMM on the GPU (1x128 x 128x128, 128x128 x 128x128, 1x128 x 1x128).
+
+Operands get a random magnitude per scale block (2^-4 .. 2^2: wide, yet fp16 outputs stay finite), so a scale applied to the wrong row,
+column or K block shows up as a large error, not as noise.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cutedsl_gemm
+from cutedsl_gemm import reference as R
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 2e-4}
+RECIPES = ["1x128_128x128", "128x128_128x128", "1x128_1x128"]
+
+# (M, N, K, A fmt, B fmt, out dtype, bias): the Hopper FP8 issue's shapes plus K = 7056 (a partial last K
+# block) and N = 576 / 1040 (a partial last N block).
+SHAPES = [
+    (1, 512, 256, "e4m3", "e4m3", torch.bfloat16, False),
+    (7, 576, 2048, "e4m3", "e4m3", torch.bfloat16, True),
+    (64, 4608, 7168, "e4m3", "e4m3", torch.bfloat16, False),
+    (129, 7168, 2048, "e4m3", "e5m2", torch.bfloat16, True),
+    (1000, 512, 7168, "e5m2", "e4m3", torch.float16, False),
+    (6144, 4608, 7168, "e4m3", "e4m3", torch.bfloat16, False),
+    (6144, 576, 256, "e5m2", "e5m2", torch.float32, False),
+    (1, 7168, 7056, "e4m3", "e4m3", torch.float32, True),
+    (129, 576, 7056, "e4m3", "e4m3", torch.bfloat16, True),
+    (1000, 7168, 7056, "e4m3", "e4m3", torch.bfloat16, False),
+    (333, 1040, 464, "e4m3", "e4m3", torch.bfloat16, True),
+    (64, 576, 256, "e4m3", "e4m3", torch.float16, True),
+]
+
+
+def _block_magnitudes(rows, k, rb, device):
+    """A random power of two per (rb rows x 128 K) block, expanded to (rows, k)."""
+    g = torch.randint(-4, 3, (-(-rows // rb), -(-k // 128)), device=device).float().exp2()
+    return g.repeat_interleave(rb, 0)[:rows].repeat_interleave(128, 1)[:, :k]
+
+
+def _operands(m, n, k, fa, fb, recipe):
+    rec = cutedsl_gemm.recipe(recipe)
+    a = torch.randn(m, k, device="cuda") * _block_magnitudes(m, k, rec.a.rows, "cuda")
+    w = torch.randn(n, k, device="cuda") * _block_magnitudes(n, k, rec.b.rows, "cuda")
+    return R.quantize_operands(a, w, recipe, fa, fb)  # qa, sa, qw, sw in plain (rows or blocks, Kb) layout
+
+
+def _torch_layout(s, gran_rows):
+    """The same scales in F.scaled_mm's layout for the operand: 1x128 outer-dim-major; 128x128 with the
+    K-block axis padded to a multiple of 4 (cuBLAS's storage, passed whole)."""
+    rows, kb = s.shape
+    if gran_rows == 1:
+        return s.t().contiguous().t()
+    l4 = -(-kb // 4) * 4
+    out = torch.ones(rows, l4, device=s.device)
+    out[:, :kb] = s
+    return out
+
+
+@pytest.mark.parametrize("layout", ["torch", "plain"])
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("m,n,k,fa,fb,out_dtype,use_bias", SHAPES)
+def test_block_scaled_matches_reference(m, n, k, fa, fb, out_dtype, use_bias, recipe, layout):
+    torch.manual_seed(m * 131 + n * 17 + k + len(recipe))
+    qa, sa, qw, sw = _operands(m, n, k, fa, fb, recipe)
+    rec = cutedsl_gemm.recipe(recipe)
+    if layout == "torch":
+        scale_a, scale_b = _torch_layout(sa, rec.a.rows), _torch_layout(sw, rec.b.rows).t()
+    else:
+        scale_a, scale_b = sa.contiguous(), sw.t().contiguous()
+    bias = torch.randn(n, device="cuda").to(out_dtype) if use_bias else None
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+    cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b, bias=bias, out_dtype=out_dtype, out=out)
+    torch.cuda.synchronize()
+    ref = R.reference_gemm(qa, sa, qw, sw, recipe, bias=bias)
+    err = R.rel_error(out, ref)
+    assert err <= TOL[out_dtype], f"relative error {err:.3e} > {TOL[out_dtype]:.0e}"
+
+
+def test_deepseek_recipe_matches_torch_blockwise():
+    m, n, k = 512, 1536, 7168
+    qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", "1x128_128x128")
+    scale_a, scale_b = _torch_layout(sa, 1), _torch_layout(sw, 128).t()
+    ours = cutedsl_gemm.scaled_mm(
+        qa, qw.t(), scale_a, scale_b, scale_recipe_a=F.ScalingType.BlockWise1x128,
+        scale_recipe_b=F.ScalingType.BlockWise128x128,
+    )
+    theirs = F.scaled_mm(
+        qa, qw.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b, F.ScalingType.BlockWise128x128,
+        output_dtype=torch.bfloat16,
+    )
+    ref = R.reference_gemm(qa, sa, qw, sw, "1x128_128x128")
+    assert R.rel_error(ours, ref) <= 2e-3
+    assert R.rel_error(ours, theirs.double()) <= 4e-3
+
+
+@pytest.mark.parametrize("m", [1, 300, 2048])
+def test_quantize_then_gemm_end_to_end(m):
+    """bf16 activations -> quantize_fp8 (1x128, GEMM layout) -> scaled_mm against pre-quantized weights."""
+    n, k = 2048, 7168
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    qx, sx = cutedsl_gemm.quantize_fp8(x, "1x128")
+    qw, sw = cutedsl_gemm.quantize_fp8(w, "128x128", scale_layout="padded")
+    out = cutedsl_gemm.scaled_mm(qx, qw.t(), sx, sw.t())
+    ref = x.double() @ w.double().t()
+    assert R.rel_error(out, ref) <= 6e-2  # FP8 quantization error of both operands, not GEMM error
+    ref_q = R.reference_gemm(qx, sx.contiguous(), qw, sw[:, : -(-k // 128)].contiguous(), "1x128_128x128")
+    assert R.rel_error(out, ref_q) <= 2e-3
