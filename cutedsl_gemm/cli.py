@@ -1,4 +1,5 @@
-"""``cutedsl-gemm`` command line: demo, info, bench."""
+"""``cutedsl-gemm`` command line: demo, info, bench, export, precompile, catalog (the last three only parse
+arguments; the work is in ``cutedsl_gemm.generators``)."""
 
 from __future__ import annotations
 
@@ -102,6 +103,64 @@ def cmd_bench(args) -> int:
     return bench_gemm.main(args.rest) or 0
 
 
+def cmd_export(args) -> int:
+    from cutedsl_gemm.generators import export as E
+    from cutedsl_gemm.generators.runner import SelectionError
+
+    try:
+        res = E.export(args.arch, args.out, args.filter or (), args.limit, args.jobs)
+        print(f"exported {len(res.instances)} instance(s) ({len(res.kernels)} kernels) for {args.arch} to {res.out_dir}; "
+              f"build: cmake -S {res.out_dir} -B build && cmake --build build")
+        if args.shared:
+            print(f"linked {E.build_shared(res.out_dir)}")
+    except (SelectionError, E.ExportError) as e:
+        print(f"cutedsl-gemm export: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_precompile(args) -> int:
+    from cutedsl_gemm.generators.precompile import PrecompileError, precompile
+    from cutedsl_gemm.generators.runner import SelectionError
+
+    try:
+        rep = precompile(args.arch, args.filter or (), args.jobs, args.limit)
+    except (SelectionError, PrecompileError) as e:
+        print(f"cutedsl-gemm precompile: {e}", file=sys.stderr)
+        return 2
+    for name, err in rep.failed:
+        print(f"  FAILED {name}: {err}", file=sys.stderr)
+    return 1 if rep.failed else 0
+
+
+def cmd_catalog(args) -> int:
+    from cutedsl_gemm.generators import catalog as C
+
+    docs = args.docs or C.DOCS_DIR
+    if args.check:
+        problems = C.check(docs)
+        for p in problems:
+            print(f"  {p.kind}: {p.text}", file=sys.stderr)
+        print(f"catalog: {'stale, run `' + C.REGENERATE + '`' if problems else 'up to date'} ({docs})", file=sys.stderr)
+        return 1 if problems else 0
+    try:
+        rep = C.refresh(docs, args.jobs)
+    except FileNotFoundError as e:
+        print(f"cutedsl-gemm catalog: {e}", file=sys.stderr)
+        return 2
+    for name, err in rep.failed:
+        print(f"  FAILED {name}: {err}", file=sys.stderr)
+    return 1 if rep.failed else 0
+
+
+def _add_selection(p, what: str):
+    p.add_argument("--arch", default="sm_90a", help="target arch of the instances (default sm_90a)")
+    p.add_argument("--filter", action="append", metavar="SUBSTR",
+                   help=f"{what} only instances whose name contains SUBSTR (repeatable: any of them)")
+    p.add_argument("--limit", type=int, help="at most N instances (manifest order)")
+    p.add_argument("--jobs", type=int, help="parallel compile processes (default: CPU count)")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="cutedsl-gemm", description="FP8/FP6/FP4 GEMM kernels in the CuTe DSL")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -110,5 +169,18 @@ def main(argv=None) -> int:
     b = sub.add_parser("bench", help="benchmark against cuBLAS (Hopper GPU); arguments go to benchmarks.bench_gemm")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
+    e = sub.add_parser("export", help="AOT: C objects + headers, registry, CMake fragment for manifest instances (no GPU)")
+    _add_selection(e, "export")
+    e.add_argument("--out", required=True, help="output directory")
+    e.add_argument("--shared", action="store_true", help="also link lib<...>.so with the system C compiler")
+    e.set_defaults(fn=cmd_export)
+    pc = sub.add_parser("precompile", help="fill the on-disk JIT cache for manifest instances, in parallel")
+    _add_selection(pc, "compile")
+    pc.set_defaults(fn=cmd_precompile)
+    c = sub.add_parser("catalog", help="render docs/kernels.md (compiles only new or changed instances)")
+    c.add_argument("--check", action="store_true", help="exit 1 if the catalog is stale; compiles nothing")
+    c.add_argument("--docs", help="docs directory (default: the repository's docs/)")
+    c.add_argument("--jobs", type=int, help="parallel compile processes (default: CPU count)")
+    c.set_defaults(fn=cmd_catalog)
     args = p.parse_args(argv)
     return args.fn(args)
