@@ -19,8 +19,11 @@ from .common import SETS, FP8_TFLOPS, bench, cublas_call, gbps, geomean, make_op
 from cutedsl_gemm import reference as R
 
 
-def run(sets, recipes, out_path=None, check=True, fast_accum=False):
+def run(sets, recipes, out_path=None, check=True, fast_accum=False, shapes=None):
     rows = []
+    if shapes:
+        SETS["custom"] = shapes
+        sets = ["custom"]
     print(f"{'set':16s} {'recipe':15s} {'M':>5s} {'N':>5s} {'K':>5s} | {'ours us':>8s} {'cuBLAS us':>9s} {'ratio':>6s} | "
           f"{'TFLOPS':>7s} {'%peak':>6s} {'GB/s':>6s} | {'err':>8s} {'cublas err':>10s} | bf16 us")
     for set_name in sets:
@@ -107,13 +110,15 @@ def main(argv=None):
     p.add_argument("--recipes", default="tensor,row")
     p.add_argument("--out", default=None)
     p.add_argument("--fast-accum", action="store_true", help="use_fast_accum=True for both us and cuBLAS")
+    p.add_argument("--shapes", default=None, help="MxNxK,... instead of the named sets")
     p.add_argument("--e2e", action="store_true", help="quantize + GEMM end to end (DeepSeek recipe, M >= 1024)")
     args = p.parse_args(argv)
     if args.e2e:
         run_e2e([(m, n, k) for (m, n, k) in SETS["dsv3"] if k % 128 == 0] + [(8192, 8192, 8192)], args.out)
         return
     print(f"use_fast_accum={args.fast_accum}")
-    run(args.sets.split(","), args.recipes.split(","), args.out, fast_accum=args.fast_accum)
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes else None
+    run(args.sets.split(","), args.recipes.split(","), args.out, fast_accum=args.fast_accum, shapes=shapes)
 
 
 if __name__ == "__main__":

@@ -115,11 +115,11 @@ class Sm90Fp8Gemm:
             raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
         if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
             raise ValueError(f"recipe must be 'tensor', 'row' or one of {sorted(BLOCK_RECIPES)}, got {cfg.recipe!r}")
-        if is_block_scaled(cfg.recipe) and (cfg.accum != "promoted" or cfg.tile_n != 128):
+        if is_block_scaled(cfg.recipe) and (cfg.accum != "promoted" or 128 % cfg.tile_n):
             raise ValueError(
                 f"block-scaled recipe {cfg.recipe!r} scales each K tile while promoting it: it needs "
-                f"accum='promoted' and tile_n=128 (one 128-wide W scale block per tile), got accum={cfg.accum!r} "
-                f"tile_n={cfg.tile_n}"
+                f"accum='promoted' and a tile_n that divides 128 (one W scale block per tile), got "
+                f"accum={cfg.accum!r} tile_n={cfg.tile_n}"
             )
         if cfg.accum == "promoted" and cfg.tile_n > 128:
             raise ValueError(
