@@ -132,15 +132,19 @@ def resolve(
                 )
             )
     recipe = _PAIRS[pair]
-    if recipe == "tensor":
-        return recipe, scale_a.reshape(1), scale_b.reshape(1)
     if recipe == "row":
         if m > 1 and scale_a.stride(0) != 1:
             raise ValueError(f"scale_a (M, 1) must be contiguous, got strides {tuple(scale_a.stride())}")
         if n > 1 and scale_b.stride(1) != 1:
             raise ValueError(f"scale_b (1, N) must be contiguous, got strides {tuple(scale_b.stride())}")
-        return recipe, scale_a, scale_b
-    # Block-scaled: the kernel takes (rows or row blocks, Kb) for both operands.
-    sa = scale_a[:, :kb]
-    sb = scale_b[:kb].t()
-    return recipe, sa, sb
+    return (recipe,) + kernel_views(recipe, kb, scale_a, scale_b)
+
+
+def kernel_views(recipe: str, kb: int, scale_a: torch.Tensor, scale_b: torch.Tensor):
+    """The views the Hopper kernels take: (1,) x (1,) per tensor, (M, 1) x (1, N) per row, and
+    (rows or row blocks, Kb) for both operands when block-scaled (padding columns dropped)."""
+    if recipe == "tensor":
+        return scale_a.reshape(1), scale_b.reshape(1)
+    if recipe == "row":
+        return scale_a, scale_b
+    return scale_a[:, :kb], scale_b[:kb].t()

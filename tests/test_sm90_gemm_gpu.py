@@ -108,3 +108,17 @@ def test_runs_on_current_stream():
         cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=out)
     s.synchronize()
     assert R.rel_error(out, R.reference_gemm(*plain, "tensor")) <= 2e-3
+
+
+def test_repeated_signature_still_checks_alignment_and_computes_fresh_data():
+    """The per-signature fast path must not skip what the signature does not prove (a misaligned view)."""
+    m, n, k = 64, 512, 256
+    for _ in range(2):  # the second call takes the fast path, on new data
+        qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", "row")
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=out)
+        assert R.rel_error(out, R.reference_gemm(*plain, "row")) <= 2e-3
+    big = torch.randn(m * k + 16, device="cuda").to(torch.float8_e4m3fn)
+    shifted = big[1 : 1 + m * k].view(m, k)  # same shape and strides, base 1 byte off
+    with pytest.raises(ValueError, match="16-byte aligned base address"):
+        cutedsl_gemm.scaled_mm(shifted, qw.t(), sa, sb, out=out)
