@@ -45,6 +45,13 @@ def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, sca
     )
 
 
+def _compiled(inst):
+    """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
+    from cutedsl_gemm.sm90_compile import compile_gemm
+
+    return KERNEL_CACHE.get(inst, lambda: compile_gemm(inst.sm90_config(), inst.arch), arch=inst.arch)
+
+
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
