@@ -234,8 +234,9 @@ class RefreshReport:
 def refresh(docs_dir: Path = DOCS_DIR, jobs: Optional[int] = None, stream=None) -> RefreshReport:
     """Compile what is stale, prune facts no instance uses, rewrite the sidecar and the page."""
     docs_dir = Path(docs_dir)
-    if not docs_dir.is_dir():
-        raise FileNotFoundError(f"{docs_dir} does not exist: pass --docs DIR (the repository's docs/)")
+    if not docs_dir.parent.is_dir():
+        raise FileNotFoundError(f"{docs_dir.parent} does not exist: pass --docs DIR (the repository's docs/)")
+    docs_dir.mkdir(exist_ok=True)
     todo = stale(docs_dir)
     entries = load_sidecar(docs_dir)
     results = run_parallel(collect_facts, todo, jobs, "catalog", describe=lambda i: i.name, stream=stream)

@@ -8,6 +8,7 @@ from a fresh interpreter.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -64,12 +65,24 @@ class TaskResult:
     seconds: float = 0.0
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def condense_error(e: BaseException, limit: int = 400) -> str:
+    """One line for a progress log: DSL errors span many coloured lines around one ``error:`` line."""
+    lines = [ln.strip() for ln in _ANSI.sub("", str(e)).splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("error:")]
+    text = " | ".join(errors or lines) or repr(e)
+    text = f"{type(e).__name__}: {text}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _timed(fn, item):
     t0 = time.perf_counter()
     try:
         return True, fn(item), "", time.perf_counter() - t0
     except Exception as e:  # reported per item; one broken instance must not hide the others
-        return False, None, f"{type(e).__name__}: {e}", time.perf_counter() - t0
+        return False, None, condense_error(e), time.perf_counter() - t0
 
 
 class Progress:
