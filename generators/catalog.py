@@ -54,7 +54,6 @@ def _sm90_gemm_facts(inst: KernelInstance) -> dict:
         "smem_bytes": rep.smem_bytes,
         "stages": Sm90Fp8Gemm(inst.sm90_config()).ab_stages,
         "mma": mma,
-        "instructions": dict(sorted(rep.instructions.items())),
     }
 
 
