@@ -108,6 +108,20 @@ def blocked_offset(r, c, k_blocks: int):
     return atom * SF_ATOM_BYTES + (r % 32) * 16 + ((r % SF_ATOM_ROWS) // 32) * 4 + c % SF_ATOM_COLS
 
 
+def blocked_scale_words(blocked: torch.Tensor, rows: int, k_blocks: int) -> torch.Tensor:
+    """The blocked scales as the GEMM's scale TMA reads them: int32 words of shape
+    ``(row atoms, col atoms * 128)``, row ``ra`` holding the 512-byte atoms of rows ``128 ra ..`` one
+    after another (word ``ca * 128 + w`` is bytes ``4w .. 4w + 3`` of atom ``(ra, ca)``). A view, no copy.
+    """
+    pr, pc = blocked_scale_shape(rows, k_blocks)
+    if blocked.element_size() != 1 or blocked.numel() != pr * pc:
+        raise ValueError(f"expected {pr * pc} one-byte blocked scales for {rows} x {k_blocks}; got {blocked.numel()} x {blocked.dtype}")
+    flat = _as_bytes(blocked).reshape(-1)
+    if flat.storage_offset() % 4:
+        raise ValueError("blocked scales must start on a 4-byte boundary to be read as words")
+    return flat.view(torch.int32).view(pr // SF_ATOM_ROWS, (pc // SF_ATOM_COLS) * (SF_ATOM_BYTES // 4))
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 

@@ -24,6 +24,7 @@ reference, and ``sm100_f8f6f4_mm`` raises a clear error.
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -118,10 +119,12 @@ def resolve_format(name: str, t: torch.Tensor, fmt) -> ElementFormat:
     return f
 
 
-def operand_bytes(name: str, t: torch.Tensor, fmt: ElementFormat, k_dim: int):
+def operand_bytes(name: str, t: torch.Tensor, fmt: ElementFormat, k_dim: int, *, unpack: bool = True):
     """Check one operand against the TMA rules and return (rows, K, (rows, row_bytes) uint8 view).
 
-    ``k_dim`` is the tensor dimension that holds K (1 for A (M, K); 0 for b (K, N)).
+    ``k_dim`` is the tensor dimension that holds K (1 for A (M, K); 0 for b (K, N)). ``unpack=False``
+    is for packed FP4 that stays packed in shared memory (block-scaled kinds mxf4 / mxf4nvf4): its bytes
+    are loaded like 8-bit data, so only the 16-byte row and base rules apply.
     """
     if t.dim() != 2:
         raise ValueError(f"{name} must be 2-D, got shape {tuple(t.shape)}")
@@ -132,18 +135,19 @@ def operand_bytes(name: str, t: torch.Tensor, fmt: ElementFormat, k_dim: int):
     rows = raw.size(1 - k_dim)
     row_bytes = raw.size(k_dim)
     k = fp_packing.logical_k(row_bytes, fmt)
-    if fmt.bits == 8:
-        base_align, k_mult = BYTE_BASE_ALIGN, BYTE_K_MULTIPLE
+    unpacked = fmt.bits < 8 and unpack
+    if not unpacked:
+        base_align, k_mult = BYTE_BASE_ALIGN, BYTE_K_MULTIPLE * 8 // fmt.bits
     else:
         base_align, k_mult = SUBBYTE_BASE_ALIGN, SUBBYTE_K_MULTIPLE
     if k % k_mult:
-        what = "TMA unpacking of packed FP4/FP6" if fmt.bits < 8 else "TMA (16-byte rows)"
+        what = "TMA unpacking of packed FP4/FP6" if unpacked else "TMA (16-byte rows)"
         raise ValueError(
             f"{name}: {what} needs the leading (K) dimension to be a multiple of {k_mult} elements; "
             f"{fmt.name} row of {row_bytes} bytes holds K={k}"
         )
     stride_bytes = raw.stride(1 - k_dim)
-    if rows > 1 and stride_bytes != row_bytes:
+    if rows > 1 and row_bytes and stride_bytes != row_bytes:  # (an empty K has no row layout to check)
         raise ValueError(
             f"{name}: rows of K must be packed back to back (row stride {row_bytes} bytes), got a stride of "
             f"{stride_bytes} bytes; pass a contiguous tensor"
@@ -151,10 +155,38 @@ def operand_bytes(name: str, t: torch.Tensor, fmt: ElementFormat, k_dim: int):
     if raw.data_ptr() % base_align:
         raise ValueError(
             f"{name}: base address must be {base_align}-byte aligned for {fmt.name} "
-            f"({'TMA unpacking' if fmt.bits < 8 else 'TMA'}), got 0x{raw.data_ptr():x}"
+            f"({'TMA unpacking' if unpacked else 'TMA'}), got 0x{raw.data_ptr():x}"
         )
     view = raw if k_dim == 1 else raw.t()
     return rows, k, view
+
+
+def operand_pair(a, b, fmt_a: ElementFormat, fmt_b: ElementFormat, *, unpack: bool = True):
+    """Both operands checked (see :func:`operand_bytes`): (M, N, K, A bytes (M, .), B bytes (N, .))."""
+    m, ka, a_bytes = operand_bytes("a", a, fmt_a, 1, unpack=unpack)
+    n, kb, b_bytes = operand_bytes("b", b, fmt_b, 0, unpack=unpack)
+    if ka != kb:
+        raise ValueError(f"K mismatch: a holds K={ka} {fmt_a.name} values per row, b holds K={kb} {fmt_b.name} values per column")
+    return m, n, ka, a_bytes, b_bytes
+
+
+def check_output(n: int, out_dtype, bias) -> None:
+    """Output dtype, the TMA store's 16-byte rows, and the optional (N,) bias."""
+    if out_dtype not in OUT_DTYPES:
+        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
+    out_size = torch.empty((), dtype=out_dtype).element_size()
+    if (n * out_size) % 16:
+        raise ValueError(f"N={n}: output rows must be a multiple of 16 bytes for the TMA store ({16 // out_size} {out_dtype} elements)")
+    if bias is not None:
+        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
+            raise TypeError("bias must be a floating-point torch.Tensor of shape (N,)")
+        if tuple(bias.shape) != (n,):
+            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
+
+
+def default_use_2cta(m: int, tile_n: int, use_2cta: Optional[bool]) -> bool:
+    """2-CTA (256-row MMA) when M spans more than one 128-row tile, unless the caller chose."""
+    return bool(m > 128 and tile_n >= 128) if use_2cta is None else bool(use_2cta)
 
 
 @dataclass
@@ -174,29 +206,15 @@ def prepare(a, b, *, fmt_a=None, fmt_b=None, scale_a, scale_b, bias=None, out_dt
     """All device-independent checks; returns the byte views and the compile configuration."""
     fa = resolve_format("a", a, fmt_a)
     fb = resolve_format("b", b, fmt_b)
-    m, ka, a_bytes = operand_bytes("a", a, fa, 1)
-    n, kb, b_bytes = operand_bytes("b", b, fb, 0)
-    if ka != kb:
-        raise ValueError(f"K mismatch: a holds K={ka} {fa.name} values per row, b holds K={kb} {fb.name} values per column")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    out_size = torch.empty((), dtype=out_dtype).element_size()
-    if (n * out_size) % 16:
-        raise ValueError(f"N={n}: output rows must be a multiple of 16 bytes for the TMA store ({16 // out_size} {out_dtype} elements)")
+    m, n, k, a_bytes, b_bytes = operand_pair(a, b, fa, fb)
+    check_output(n, out_dtype, bias)
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor holding one float32 (per-tensor scale), got {type(s).__name__}")
         if s.dtype != torch.float32 or s.numel() != 1:
             raise ValueError(f"{name} must be a one-element torch.float32 tensor (per-tensor scale), got {s.dtype} with {s.numel()} elements")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise TypeError("bias must be a floating-point torch.Tensor of shape (N,)")
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    if use_2cta is None:
-        use_2cta = m > 128 and tile_n >= 128
-    cfg = Sm100Config(OUT_DTYPES[out_dtype], bias is not None, bool(use_2cta), tile_n)
-    return Problem(m, n, ka, fa, fb, a_bytes, b_bytes, cfg)
+    cfg = Sm100Config(OUT_DTYPES[out_dtype], bias is not None, default_use_2cta(m, tile_n, use_2cta), tile_n)
+    return Problem(m, n, k, fa, fb, a_bytes, b_bytes, cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -242,6 +260,7 @@ def build(cfg: Sm100Config, ptx_dir: Optional[str] = None):
     kernel = Sm100F8F6F4Gemm(getattr(cutlass, cfg.out_dtype), cfg.use_2cta, cfg.tile_n, cfg.has_bias)
     options = "--enable-tvm-ffi"
     if ptx_dir is not None:
+        os.makedirs(ptx_dir, exist_ok=True)  # the DSL keeps no PTX text for a dump dir that does not exist
         options += f" --keep-ptx --dump-dir={ptx_dir}"
     return cute.compile(kernel, *fake_args(cfg), options=options)
 
@@ -256,12 +275,12 @@ def compiled_kernel(cfg: Sm100Config, *, arch: Optional[str] = None, ptx_dir: Op
 # ------------------------------------------------------------------------------------------------
 
 
-def require_sm100(*tensors: torch.Tensor) -> torch.device:
+def require_sm100(*tensors: torch.Tensor, entry: str = "sm100_f8f6f4_mm", reference: str = "reference_f8f6f4") -> torch.device:
     devs = {t.device for t in tensors if isinstance(t, torch.Tensor)}
     if any(d.type != "cuda" for d in devs):
         raise RuntimeError(
-            "sm100_f8f6f4_mm runs on an NVIDIA Blackwell GPU (sm_100, e.g. B200) and needs CUDA tensors; "
-            f"got tensors on {sorted(str(d) for d in devs)}. Use reference_f8f6f4 for a CPU result."
+            f"{entry} runs on an NVIDIA Blackwell GPU (sm_100, e.g. B200) and needs CUDA tensors; "
+            f"got tensors on {sorted(str(d) for d in devs)}. Use {reference} for a CPU result."
         )
     if len(devs) != 1:
         raise ValueError(f"all tensors must be on one CUDA device, got {sorted(str(d) for d in devs)}")
@@ -269,7 +288,7 @@ def require_sm100(*tensors: torch.Tensor) -> torch.device:
     major, minor = torch.cuda.get_device_capability(dev)
     if major != 10:
         raise RuntimeError(
-            f"sm100_f8f6f4_mm needs a Blackwell GPU with compute capability 10.x (sm_100a); "
+            f"{entry} needs a Blackwell GPU with compute capability 10.x (sm_100a); "
             f"{torch.cuda.get_device_name(dev)} is sm_{major}{minor}"
         )
     return dev
@@ -291,24 +310,47 @@ def _num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def launch_operands(dev: torch.device, a_bytes, storage_a: int, b_bytes, storage_b: int):
+    """The six operand views a launch passes: each operand in its storage class, dummies elsewhere."""
+    views, _ = _dummies(dev.index)
+    a_args = list(views)
+    b_args = list(views)
+    a_args[storage_a] = a_bytes
+    b_args[storage_b] = b_bytes
+    return a_args, b_args
+
+
+def max_clusters(dev: torch.device, use_2cta: bool) -> int:
+    return _num_sms(dev.index) // (2 if use_2cta else 1)
+
+
 def sm100_f8f6f4_mm(a, b, *, fmt_a=None, fmt_b=None, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16,
                     use_2cta: Optional[bool] = None, tile_n: int = 128) -> torch.Tensor:
     """``(scale_a * scale_b) * (A @ B) (+ bias)`` for A, B in any of E4M3/E5M2/E3M2/E2M3/E2M1."""
     p = prepare(a, b, fmt_a=fmt_a, fmt_b=fmt_b, scale_a=scale_a, scale_b=scale_b, bias=bias,
                 out_dtype=out_dtype, use_2cta=use_2cta, tile_n=tile_n)
     dev = require_sm100(a, b, scale_a, scale_b, *(t for t in (bias,) if t is not None))
+    if p.m == 0 or p.n == 0 or p.k == 0:  # no launch: the kernel's accumulator is only defined for K > 0
+        return empty_product(p.m, p.n, bias, out_dtype, dev)
     fn = compiled_kernel(p.config)
-    views, dummy_bias = _dummies(dev.index)
-    a_args = list(views)
-    b_args = list(views)
-    a_args[STORAGE_CLASS[p.fmt_a.name]] = p.a
-    b_args[STORAGE_CLASS[p.fmt_b.name]] = p.b
+    a_args, b_args = launch_operands(dev, p.a, STORAGE_CLASS[p.fmt_a.name], p.b, STORAGE_CLASS[p.fmt_b.name])
     out = torch.empty(p.m, p.n, dtype=out_dtype, device=dev)
-    bias_arg = dummy_bias if bias is None else bias.to(torch.float32).contiguous()
-    clusters = _num_sms(dev.index) // (2 if p.config.use_2cta else 1)
-    fn(*a_args, *b_args, out, scale_a.reshape(1), scale_b.reshape(1), bias_arg, p.k,
-       MMA_FORMAT_CODE[p.fmt_a.name], MMA_FORMAT_CODE[p.fmt_b.name], clusters)
+    fn(*a_args, *b_args, out, scale_a.reshape(1), scale_b.reshape(1), bias_argument(dev, bias), p.k,
+       MMA_FORMAT_CODE[p.fmt_a.name], MMA_FORMAT_CODE[p.fmt_b.name], max_clusters(dev, p.config.use_2cta))
     return out
+
+
+def empty_product(m: int, n: int, bias, out_dtype, dev: torch.device) -> torch.Tensor:
+    """The result of a GEMM with M, N or K zero: (M, N) zeros, plus the bias."""
+    out = torch.zeros(m, n, dtype=torch.float32, device=dev)
+    if bias is not None:
+        out += bias.to(device=dev, dtype=torch.float32)
+    return out.to(out_dtype)
+
+
+def bias_argument(dev: torch.device, bias) -> torch.Tensor:
+    """fp32 contiguous bias, or a one-element dummy the kernel never reads (has_bias=False)."""
+    return _dummies(dev.index)[1] if bias is None else bias.to(torch.float32).contiguous()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,13 +6,16 @@
 packed FP6 in uint8), and scale factors in the SWIZZLE_32_4_4 blocked layout
 (:mod:`cutedsl_gemm.microscaling`).
 
-==============  ==================  ===================  =====  ======================================
-recipe          elements            scale (per K block)  block  tcgen05 kind
-==============  ==================  ===================  =====  ======================================
-MXFP8/6, mixed  any f8f6f4 pair     ``float8_e8m0fnu``   32     ``kind::mxf8f6f4.block_scale``
-MXFP4           e2m1 x e2m1         ``float8_e8m0fnu``   32     ``kind::mxf4.block_scale.scale_vec::2X``
-NVFP4           e2m1 x e2m1         ``float8_e4m3fn``    16     ``kind::mxf4nvf4.block_scale.scale_vec::4X``
-==============  ==================  ===================  =====  ======================================
+==============  ==================  ===================  =====  =============================================
+recipe          elements            scale (per K block)  block  tcgen05 kind (PTX; older name)
+==============  ==================  ===================  =====  =============================================
+MXFP8/6, mixed  any f8f6f4 pair     ``float8_e8m0fnu``   32     ``kind::mxf8f6f4.block_scale.block32`` (1X)
+MXFP4           e2m1 x e2m1         ``float8_e8m0fnu``   32     ``kind::mxf4.block_scale.block32`` (2X)
+NVFP4           e2m1 x e2m1         ``float8_e4m3fn``    16     ``kind::mxf4nvf4.block_scale.block16`` (4X)
+==============  ==================  ===================  =====  =============================================
+
+MXFP4 and NVFP4 keep their operands packed in shared memory: K must be a multiple of 32 elements (16-byte
+rows). Pairs through ``mxf8f6f4`` follow the f8f6f4 GEMM's rules (FP6/FP4 operands: K a multiple of 128).
 
 NVFP4's per-tensor fp32 global scales are one-element *device* tensors that the epilogue multiplies in
 (no host synchronisation); MX recipes have none (1.0).
@@ -21,12 +24,23 @@ NVFP4's per-tensor fp32 global scales are one-element *device* tensors that the 
 ``[BlockWise1x16, TensorWise]`` lists for NVFP4 with global scales, ``SwizzleType.SWIZZLE_32_4_4`` or
 ``NO_SWIZZLE`` plain scales, which are converted) so code written for torch can switch.
 
-Without an sm_100 GPU everything here validates and computes :func:`reference_blockscaled_mm`; the GEMM
-itself raises a clear error.
+The kernel is the f8f6f4 GEMM with its scale-factor hooks switched on
+(``kernels/sm100/blockscaled_gemm.py``), compiled once per (kind, output dtype, bias, 1-/2-CTA): inside
+``mxf8f6f4`` the operand formats are run-time values, so MXFP8, MXFP6 and every mixed MX pair share one
+compilation. Tiles are 128 x 128 (1-CTA) or 256 x 128 (2-CTA, chosen when M > 128).
+
+Without an sm_100 GPU everything here validates, compiles for sm_100a (``CUTE_DSL_ARCH=sm_100a``) and
+computes :func:`reference_blockscaled_mm`; the GEMM itself raises a clear error. It has not been run on a
+GPU in this project.
+
+Padding bytes of the blocked scales (rows past M/N, scale columns past K/block) multiply zero-filled
+operand data; they must be finite codes (torch and this package pad with 0), a NaN there would poison
+the row.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
@@ -34,11 +48,30 @@ import torch
 
 from . import microscaling as ms
 from .formats import E2M1, E4M3, UE8M0, ElementFormat
-from .sm100 import OUT_DTYPES, operand_bytes, resolve_format
+from .jit import KERNEL_CACHE
+from .sm100 import (
+    MMA_FORMAT_CODE,
+    OUT_DTYPES,
+    STORAGE_CLASS,
+    Sm100Config,
+    bias_argument,
+    check_output,
+    default_use_2cta,
+    empty_product,
+    launch_operands,
+    max_clusters,
+    operand_pair,
+    require_sm100,
+    resolve_format,
+)
 
 MX_SCALE_DTYPE = UE8M0.torch_dtype  # torch.float8_e8m0fnu
 NV_SCALE_DTYPE = E4M3.torch_dtype  # torch.float8_e4m3fn
-KINDS = ("mxf8f6f4", "mxf4", "mxf4nvf4")
+#: kind -> K elements per scale factor
+KINDS = {"mxf8f6f4": ms.MX_BLOCK, "mxf4": ms.MX_BLOCK, "mxf4nvf4": ms.NVFP4_BLOCK}
+#: kinds whose FP4 operands stay packed in shared memory (loaded as bytes, no TMA unpacking)
+PACKED_FP4_KINDS = ("mxf4", "mxf4nvf4")
+SCALE_BASE_ALIGN = 16  # TMA global address alignment
 
 
 @dataclass(frozen=True)
@@ -51,6 +84,16 @@ class BlockScaledConfig:
     has_bias: bool
     use_2cta: bool
     tile_n: int = 128
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {sorted(KINDS)}, got {self.kind!r}")
+        if self.sf_vec != KINDS[self.kind]:
+            raise ValueError(f"kind {self.kind} uses {KINDS[self.kind]}-element scale blocks, got sf_vec={self.sf_vec}")
+        if self.out_dtype not in OUT_DTYPES.values():
+            raise ValueError(f"out_dtype must be one of {sorted(OUT_DTYPES.values())}, got {self.out_dtype!r}")
+        if self.tile_n != 128:
+            raise ValueError(f"the block-scaled GEMM is built for tile_n=128 only, got {self.tile_n}")
 
     def key(self):
         return ("sm100_blockscaled", self.kind, self.sf_vec, self.out_dtype, self.has_bias, self.use_2cta, self.tile_n)
@@ -141,38 +184,69 @@ def prepare_blockscaled(
     """Every device-independent check; returns byte views, blocked scale bytes and the configuration."""
     fa = resolve_format("a", a, fmt_a)
     fb = resolve_format("b", b, fmt_b)
-    m, ka, a_bytes = operand_bytes("a", a, fa, 1)
-    n, kb_, b_bytes = operand_bytes("b", b, fb, 0)
-    if ka != kb_:
-        raise ValueError(f"K mismatch: a holds K={ka} {fa.name} values per row, b holds K={kb_} {fb.name} values per column")
-    k = ka
     blk_a = _scale_block("scale_a", scale_a, block_size)
     blk_b = _scale_block("scale_b", scale_b, block_size)
     if blk_a != blk_b:
         raise ValueError(f"scale_a ({scale_a.dtype}) and scale_b ({scale_b.dtype}) imply different recipes; both MX or both NVFP4")
     block = blk_a
-    ms.check_k(k, block)
     kind = select_kind(fa, fb, block)
+    # the FP4 kinds read packed bytes straight into shared memory: 16-byte rows, no unpacking rules
+    m, n, k, a_bytes, b_bytes = operand_pair(a, b, fa, fb, unpack=kind not in PACKED_FP4_KINDS)
+    ms.check_k(k, block)
     sfa = _blocked_scales("scale_a", scale_a, m, k, block, swizzled)
     sfb = _blocked_scales("scale_b", scale_b, n, k, block, swizzled)
     ga = _global("global_scale_a", global_scale_a)
     gb = _global("global_scale_b", global_scale_b)
     if kind != "mxf4nvf4" and (ga is not None or gb is not None):
         raise ValueError("per-tensor global scales belong to NVFP4 (float8_e4m3fn block scales); MX recipes have none")
-    if out_dtype not in OUT_DTYPES:
-        raise TypeError(f"out_dtype must be torch.bfloat16, torch.float16 or torch.float32, got {out_dtype}")
-    out_size = torch.empty((), dtype=out_dtype).element_size()
-    if (n * out_size) % 16:
-        raise ValueError(f"N={n}: output rows must be a multiple of 16 bytes for the TMA store ({16 // out_size} {out_dtype} elements)")
-    if bias is not None:
-        if not isinstance(bias, torch.Tensor) or not bias.is_floating_point():
-            raise TypeError("bias must be a floating-point torch.Tensor of shape (N,)")
-        if tuple(bias.shape) != (n,):
-            raise ValueError(f"bias must have shape ({n},), got {tuple(bias.shape)}")
-    if use_2cta is None:
-        use_2cta = m > 128 and tile_n >= 128
-    cfg = BlockScaledConfig(kind, block, OUT_DTYPES[out_dtype], bias is not None, bool(use_2cta), tile_n)
+    check_output(n, out_dtype, bias)
+    cfg = BlockScaledConfig(kind, block, OUT_DTYPES[out_dtype], bias is not None, default_use_2cta(m, tile_n, use_2cta), tile_n)
     return BlockScaledProblem(m, n, k, fa, fb, a_bytes, b_bytes, sfa, sfb, ga, gb, cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation
+# ------------------------------------------------------------------------------------------------
+
+
+def fake_args(cfg: BlockScaledConfig):
+    """Shape-symbolic arguments of ``call_block_scaled``: the dense kernel's, plus the two scale tensors
+    as (row atoms, col atoms x 128) int32 words after the operands."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    from . import sm100
+
+    dense = sm100.fake_args(Sm100Config(cfg.out_dtype, cfg.has_bias, cfg.use_2cta, cfg.tile_n))
+
+    def words():
+        shape = (cute.sym_int(), cute.sym_int(divisibility=ms.SF_ATOM_BYTES // 4))
+        return make_fake_compact_tensor(cutlass.Int32, shape, stride_order=(1, 0), assumed_align=SCALE_BASE_ALIGN)
+
+    return (*dense[:6], words(), words(), *dense[6:])
+
+
+def build(cfg: BlockScaledConfig, ptx_dir: Optional[str] = None):
+    """``cute.compile`` one configuration; with ``ptx_dir`` the PTX is kept (``result.__ptx__``)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from cutedsl_gemm.kernels.sm100.blockscaled_gemm import BlockScaling
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import Sm100F8F6F4Gemm
+
+    kernel = Sm100F8F6F4Gemm(getattr(cutlass, cfg.out_dtype), cfg.use_2cta, cfg.tile_n, cfg.has_bias,
+                             scaling=BlockScaling(cfg.kind))
+    options = "--enable-tvm-ffi"
+    if ptx_dir is not None:
+        os.makedirs(ptx_dir, exist_ok=True)  # the DSL keeps no PTX text for a dump dir that does not exist
+        options += f" --keep-ptx --dump-dir={ptx_dir}"
+    return cute.compile(kernel.call_block_scaled, *fake_args(cfg), options=options)
+
+
+def compiled_kernel(cfg: BlockScaledConfig, *, arch: Optional[str] = None, ptx_dir: Optional[str] = None):
+    """The compiled kernel for ``cfg`` from the process / disk cache (compiling at most once)."""
+    return KERNEL_CACHE.get(cfg.key(), lambda: build(cfg, ptx_dir), arch=arch)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -180,30 +254,73 @@ def prepare_blockscaled(
 # ------------------------------------------------------------------------------------------------
 
 
+def scale_argument(name: str, blocked: torch.Tensor, rows: int, k: int, block: int) -> torch.Tensor:
+    """Blocked scale bytes as the kernel's (row atoms, col atoms x 128) int32 words, base checked for TMA."""
+    if blocked.data_ptr() % SCALE_BASE_ALIGN:
+        raise ValueError(f"{name}: blocked scales must start on a {SCALE_BASE_ALIGN}-byte boundary (TMA), got 0x{blocked.data_ptr():x}")
+    return ms.blocked_scale_words(blocked, rows, k // block)
+
+
+def launch_arguments(p: BlockScaledProblem, dev: torch.device, bias=None):
+    """Everything ``call_block_scaled`` takes after the output, in order, for problem ``p``."""
+    packed = p.config.kind in PACKED_FP4_KINDS
+    a_args, b_args = launch_operands(dev, p.a, 0 if packed else STORAGE_CLASS[p.fmt_a.name],
+                                     p.b, 0 if packed else STORAGE_CLASS[p.fmt_b.name])
+    blk = p.config.sf_vec
+    sfa = scale_argument("scale_a", p.sfa, p.m, p.k, blk)
+    sfb = scale_argument("scale_b", p.sfb, p.n, p.k, blk)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    ga = one if p.global_a is None else p.global_a
+    gb = one if p.global_b is None else p.global_b
+    return (a_args, b_args, sfa, sfb,
+            (ga, gb, bias_argument(dev, bias), p.k, MMA_FORMAT_CODE[p.fmt_a.name], MMA_FORMAT_CODE[p.fmt_b.name],
+             max_clusters(dev, p.config.use_2cta)))
+
+
 def blockscaled_mm(
     a, b, scale_a, scale_b, *, fmt_a=None, fmt_b=None, global_scale_a=None, global_scale_b=None, bias=None,
     out_dtype=torch.bfloat16, block_size: Optional[int] = None, swizzled: bool = True,
+    use_2cta: Optional[bool] = None, out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Block-scaled ``A @ B`` on an sm_100 GPU (see the module doc for conventions)."""
+    """Block-scaled ``A @ B`` on an sm_100 GPU (see the module doc for conventions); ``out``, if given,
+    is a row-major (M, N) tensor of ``out_dtype`` written in place."""
     p = prepare_blockscaled(
         a, b, scale_a, scale_b, fmt_a=fmt_a, fmt_b=fmt_b, global_scale_a=global_scale_a,
         global_scale_b=global_scale_b, bias=bias, out_dtype=out_dtype, block_size=block_size, swizzled=swizzled,
+        use_2cta=use_2cta,
     )
-    from .sm100 import require_sm100
+    tensors = [t for t in (a, b, scale_a, scale_b, global_scale_a, global_scale_b, bias) if t is not None]
+    dev = require_sm100(*tensors, entry="blockscaled_mm", reference="reference_blockscaled_mm")
+    if out is not None:
+        _check_out(out, p.m, p.n, out_dtype, dev)
+    if p.m == 0 or p.n == 0 or p.k == 0:  # no launch: the kernel's accumulator is only defined for K > 0
+        res = empty_product(p.m, p.n, bias, out_dtype, dev)
+        return res if out is None else out.copy_(res)
+    fn = compiled_kernel(p.config)
+    a_args, b_args, sfa, sfb, rest = launch_arguments(p, dev, bias)
+    if out is None:
+        out = torch.empty(p.m, p.n, dtype=out_dtype, device=dev)
+    fn(*a_args, *b_args, sfa, sfb, out, *rest)
+    return out
 
-    require_sm100(a, b, scale_a, scale_b)
-    from cutedsl_gemm.kernels.sm100 import blockscaled_gemm
 
-    return blockscaled_gemm.launch(p, bias=bias, out_dtype=out_dtype)
+def _check_out(out, m: int, n: int, out_dtype, dev) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
+    if tuple(out.shape) != (m, n) or out.dtype != out_dtype or out.device != dev:
+        raise ValueError(f"out must be ({m}, {n}) {out_dtype} on {dev}; got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if out.numel() and (out.stride() != (n, 1) or out.data_ptr() % 16):
+        raise ValueError("out must be row-major contiguous with a 16-byte aligned base (TMA store)")
 
 
 def mm_quantized(qa: ms.BlockScaledTensor, qw: ms.BlockScaledTensor, *, bias=None, out_dtype=torch.bfloat16,
-                 reference: bool = False) -> torch.Tensor:
+                 reference: bool = False, use_2cta: Optional[bool] = None, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dequant(qa) @ dequant(qw).T`` for two quantizer outputs (A (M, K) and W (N, K))."""
     args = dict(fmt_a=qa.fmt, fmt_b=qw.fmt, global_scale_a=qa.global_scale, global_scale_b=qw.global_scale, bias=bias)
     if reference:
         return reference_blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales, **args)
-    return blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales, out_dtype=out_dtype, **args)
+    return blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales, out_dtype=out_dtype, use_2cta=use_2cta, out=out,
+                          **args)
 
 
 _SCALING_NAMES = {"BlockWise1x32": ms.MX_BLOCK, "BlockWise1x16": ms.NVFP4_BLOCK}

@@ -208,56 +208,364 @@ def test_quantize_dispatch_cpu_is_reference():
     assert torch.equal(a.data, b.data) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
 
 
-# ---------------------------------------------------------------- block-scaled MMA hooks: PTX (compile only)
+# ---------------------------------------------------------------- block-scaled GEMM: host-side pieces (CPU)
+
+from cutedsl_gemm.kernels.sm100 import blockscaled_gemm as bk  # noqa: E402
+
+KIND_BLOCK = {"mxf8f6f4": 32, "mxf4": 32, "mxf4nvf4": 16}
+
+# Instruction descriptors the DSL's own dense_blockscaled_gemm_persistent example compiles to for sm_100a
+# (read from its PTX, static part before the run-time negate bits): MXF8 128x128 and 256x128, NVFP4
+# 256x256, and MXFP4 128x128 (which that example issues as kind::mxf4nvf4.block32 with the same bits).
+DSL_IDESC = {("mxf8f6f4", 128, 128): 0x08A00000, ("mxf8f6f4", 256, 128): 0x10A00000,
+             ("mxf4nvf4", 256, 256): 0x10400480, ("mxf4", 128, 128): 0x08A00480}
 
 
 @pytest.mark.parametrize("kind,sf_fmt", [("mxf8f6f4", 1), ("mxf4", 1), ("mxf4nvf4", 0)])
 def test_block_scaled_idesc_fields(kind, sf_fmt):
-    from cutedsl_gemm.kernels.sm100.blockscaled_gemm import mx_idesc
+    for m in (128, 256):
+        d = bk.mx_idesc(kind, m, 128)
+        assert (d >> 17) & 0x3F == 128 >> 3  # n_dim
+        assert (d >> 27) & 0x3 == m >> 7  # m_dim
+        assert (d >> 23) & 0x3 == sf_fmt  # scale format: UE8M0 (MX) / UE4M3 (NVFP4)
+        assert (d >> 15) & 0x3 == 0  # K-major A and B
+        assert (d >> 29) & 0x3 == 0 and (d >> 4) & 0x3 == 0  # scale ids come per MMA
+        fmt = 1 if kind != "mxf8f6f4" else 0  # FP4 kinds: E2M1 is code 1; mxf8f6f4: OR-ed at run time
+        assert (d >> 7) & 0x7 == fmt and (d >> 10) & 0x7 == fmt  # bit 12 clear (reserved on sm_100)
+    for (k, m, n), want in DSL_IDESC.items():
+        assert bk.mx_idesc(k, m, n) == want, (k, m, n)
 
-    d = mx_idesc(kind, 128, 256)
-    assert (d >> 17) & 0x3F == 256 >> 3  # n_dim
-    assert (d >> 27) & 0x3 == 128 >> 7  # m_dim
-    assert (d >> 23) & 0x3 == sf_fmt  # scale format: UE8M0 (MX) / UE4M3 (NVFP4)
-    assert (d >> 15) & 0x3 == 0  # K-major A and B
+
+@pytest.mark.parametrize("kind", sorted(KIND_BLOCK))
+def test_scale_geometry_numbers(kind):
+    g = bk.ScaleGeometry(kind, 128, False)
+    per_mma = {"mxf8f6f4": 1, "mxf4": 2, "mxf4nvf4": 4}[kind]
+    assert g.tile_k == (128 if kind == "mxf8f6f4" else 256)  # 128 bytes of each operand row
+    assert g.k_atoms * 4 * KIND_BLOCK[kind] == g.tile_k  # atoms of 4 scale columns cover the K tile
+    assert g.sfa_stage_bytes == g.sfb_stage_bytes == 512 * g.k_atoms
+    assert g.tmem_cols(2 * 128) == 512 and g.sfa_tmem_cols == 4 * g.k_atoms
+    # each atom its own 512 smem bytes and its own 4 TMEM columns, all within the operand's budget
+    plan = g.copy_plan(2)
+    assert sorted(o for o, _ in plan) == [512 * i for i in range(2 * g.k_atoms)]
+    assert sorted(c for _, c in plan) == [4 * i for i in range(2 * g.k_atoms)]
+    slots = [bk.scale_slot(kind, kb) for kb in range(4)]
+    assert [c * 4 + b for c, b in slots] == [kb * per_mma for kb in range(4)]
+    # the scale TMEM address carries the byte in bits 30-31, exactly like the descriptor's ids
+    for kb in range(4):
+        off_a, off_b, byte = g.scale_tmem_offsets(kb)
+        assert (off_a & 0xFFFFFFFF) >> 30 == byte == (g.sf_id_bits(kb) >> 29) == (g.sf_id_bits(kb) >> 4) & 3
+        assert off_a & 0xFFFF == slots[kb][0] * 4 and off_b & 0xFFFF == slots[kb][0] * 4
+    with pytest.raises(ValueError, match="tile_n=128"):
+        bk.ScaleGeometry(kind, 256, True)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        bk.ScaleGeometry("mxf6", 128, False)
+
+
+def _emulate_scale_path(kind, plain, rows, k):
+    """The kernel's scale data path in torch, from the blocked global tensor to what MMA step kb of K
+    tile kt reads for row r: TMA box -> smem stage [row atom][k atom][512 B] -> tcgen05.cp.32x128b.warpx4
+    (smem row i of an atom -> lane i, 16 bytes -> 4 columns, copied to all four 32-lane groups) -> the
+    MMA reading row r at lane r % 32, column block + r // 32, byte (see ScaleGeometry)."""
+    g = bk.ScaleGeometry(kind, 128, False)
+    words = ms.blocked_scale_words(ms.to_blocked(plain), rows, plain.shape[1])  # (row atoms, col atoms*128)
+    row_atoms, w = words.shape
+    col_atoms = w // 128
+    view = words.view(row_atoms, col_atoms, 128)  # the kernel's (128, col_atoms, row_atoms), reversed
+    k_tiles = -(-k // g.tile_k)
+    got = torch.zeros(rows, k_tiles * g.tile_k // KIND_BLOCK[kind], dtype=torch.uint8)
+    for tile in range(row_atoms):
+        for kt in range(k_tiles):
+            box = torch.zeros(g.k_atoms, 128, dtype=torch.int32)  # TMA zero-fills past the last column atom
+            n_in = min(g.k_atoms, col_atoms - kt * g.k_atoms)
+            box[:n_in] = view[tile, kt * g.k_atoms: kt * g.k_atoms + n_in]
+            smem = box.view(torch.uint8).view(-1)  # rows_a_atoms == 1: [k atom][512 B]
+            tmem = torch.zeros(128, g.sfa_tmem_cols * 4, dtype=torch.uint8)  # lanes x bytes
+            for smem_off, col in g.copy_plan(g.rows_a_atoms):  # what the MMA warp's tcgen05.cp do
+                tmem[:, col * 4: col * 4 + 16] = smem[smem_off: smem_off + 512].view(32, 16).repeat(4, 1)
+            for kb in range(4):
+                off, _, byte = g.scale_tmem_offsets(kb)
+                assert off & 0xFFFF == bk.scale_slot(kind, kb)[0] * 4 * g.rows_a_atoms
+                for r in range(128):
+                    row = tile * 128 + r
+                    if row >= rows:
+                        continue
+                    for j in range(g.info.mma_k // g.info.sf_vec):
+                        cell = (off & 0xFFFF) + r // 32
+                        got[row, (kt * 4 + kb) * (g.info.mma_k // g.info.sf_vec) + j] = tmem[r, cell * 4 + byte + j]
+    return got[:, : plain.shape[1]]
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_BLOCK))
+@pytest.mark.parametrize("rows,k", [(128, 512), (200, 96 * 32 // 32 * 4), (33, 1024 + 160)])
+def test_scale_path_emulation_delivers_every_scale(kind, rows, k):
+    k = k - k % (2 * KIND_BLOCK[kind])
+    kb = k // KIND_BLOCK[kind]
+    plain = torch.randint(1, 255, (rows, kb), generator=torch.Generator().manual_seed(rows + k), dtype=torch.uint8)
+    assert torch.equal(_emulate_scale_path(kind, plain, rows, k), plain)
+
+
+@pytest.mark.parametrize("kind,vec,ab", [("mxf8f6f4", 32, "Float8E4M3FN"), ("mxf4", 32, "Float4E2M1FN"),
+                                         ("mxf4nvf4", 16, "Float4E2M1FN")])
+def test_scale_geometry_matches_dsl_layouts(kind, vec, ab):
+    """Our smem order and TMEM placement equal the DSL's make_smem_layout_sfa / make_tmem_layout_sfa
+    (the layouts its own block-scaled kernels use) at sampled (row, K element, MMA step) points."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.blackwell_helpers as sm100_utils
+    import cutlass.utils.blockscaled_layout as bsl
+    from cutlass.cute.nvgpu import OperandMajorMode, tcgen05
+
+    g = bk.ScaleGeometry(kind, 128, False)
+    mma_k, spm = g.info.mma_k, g.info.mma_k // vec
+    pts = [(r, kk, kb) for r in (0, 5, 31, 32, 37, 64, 100, 127) for kk in range(0, mma_k, vec) for kb in range(4)]
+    got = {}
+
+    @cute.jit
+    def probe():
+        dt = getattr(cutlass, ab)
+        sf = cutlass.Float8E4M3FN if vec == 16 else cutlass.Float8E8M0FNU
+        mma = sm100_utils.make_blockscaled_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.K, sf, vec,
+                                                              tcgen05.CtaGroup.ONE, (128, 128))
+        tiler = (128, 128, g.tile_k)
+        smem = cute.slice_(bsl.make_smem_layout_sfa(mma, tiler, vec, 1), (None, None, None, 0))
+        tmem = bsl.make_tmem_layout_sfa(mma, tiler, vec, smem)
+        for r, kk, kb in pts:
+            kcrd = (kk % vec, kk // vec) if spm > 1 else (kk % vec, 0)
+            mcrd = (((r % 32, r // 32), 0), kcrd)
+            kb_crd = (kb % 2, kb // 2) if kind == "mxf4" else kb
+            got[(r, kk, kb)] = (smem((mcrd, 0, kb_crd)), tmem((mcrd, 0, kb_crd)))  # TMEM: replica 0 of 4
+
+    probe()
+    for (r, kk, kb), (s_off, t_off) in got.items():
+        block, byte0 = bk.scale_slot(kind, kb)
+        c = block * 4 + byte0 + kk // vec  # scale column inside the K tile
+        want_smem = (c // 4) * 512 + (r % 32) * 16 + (r // 32) * 4 + c % 4
+        lane, col, byte = r % 32, block * 4 + r // 32, byte0 + kk // vec  # 8-bit TMEM element offsets:
+        want_tmem = lane * (1 << 18) + col * 4 + byte  # lane << 16 in 32-bit columns, 4 bytes a column
+        assert (s_off, t_off) == (want_smem, want_tmem), (r, kk, kb)
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_BLOCK))
+def test_scale_tma_boxes(kind):
+    g = bk.ScaleGeometry(kind, 128, True)
+    for use_2cta in (False, True):
+        found = bk.describe_scale_tma(kind, use_2cta)
+        for name, stage in (("sfa", g.sfa_stage_bytes), ("sfb", g.sfb_stage_bytes)):
+            d = found[name]
+            assert "tma_format = U32" in d and f"copy_bits = {stage * 8}," in d, d
+            assert ("sm_100_2sm" in d) == use_2cta, d  # 2-CTA loads signal the leader CTA's barrier
+
+
+def test_budgets_smem_tmem_and_expect_tx():
+    import cutlass
+
+    from cutedsl_gemm.kernels.sm100 import BlockScaling, Sm100F8F6F4Gemm, describe_resources
+
+    dense = describe_resources(Sm100F8F6F4Gemm())
+    for kind in KIND_BLOCK:
+        for use_2cta in (False, True):
+            r = describe_resources(Sm100F8F6F4Gemm(cutlass.BFloat16, use_2cta, 128, False, scaling=BlockScaling(kind)))
+            g = bk.ScaleGeometry(kind, 128, use_2cta)
+            sf = g.sfa_stage_bytes + g.sfb_stage_bytes
+            ab = r["a_stage_bytes"] + r["b_stage_bytes"]
+            assert r["smem_bytes"] <= r["smem_capacity"] < r["smem_bytes"] + ab + sf  # as many stages as fit
+            assert r["num_ab_stage"] >= 4
+            assert r["tma_load_bytes"] == (ab + sf) * (2 if use_2cta else 1)
+            assert r["tmem_cols"] == 512 >= 2 * 128 + g.sfa_tmem_cols + g.sfb_tmem_cols
+    assert dense["tmem_cols"] == 256 and dense["tma_load_bytes"] == 32768
+
+
+def test_blocked_scale_words_and_alignment():
+    plain = torch.arange(200 * 9, dtype=torch.int64).remainder(251).to(torch.uint8).view(200, 9)
+    blocked = ms.to_blocked(plain)
+    w = ms.blocked_scale_words(blocked, 200, 9)
+    assert w.shape == (2, 3 * 128) and w.dtype == torch.int32 and w.data_ptr() == blocked.data_ptr()
+    atom = w[1, 128:256].contiguous().view(torch.uint8)  # row block 1, column block 1
+    r, c = 130 - 128, 5 - 4
+    assert atom[(r % 32) * 16 + (r // 32) * 4 + c] == plain[130, 5]
+    assert bs.scale_argument("scale_a", blocked, 200, 9 * 32, 32).shape == (2, 384)
+    with pytest.raises(ValueError, match="16-byte boundary"):  # TMA needs an aligned global base
+        bs.scale_argument("scale_a", torch.zeros(512 + 4, dtype=torch.uint8)[4:], 128, 128, 32)
+
+
+def test_packed_fp4_kinds_use_byte_rules():
+    # K=32 FP4 passes for MXFP4 (packed bytes, 16-byte rows) but not for the unpacking mixed kind
+    a = ms.quantize_mx_reference(torch.randn(64, 32), "e2m1")
+    w = ms.quantize_mx_reference(torch.randn(16, 32), "e2m1")
+    p = bs.prepare_blockscaled(a.data, w.data.t(), a.scales, w.scales)
+    assert p.config.kind == "mxf4" and p.a.shape == (64, 16)
+    w8 = ms.quantize_mx_reference(torch.randn(16, 32), "e4m3")
+    with pytest.raises(ValueError, match="multiple of 128 elements"):
+        bs.prepare_blockscaled(a.data, w8.data.t(), a.scales, w8.scales)
+    # NVFP4 K=16 is one scale block but only 8 bytes per row: TMA needs 16
+    n = ms.quantize_nvfp4_reference(torch.randn(64, 16))
+    with pytest.raises(ValueError, match="multiple of 32 elements"):
+        bs.prepare_blockscaled(n.data, n.data.t(), n.scales, n.scales)
+
+
+def test_config_and_out_validation():
+    with pytest.raises(ValueError, match="tile_n=128"):
+        bs.BlockScaledConfig("mxf4", 32, "BFloat16", False, False, tile_n=64)
+    with pytest.raises(ValueError, match="16-element scale blocks"):
+        bs.BlockScaledConfig("mxf4nvf4", 32, "BFloat16", False, False)
+    with pytest.raises(ValueError, match="kind must be one of"):
+        bs.BlockScaledConfig("f8f6f4", 32, "BFloat16", False, False)
+    with pytest.raises(ValueError, match=r"out must be \(4, 8\)"):
+        bs._check_out(torch.empty(4, 9), 4, 8, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="row-major"):
+        bs._check_out(torch.empty(8, 4).t(), 4, 8, torch.float32, torch.device("cpu"))
+
+
+def test_every_mx_pair_shares_one_compile_key():
+    keys = set()
+    for fa, fb in [(E4M3, E4M3), (E5M2, E2M3), (E3M2, E2M1), (E2M1, E4M3)]:
+        qa, qw = _operands(128, 64, 256, fa, fb, seed=7)
+        keys.add(bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb,
+                                        use_2cta=False).config.key())
+    assert len(keys) == 1 and "mxf8f6f4" in repr(keys)
+
+
+# ---------------------------------------------------------------- block-scaled GEMM: sm_100a PTX (compile only)
+
+CONFIGS = [(kind, two) for kind in ("mxf8f6f4", "mxf4", "mxf4nvf4") for two in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def bs_compiled(sm100_env, tmp_path_factory):
+    """Every kind in 1-CTA and 2-CTA mode (with bias) compiled once for the module, PTX kept."""
+    from cutedsl_gemm.jit import KERNEL_CACHE
+
+    out = {}
+    before = KERNEL_CACHE.stats.compiles
+    for kind, two in CONFIGS:
+        cfg = bs.BlockScaledConfig(kind, KIND_BLOCK[kind], "BFloat16", True, two)
+        ptx_dir = str(tmp_path_factory.mktemp(f"ptx_{kind}_{int(two)}"))
+        out[(kind, two)] = bs.compiled_kernel(cfg, arch="sm_100a", ptx_dir=ptx_dir).__ptx__
+    out["compiles"] = KERNEL_CACHE.stats.compiles - before
+    return out
+
+
+TMEM_OPERAND = r"\[(%r\d+(?:\+-?\d+)?)\]"
+
+
+def _def_const(ptx, operand, base=None):
+    """Offset from the TMEM base of an address operand ``%rN`` or ``%rN+OFF``: ``%rN`` is either formed
+    by ``add.s32 %rN, <base>, CONST`` or is ``base`` itself (how scale TMEM addresses appear in the PTX)."""
+    reg, _, off = operand.partition("+")
+    m = re.search(rf"add\.s32\s+{re.escape(reg)},\s*(%r\d+),\s*(-?\d+);", ptx)
+    if m and (base is None or m.group(1) == base):
+        return int(m.group(2)) + int(off or 0)
+    return int(off or 0) if reg == base else None
+
+
+def _tmem_base(ptx, operand):
+    """The register an ``add.s32`` scale address is formed from (the allocated TMEM address)."""
+    return re.search(rf"add\.s32\s+{re.escape(operand.partition('+')[0])},\s*(%r\d+),", ptx).group(1)
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("kind,block", [("mxf8f6f4", 32), ("mxf4", 32), ("mxf4nvf4", 16)])
-def test_block_scaled_mma_ptx(sm100_env, kind, block):
-    from cutedsl_gemm.kernels.sm100.blockscaled_gemm import compile_probe
+@pytest.mark.parametrize("kind,two", CONFIGS, ids=lambda v: {True: "2cta", False: "1cta"}.get(v, v))
+def test_blockscaled_gemm_ptx(bs_compiled, kind, two):
+    ptx = bs_compiled[(kind, two)]
+    grp = 2 if two else 1
+    g = bk.ScaleGeometry(kind, 128, two)
+    assert ptx and ".target sm_100a" in ptx
+    assert "kind::f8f6f4" not in ptx  # no dense MMA left in
+    mmas = re.findall(rf"tcgen05\.mma\.cta_group::{grp}\.kind::{kind}\.block_scale\.block(\d+)\S*\s+"
+                      rf"\[%r\d+\],\s*%rd\d+,\s*%rd\d+,\s*%r\d+,\s*{TMEM_OPERAND},\s*{TMEM_OPERAND}", ptx)
+    assert len(mmas) == 4 and {b for b, _, _ in mmas} == {str(KIND_BLOCK[kind])}, mmas
+    # scales: SFA right after the two 128-column accumulators, SFB after SFA; per MMA the column block
+    # and the byte (bits 30-31) of ScaleGeometry
+    base = _tmem_base(ptx, mmas[1][1])
+    for kb, (_, ra, rb) in enumerate(mmas):
+        off_a, off_b, _ = g.scale_tmem_offsets(kb)
+        assert _def_const(ptx, ra, base) == 256 + off_a, (kb, ra)
+        assert _def_const(ptx, rb, base) == 256 + g.sfa_tmem_cols + off_b, (kb, rb)
+    # instruction descriptor of each MMA: static bits + that step's scale ids (run-time formats OR-ed
+    # in for mxf8f6f4)
+    static = bk.mx_idesc(kind, 256 if two else 128, 128)
+    for kb in range(4):
+        assert re.search(rf",\s*{static | g.sf_id_bits(kb)};", ptx), (kb, static | g.sf_id_bits(kb))
+    # smem -> TMEM scale copies: one 32x128b.warpx4 per 512-byte atom of SFA and SFB, 16-byte
+    # rows 128 B apart per 8 (descriptor 0x400800010000: SBO 8, LBO 1, version 1, no swizzle)
+    cps = re.findall(rf"tcgen05\.cp\.cta_group::{grp}\.32x128b\.warpx4\s+{TMEM_OPERAND}", ptx)
+    want = {256 + c for _, c in g.copy_plan(g.rows_a_atoms)} | {256 + g.sfa_tmem_cols + c for _, c in g.copy_plan(g.rows_b_atoms)}
+    assert len(cps) == len(want) == g.k_atoms * (g.rows_a_atoms + g.rows_b_atoms)
+    assert {_def_const(ptx, r, base) for r in cps} == want
+    assert re.search(r"or\.b64\s+%rd\d+,\s*%rd\d+,\s*70403103981568;", ptx)
+    # TMA: operand loads (3 storage views each for mxf8f6f4, packed bytes only for FP4) + SFA + SFB,
+    # all on the stage barrier; 2-CTA loads signal the leader CTA
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.tile\.mbarrier::complete_tx::bytes\S*", ptx)
+    assert len(loads) == (8 if kind == "mxf8f6f4" else 4), loads
+    assert all(("cta_group::2" in ld) == two for ld in loads)
+    assert f"tcgen05.alloc.cta_group::{grp}" in ptx and f"tcgen05.commit.cta_group::{grp}" in ptx
 
-    ptx = compile_probe(kind).__ptx__
-    assert ".target sm_100a" in ptx
-    mmas = re.findall(r"tcgen05\.mma\.cta_group::1\.kind::(\w+)\.block_scale\.block(\d+)", ptx)
-    assert mmas and set(mmas) == {(kind, str(block))}
-    assert "tcgen05.cp.cta_group::1.32x128b.warpx4" in ptx  # scale factors staged smem -> TMEM
-    assert "kind::f8f6f4" not in ptx  # no dense MMA sneaks in
+
+@pytest.mark.compile
+def test_blockscaled_runtime_formats_and_compile_reuse(bs_compiled):
+    assert bs_compiled["compiles"] == len(CONFIGS)  # one per kind and CTA mode
+    ptx = bs_compiled[("mxf8f6f4", False)]
+    # a_format / b_format come from two kernel parameters shifted to bits 7 and 10
+    assert re.search(r"shl\.b32\s+%r\d+,\s*%r\d+,\s*7;", ptx) and re.search(r"shl\.b32\s+%r\d+,\s*%r\d+,\s*10;", ptx)
+    from cutedsl_gemm.jit import KERNEL_CACHE
+
+    before = KERNEL_CACHE.stats.compiles
+    for fa, fb in [(E4M3, E4M3), (E5M2, E2M3), (E3M2, E2M1)]:
+        qa, qw = _operands(256, 128, 256, fa, fb, seed=8)
+        p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb, bias=torch.zeros(128))
+        assert p.config.use_2cta and bs.compiled_kernel(p.config, arch="sm_100a").__ptx__ == bs_compiled[("mxf8f6f4", True)]
+    assert KERNEL_CACHE.stats.compiles == before
 
 
-def test_gemm_launch_reports_missing_skeleton_hooks():
-    from cutedsl_gemm.kernels.sm100 import blockscaled_gemm
+# ---------------------------------------------------------------- on an sm_100 GPU (skipped elsewhere; never run so far)
 
-    qa, qw = _operands(128, 64, 256, E4M3, E4M3, seed=6)
-    p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales)
-    with pytest.raises(NotImplementedError, match="f8f6f4 GEMM skeleton"):
-        blockscaled_gemm.launch(p)
+GPU_RECIPES = [("mx", E4M3, E4M3), ("mx", E5M2, E5M2), ("mx", E2M3, E2M3), ("mx", E3M2, E3M2), ("mx", E2M1, E2M1),
+               ("mx", E4M3, E2M1), ("mx", E2M3, E5M2), ("nvfp4", E2M1, E2M1)]
+
+
+def _gpu_quantized(recipe, fa, fb, m, n, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())).cuda()
+    w = torch.randn(n, k, generator=g).cuda()
+    if recipe == "nvfp4":
+        return bs.quantize_nvfp4(a), bs.quantize_nvfp4(w)
+    return bs.quantize_mx(a, fa), bs.quantize_mx(w, fb)
 
 
 @pytest.mark.blackwell
-@pytest.mark.parametrize("recipe,fa,fb", [("mx", E4M3, E4M3), ("mx", E3M2, E2M3), ("mx", E2M1, E2M1), ("mx", E4M3, E2M1),
-                                          ("nvfp4", E2M1, E2M1)], ids=lambda v: getattr(v, "name", v))
-@pytest.mark.parametrize("m,n,k", [(128, 128, 256), (300, 136, 512), (1024, 512, 1024)])
-def test_blockscaled_gemm_vs_float64(recipe, fa, fb, m, n, k):
-    g = torch.Generator().manual_seed(m + n + k)
-    a = torch.randn(m, k, generator=g).cuda()
-    w = torch.randn(n, k, generator=g).cuda()
-    if recipe == "nvfp4":
-        qa, qw = bs.quantize_nvfp4(a), bs.quantize_nvfp4(w)
-    else:
-        qa, qw = bs.quantize_mx(a, fa), bs.quantize_mx(w, fb)
-    out = bs.mm_quantized(qa, qw, out_dtype=torch.float32)
-    ref = qa.dequantize() @ qw.dequantize().t()
+@pytest.mark.parametrize("recipe,fa,fb", GPU_RECIPES, ids=lambda v: getattr(v, "name", v))
+@pytest.mark.parametrize("m,n,k,use_2cta", [(128, 128, 256, False), (300, 136, 512, False), (300, 136, 512, True),
+                                             (1024, 512, 2048, True)])
+def test_blockscaled_gemm_vs_float64(recipe, fa, fb, m, n, k, use_2cta):
     from cutedsl_gemm.reference import rel_error
 
-    assert rel_error(out, ref) < 1e-5  # fp32 accumulation of exactly representable products
+    qa, qw = _gpu_quantized(recipe, fa, fb, m, n, k, m + n + k)
+    out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")  # every element must be written
+    got = bs.mm_quantized(qa, qw, out_dtype=torch.float32, use_2cta=use_2cta, out=out)
+    ref = qa.dequantize() @ qw.dequantize().t()  # float64 on dequantized inputs (NVFP4: global scales in)
+    assert got is out and torch.isfinite(out).all()
+    assert rel_error(out, ref) < 1e-5  # fp32 accumulation of products exact in fp32
+
+
+@pytest.mark.blackwell
+@pytest.mark.parametrize("recipe", ["mx", "nvfp4"])
+def test_blockscaled_gemm_bias_bf16_and_scaled_mm_adapter(recipe):
+    from cutedsl_gemm.reference import rel_error
+
+    m, n, k = 384, 256, 1024
+    qa, qw = _gpu_quantized(recipe, E4M3, E4M3, m, n, k, 11)
+    bias = torch.randn(n, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = bs.mm_quantized(qa, qw, bias=bias, out_dtype=torch.bfloat16, out=out)
+    ref = qa.dequantize() @ qw.dequantize().t() + bias.double()
+    assert torch.isfinite(got).all() and rel_error(got, ref) < 8e-3  # bf16 output rounding
+    # the same product through F.scaled_mm's arguments, plain (NO_SWIZZLE) scales converted on the device
+    if recipe == "mx":
+        via = bs.scaled_mm(qa.data, qw.data.t(), qa.plain_scales(), ScalingType.BlockWise1x32, qw.plain_scales(),
+                           ScalingType.BlockWise1x32, swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
+                           output_dtype=torch.float32)
+    else:
+        via = bs.scaled_mm(qa.data, qw.data.t(), [qa.scales, qa.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
+                           [qw.scales, qw.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
+                           output_dtype=torch.float32)
+    assert rel_error(via, ref - bias.double()) < 1e-5

@@ -114,6 +114,25 @@ def test_prepare_rejects_misaligned_subbyte_base_and_layouts():
         sm100.prepare(a, b, fmt_a="e2m1", scale_a=sa, scale_b=sb, bias=torch.zeros(8))
 
 
+def test_resources_unchanged_by_the_scaling_hooks():
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import Sm100F8F6F4Gemm, describe_resources
+
+    r = describe_resources(Sm100F8F6F4Gemm())
+    # 6 stages of 128x128 A + B bytes, 256 TMEM columns (two 128-column accumulators), as before the hooks
+    assert (r["num_ab_stage"], r["tmem_cols"], r["tma_load_bytes"]) == (6, 256, 32768)
+    assert r["smem_bytes"] <= r["smem_capacity"]
+
+
+def test_zero_k_is_accepted_and_has_a_defined_result():
+    _, _, sa, sb = _operands(4, 16, 128, "e4m3", "e4m3")
+    a = torch.empty(4, 0, dtype=torch.float8_e4m3fn)
+    b = torch.empty(16, 0, dtype=torch.float8_e4m3fn).t()
+    p = sm100.prepare(a, b, scale_a=sa, scale_b=sb)
+    assert (p.m, p.n, p.k) == (4, 16, 0)
+    # what sm100_f8f6f4_mm returns for K == 0 instead of launching (the kernel never clears TMEM then)
+    assert torch.equal(sm100.empty_product(4, 16, torch.ones(16), torch.float32, torch.device("cpu")), torch.ones(4, 16))
+
+
 def test_swizzle_constraint_named():
     with pytest.raises(ValueError, match="128-byte swizzle or none"):
         sm100.Sm100Config(swizzle="64B")
@@ -218,6 +237,8 @@ def test_ptx_structure(compiled, use_2cta, group):
     assert f"tcgen05.alloc.cta_group::{group}" in ptx and f"tcgen05.dealloc.cta_group::{group}" in ptx
     assert f"tcgen05.commit.cta_group::{group}" in ptx
     assert "tcgen05.ld.sync.aligned" in ptx
+    # the block-scaled hooks of this kernel class are off: no scale copies, no block-scaled MMA
+    assert "tcgen05.cp" not in ptx and "block_scale" not in ptx
     # Three TMA descriptors per operand (8-bit, 6-bit unpack, 4-bit unpack): six load sites, one store.
     loads = re.findall(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global\.tile\.mbarrier::complete_tx::bytes", ptx)
     assert len(loads) == 6

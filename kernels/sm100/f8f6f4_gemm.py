@@ -3,6 +3,11 @@
 ``D[M, N] = (scale_a * scale_b) * (A[M, K] @ B[N, K]^T) (+ bias[N])``, fp32 accumulation in tensor
 memory, bf16 / fp16 / fp32 output. A and B are each any of E4M3, E5M2, E3M2, E2M3, E2M1.
 
+The same class is the block-scaled (MX / NVFP4) GEMM when built with ``scaling=BlockScaling(kind)``
+(``blockscaled_gemm``): four optional hooks, marked ``[scaling hook N]`` below, add the scale-factor
+buffers, loads, ``tcgen05.cp`` + ``.block_scale`` MMAs and TMEM columns; with ``scaling=None`` none of
+them is traced and the kernel is the dense f8f6f4 GEMM.
+
 Built for B200-class hardware; in this project it is verified by compiling for sm_100a, reading the PTX
 and unit-testing the host side. It has not been run on a GPU here.
 """
@@ -75,6 +80,14 @@ class Sm100F8F6F4Gemm:
 
     ``use_2cta``: ``cta_group::2`` with a (2, 1) cluster, MMA tile 256 x ``tile_n``; each CTA loads
     128 rows of A and ``tile_n / 2`` rows of B, the leader CTA issues the MMA.
+
+    ``scaling`` (a ``blockscaled_gemm.BlockScaling``) turns on the block-scaled variant, entered through
+    :meth:`call_block_scaled`: the TMA warp also loads each stage's SFA / SFB tiles (same ``ab``
+    stages, counted in the same ``expect_tx``), the MMA warp copies them to TMEM with ``tcgen05.cp`` and
+    issues ``tcgen05.mma.kind::{mxf8f6f4,mxf4,mxf4nvf4}.block_scale``; the epilogue's
+    ``scale_a * scale_b`` carries NVFP4's per-tensor global scales (device values, 1.0 for MX). The
+    packed FP4 kinds keep their operands packed in shared memory (one 128-byte row = 256 elements), so
+    only the 8-bit TMA view is built and a K tile is 256 elements.
     """
 
     def __init__(
@@ -83,6 +96,7 @@ class Sm100F8F6F4Gemm:
         use_2cta: bool = False,
         tile_n: int = 128,
         has_bias: bool = False,
+        scaling=None,
     ):
         if out_dtype not in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
             raise TypeError(f"out_dtype must be cutlass.BFloat16, Float16 or Float32, got {out_dtype}")
@@ -110,6 +124,15 @@ class Sm100F8F6F4Gemm:
         # Static part of the instruction descriptor: fp32 accumulator, K-major A and B, M and N.
         # a_format (bits 7-9) and b_format (bits 10-12) are OR-ed in at run time.
         self.idesc_static = self._static_idesc(self.mma_tiler[0], tile_n)
+        self.scaling = scaling
+        self.tile_k = TILE_K  # K elements per 128-byte smem row
+        self.storages = (STORAGE_8BIT, STORAGE_6BIT, STORAGE_4BIT)  # TMA views built per operand
+        if scaling is not None:
+            scaling.configure(tile_n, use_2cta, self.mma_tiler[0])
+            self.idesc_static = scaling.idesc_static
+            self.tile_k = scaling.tile_k
+            if scaling.packed_fp4:
+                self.storages = (STORAGE_8BIT,)
 
     @staticmethod
     def _static_idesc(m: int, n: int) -> int:
@@ -146,7 +169,10 @@ class Sm100F8F6F4Gemm:
         c_one = utils.sm100.make_smem_layout_epi(self.c_dtype, self.c_layout, self.epi_tile, 1)
         ab_bytes = cute.size_in_bytes(cutlass.Uint8, a_one) + cute.size_in_bytes(cutlass.Uint8, b_one)
         c_bytes = cute.size_in_bytes(self.c_dtype, c_one) * self.num_c_stage
-        self.num_ab_stage = (self.smem_capacity - 1024 - c_bytes) // ab_bytes
+        # [scaling hook 1] a stage also holds its SFA / SFB tiles
+        sf_bytes = 0 if self.scaling is None else self.scaling.stage_bytes
+        self.num_ab_stage = (self.smem_capacity - 1024 - c_bytes) // (ab_bytes + sf_bytes)
+        self.smem_bytes = 1024 + self.num_ab_stage * (ab_bytes + sf_bytes) + c_bytes
         self.a_smem_layout_staged = utils.sm100.make_smem_layout_a(
             self.tiled_mma, self.mma_tiler, smem_8bit, self.num_ab_stage
         )
@@ -165,8 +191,10 @@ class Sm100F8F6F4Gemm:
         acc_shape = self.tiled_mma.partition_shape_C(self.mma_tiler[:2])
         acc_fake = self.tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
         self.num_tmem_alloc_cols = utils.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
+        if self.scaling is not None:  # [scaling hook 4] scale columns after the accumulators
+            self.num_tmem_alloc_cols = self.scaling.geom.tmem_cols(self.num_acc_stage * self.mma_tiler[1])
         # Upper bound (both operands 8-bit); the TMA warp sets the real per-stage count at run time.
-        self.num_tma_load_bytes = (self.a_stage_bytes + self.b_stage_bytes) * self.atom_thr
+        self.num_tma_load_bytes = (self.a_stage_bytes + self.b_stage_bytes + sf_bytes) * self.atom_thr
         if cute.size(acc_fake.layout.shape[3]) != self.num_acc_stage or acc_fake.layout.stride[3] != self.mma_tiler[1]:
             raise RuntimeError(f"unexpected TMEM accumulator layout {acc_fake.layout}: stages must be tile_n columns apart")
 
@@ -185,6 +213,9 @@ class Sm100F8F6F4Gemm:
         smem_layout = cute.slice_(smem_layout_staged, (None, None, None, 0))
         atoms = []
         for storage, view in enumerate(views):
+            if storage not in self.storages:  # packed FP4 kinds: no unpacking views
+                atoms.append((None, None))
+                continue
             atom, tensor = make_atom(
                 op,
                 view,
@@ -219,6 +250,43 @@ class Sm100F8F6F4Gemm:
         """Operands come as uint8 byte tensors, one per storage class (8-bit, packed 6-bit, packed
         4-bit); the host passes the real operand in its class and a small aligned dummy in the other
         two, so every TMA descriptor encodes validly while only the active one is ever used."""
+        if cutlass.const_expr(self.scaling is not None):
+            raise TypeError("a kernel built with scaling= is entered through call_block_scaled")
+        self._launch(a8, a6, a4, b8, b6, b4, None, None, c, scale_a, scale_b, bias, k, fmt_a, fmt_b,
+                     max_active_clusters, stream)
+
+    @cute.jit
+    def call_block_scaled(
+        self,
+        a8: cute.Tensor,
+        a6: cute.Tensor,
+        a4: cute.Tensor,
+        b8: cute.Tensor,
+        b6: cute.Tensor,
+        b4: cute.Tensor,
+        sfa: cute.Tensor,
+        sfb: cute.Tensor,
+        c: cute.Tensor,
+        scale_a: cute.Tensor,
+        scale_b: cute.Tensor,
+        bias: cute.Tensor,
+        k: cutlass.Int32,
+        fmt_a: cutlass.Int32,
+        fmt_b: cutlass.Int32,
+        max_active_clusters: cutlass.Int32,
+        stream,
+    ):
+        """Block-scaled entry: as ``__call__`` plus ``sfa`` / ``sfb``, the SWIZZLE_32_4_4 blocked scales as
+        int32 words of shape (row blocks of 128, scale-column blocks of 4 x 128); ``scale_a`` / ``scale_b``
+        are the per-tensor global scales (NVFP4) or ones. Packed FP4 kinds take the packed bytes in
+        ``a8`` / ``b8``; their other views are ignored."""
+        if cutlass.const_expr(self.scaling is None):
+            raise TypeError("call_block_scaled needs a kernel built with scaling=BlockScaling(kind)")
+        self._launch(a8, a6, a4, b8, b6, b4, sfa, sfb, c, scale_a, scale_b, bias, k, fmt_a, fmt_b,
+                     max_active_clusters, stream)
+
+    def _launch(self, a8, a6, a4, b8, b6, b4, sfa, sfb, c, scale_a, scale_b, bias, k, fmt_a, fmt_b,
+                max_active_clusters, stream):
         self._setup()
         a_views = [self._operand_view(t, s) for s, t in enumerate((a8, a6, a4))]
         b_views = [self._operand_view(t, s) for s, t in enumerate((b8, b6, b4))]
@@ -226,6 +294,9 @@ class Sm100F8F6F4Gemm:
         b_op = utils.sm100.cluster_shape_to_tma_atom_B(self.cluster_shape_mn, self.tiled_mma.thr_id)
         tma_a = self._make_tma_loads(a_views, self.a_smem_layout_staged, cute.nvgpu.make_tiled_tma_atom_A, a_op)
         tma_b = self._make_tma_loads(b_views, self.b_smem_layout_staged, cute.nvgpu.make_tiled_tma_atom_B, b_op)
+        tma_sf = ((None, None), (None, None))
+        if cutlass.const_expr(self.scaling is not None):  # [scaling hook 2] scale TMA descriptors
+            tma_sf = self.scaling.make_tma_loads(sfa, sfb)
         m, n = c.shape
         c3 = cute.make_tensor(c.iterator, cute.make_layout((m, n, 1), stride=(c.layout.stride[0], 1, 0)))
         epi_smem = cute.select(self.c_smem_layout_staged, mode=[0, 1])
@@ -234,7 +305,7 @@ class Sm100F8F6F4Gemm:
         )
         tiles_m = (m + self.cta_tile_shape_mnk[0] - 1) // self.cta_tile_shape_mnk[0]
         tiles_n = (n + self.mma_tiler[1] - 1) // self.mma_tiler[1]
-        k_tiles = (k + TILE_K - 1) // TILE_K
+        k_tiles = (k + self.tile_k - 1) // self.tile_k
         units = ((tiles_m + self.cluster_shape_mn[0] - 1) // self.cluster_shape_mn[0]) * tiles_n
         num_clusters = cutlass.min(units, max_active_clusters)
         self.kernel(
@@ -242,8 +313,8 @@ class Sm100F8F6F4Gemm:
             self.c_smem_layout_staged, self.epi_tile,
             tma_a[0][0], tma_a[0][1], tma_a[1][0], tma_a[1][1], tma_a[2][0], tma_a[2][1],
             tma_b[0][0], tma_b[0][1], tma_b[1][0], tma_b[1][1], tma_b[2][0], tma_b[2][1],
-            tma_atom_c, tma_tensor_c, scale_a, scale_b, bias,
-            tiles_m, tiles_n, k_tiles, n, fmt_a, fmt_b,
+            tma_atom_c, tma_tensor_c, tma_sf[0][0], tma_sf[0][1], tma_sf[1][0], tma_sf[1][1],
+            scale_a, scale_b, bias, tiles_m, tiles_n, k_tiles, n, fmt_a, fmt_b,
         ).launch(
             grid=[self.cluster_shape_mn[0], self.cluster_shape_mn[1], num_clusters],
             block=[self.threads_per_cta, 1, 1],
@@ -271,6 +342,7 @@ class Sm100F8F6F4Gemm:
         tma_atom_b6: cute.CopyAtom, mB6: cute.Tensor,
         tma_atom_b4: cute.CopyAtom, mB4: cute.Tensor,
         tma_atom_c: cute.CopyAtom, mC: cute.Tensor,
+        tma_atom_sfa, mSFA, tma_atom_sfb, mSFB,  # None without scaling
         scale_a: cute.Tensor, scale_b: cute.Tensor, bias: cute.Tensor,
         tiles_m: cutlass.Int32, tiles_n: cutlass.Int32, k_tiles: cutlass.Int32, n_size: cutlass.Int32,
         fmt_a: cutlass.Int32, fmt_b: cutlass.Int32,
@@ -285,21 +357,25 @@ class Sm100F8F6F4Gemm:
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
         cluster_coord_vmnk = cluster_layout_vmnk.get_flat_coord(cta_rank)
 
-        # Storage class of each operand (0: 8-bit, 1: packed 6-bit, 2: packed 4-bit), from its code.
+        # Storage class of each operand (0: 8-bit, 1: packed 6-bit, 2: packed 4-bit), from its code;
+        # always 0 for the packed FP4 kinds, which load their packed bytes through the 8-bit view.
         store_a = cutlass.Int32(0)
-        if fmt_a >= 5:
-            store_a = cutlass.Int32(2)
-        elif fmt_a >= 3:
-            store_a = cutlass.Int32(1)
         store_b = cutlass.Int32(0)
-        if fmt_b >= 5:
-            store_b = cutlass.Int32(2)
-        elif fmt_b >= 3:
-            store_b = cutlass.Int32(1)
+        if cutlass.const_expr(len(self.storages) == 3):
+            if fmt_a >= 5:
+                store_a = cutlass.Int32(2)
+            elif fmt_a >= 3:
+                store_a = cutlass.Int32(1)
+            if fmt_b >= 5:
+                store_b = cutlass.Int32(2)
+            elif fmt_b >= 3:
+                store_b = cutlass.Int32(1)
 
         if warp_idx == self.tma_warp_id:
-            for atom in (tma_atom_a8, tma_atom_a6, tma_atom_a4, tma_atom_b8, tma_atom_b6, tma_atom_b4, tma_atom_c):
-                cpasync.prefetch_descriptor(atom)
+            for atom in (tma_atom_a8, tma_atom_a6, tma_atom_a4, tma_atom_b8, tma_atom_b6, tma_atom_b4, tma_atom_c,
+                         tma_atom_sfa, tma_atom_sfb):
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
 
         @cute.struct
         class SharedStorage:
@@ -361,6 +437,10 @@ class Sm100F8F6F4Gemm:
             byte_alignment=128,
             swizzle=c_smem_layout_staged.inner,
         )
+        sSFA = sSFB = sf_parts = None
+        if cutlass.const_expr(self.scaling is not None):  # [scaling hook 1] per-stage scale buffers
+            sSFA, sSFB = self.scaling.allocate_smem(smem, self.num_ab_stage)
+            sf_parts = self.scaling.partition(tma_atom_sfa, mSFA, sSFA, tma_atom_sfb, mSFB, sSFB)
 
         thr_mma = tiled_mma.get_slice(mma_coord_v)
         a_tile = cute.slice_(self.mma_tiler, (None, 0, None))
@@ -368,13 +448,15 @@ class Sm100F8F6F4Gemm:
         a_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, 0, None, 0)).shape)
         b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
 
-        # Partition all three storage views of each operand; the TMA warp picks one per run.
+        # Partition all storage views of each operand; the TMA warp picks one per run.
         tAsA, tAgA8 = self._tma_part(tma_atom_a8, mA8, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
-        _, tAgA6 = self._tma_part(tma_atom_a6, mA6, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
-        _, tAgA4 = self._tma_part(tma_atom_a4, mA4, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
         tBsB, tBgB8 = self._tma_part(tma_atom_b8, mB8, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
-        _, tBgB6 = self._tma_part(tma_atom_b6, mB6, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
-        _, tBgB4 = self._tma_part(tma_atom_b4, mB4, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
+        tAgA6 = tAgA4 = tBgB6 = tBgB4 = None
+        if cutlass.const_expr(len(self.storages) == 3):
+            _, tAgA6 = self._tma_part(tma_atom_a6, mA6, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
+            _, tAgA4 = self._tma_part(tma_atom_a4, mA4, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
+            _, tBgB6 = self._tma_part(tma_atom_b6, mB6, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
+            _, tBgB4 = self._tma_part(tma_atom_b4, mB4, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
 
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
@@ -395,6 +477,8 @@ class Sm100F8F6F4Gemm:
             bits_a = 8 - 2 * store_a
             bits_b = 8 - 2 * store_b
             tx_bytes = (self.a_stage_bytes * bits_a + self.b_stage_bytes * bits_b) // 8 * self.atom_thr
+            if cutlass.const_expr(self.scaling is not None):  # [scaling hook 2] the scale tiles' bytes
+                tx_bytes = tx_bytes + self.scaling.stage_bytes * self.atom_thr
             sched = PersistentTileScheduler(tiles_m, tiles_n, self.cluster_shape_mn, self.group_m)
             unit = bidz
             while unit < sched.num_units:
@@ -405,18 +489,25 @@ class Sm100F8F6F4Gemm:
                     handle = ab_producer.acquire_and_advance(expected_tx=tx_bytes)
                     sa = tAsA[(None, handle.index)]
                     sb = tBsB[(None, handle.index)]
-                    if store_a == 0:
+                    if cutlass.const_expr(len(self.storages) == 1):
                         cute.copy(tma_atom_a8, tAgA8[(None, mma_m, kt, 0)], sa, tma_bar_ptr=handle.barrier)
-                    elif store_a == 1:
-                        cute.copy(tma_atom_a6, tAgA6[(None, mma_m, kt, 0)], sa, tma_bar_ptr=handle.barrier)
-                    else:
-                        cute.copy(tma_atom_a4, tAgA4[(None, mma_m, kt, 0)], sa, tma_bar_ptr=handle.barrier)
-                    if store_b == 0:
                         cute.copy(tma_atom_b8, tBgB8[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
-                    elif store_b == 1:
-                        cute.copy(tma_atom_b6, tBgB6[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
                     else:
-                        cute.copy(tma_atom_b4, tBgB4[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
+                        if store_a == 0:
+                            cute.copy(tma_atom_a8, tAgA8[(None, mma_m, kt, 0)], sa, tma_bar_ptr=handle.barrier)
+                        elif store_a == 1:
+                            cute.copy(tma_atom_a6, tAgA6[(None, mma_m, kt, 0)], sa, tma_bar_ptr=handle.barrier)
+                        else:
+                            cute.copy(tma_atom_a4, tAgA4[(None, mma_m, kt, 0)], sa, tma_bar_ptr=handle.barrier)
+                        if store_b == 0:
+                            cute.copy(tma_atom_b8, tBgB8[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
+                        elif store_b == 1:
+                            cute.copy(tma_atom_b6, tBgB6[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
+                        else:
+                            cute.copy(tma_atom_b4, tBgB4[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
+                    if cutlass.const_expr(self.scaling is not None):
+                        # [scaling hook 2] SFA of this CTA's 128 rows (row block tm), SFB of the N tile
+                        self.scaling.load(tma_atom_sfa, tma_atom_sfb, sf_parts, handle.index, kt, tm, tn, handle.barrier)
                 unit += num_clusters
             ab_producer.tail()
 
@@ -427,7 +518,16 @@ class Sm100F8F6F4Gemm:
             # tile_n fp32 columns of 128 lanes.
             tmem_addr = cute.make_tensor(storage.tmem_holding_buf.ptr, cute.make_layout(1))[0]
             # Run-time operand types go straight into the instruction descriptor.
-            idesc = cutlass.Int32(self.idesc_static) | (fmt_a << 7) | (fmt_b << 10)
+            sfa_smem = sfb_smem = sfa_tmem = sfb_tmem = None
+            if cutlass.const_expr(self.scaling is None):
+                idesc = cutlass.Int32(self.idesc_static) | (fmt_a << 7) | (fmt_b << 10)
+            else:
+                idesc = self.scaling.runtime_idesc(fmt_a, fmt_b)
+                # [scaling hook 4] SFA then SFB columns right after the accumulator stages
+                sfa_tmem = tmem_addr + self.num_acc_stage * self.mma_tiler[1]
+                sfb_tmem = sfa_tmem + self.scaling.geom.sfa_tmem_cols
+                sfa_smem = sSFA.iterator.toint()
+                sfb_smem = sSFB.iterator.toint()
             a_base = sA.iterator.toint()
             b_base = sB.iterator.toint()
             acc_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_acc_stage)
@@ -444,9 +544,12 @@ class Sm100F8F6F4Gemm:
                         handle = ab_consumer.wait_and_advance()
                         a_stage = a_base + handle.index * self.a_stage_bytes
                         b_stage = b_base + handle.index * self.b_stage_bytes
+                        if cutlass.const_expr(self.scaling is not None):  # [scaling hook 3] scales -> TMEM
+                            with cute.arch.elect_one():
+                                self.scaling.copy_scales(sfa_smem, sfb_smem, handle.index, sfa_tmem, sfb_tmem)
                         for kb in cutlass.range_constexpr(TILE_K // MMA_K):
-                            # K-major SW128: one K block of 32 one-byte elements is 32 bytes along
-                            # the swizzled row; 8-row core-matrix groups are 1024 bytes apart.
+                            # K-major SW128: one K block of 32 one-byte elements (or 64 packed FP4)
+                            # is 32 bytes along the swizzled row; 8-row groups are 1024 bytes apart.
                             desc_a = prims.Tcgen05SmemDesc.build(
                                 start_address=cutlass.Int32(a_stage + kb * MMA_K),
                                 leading_byte_offset=16,
@@ -461,15 +564,18 @@ class Sm100F8F6F4Gemm:
                             )
                             accumulate = (kt > 0) | (kb > 0)
                             with cute.arch.elect_one():
-                                prims.tcgen05_mma(
-                                    prims.Tcgen05MMAKind.F8F6F4,
-                                    self.prim_cta_group,
-                                    acc_tmem,
-                                    desc_a,
-                                    desc_b,
-                                    idesc,
-                                    accumulate,
-                                )
+                                if cutlass.const_expr(self.scaling is None):
+                                    prims.tcgen05_mma(
+                                        prims.Tcgen05MMAKind.F8F6F4,
+                                        self.prim_cta_group,
+                                        acc_tmem,
+                                        desc_a,
+                                        desc_b,
+                                        idesc,
+                                        accumulate,
+                                    )
+                                else:  # [scaling hook 3] block-scaled MMA with this step's scale ids
+                                    self.scaling.mma(kb, acc_tmem, desc_a, desc_b, idesc, accumulate, sfa_tmem, sfb_tmem)
                         handle.release()
                     acc_pipeline.producer_commit(acc_state)
                 acc_state.advance()
@@ -595,11 +701,30 @@ def describe_tma_loads(kernel: Sm100F8F6F4Gemm) -> dict:
         op = utils.sm100.cluster_shape_to_tma_atom_A(kernel.cluster_shape_mn, kernel.tiled_mma.thr_id)
         loads = kernel._make_tma_loads(views, kernel.a_smem_layout_staged, cute.nvgpu.make_tiled_tma_atom_A, op)
         for storage, (atom, _) in enumerate(loads):
-            found[storage] = str(atom._trait.value.type)
+            if atom is not None:  # packed FP4 block-scaled kinds build the 8-bit view only
+                found[storage] = str(atom._trait.value.type)
 
     def fake(div):
         shape = (cute.sym_int(), cute.sym_int(divisibility=div))
         return make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(1, 0), assumed_align=32)
 
     cute.compile(probe, fake(16), fake(96), fake(64))
+    return found
+
+
+def describe_resources(kernel: Sm100F8F6F4Gemm) -> dict:
+    """Trace only the host-side setup and return the budgets it chose: ``ab`` stages, shared memory
+    bytes (barrier block + stages + epilogue buffers), TMEM columns and the per-stage TMA byte bound."""
+    found = {}
+
+    @cute.jit
+    def probe():
+        kernel._setup()
+        found.update(
+            num_ab_stage=kernel.num_ab_stage, smem_bytes=kernel.smem_bytes, smem_capacity=kernel.smem_capacity,
+            tmem_cols=kernel.num_tmem_alloc_cols, tma_load_bytes=kernel.num_tma_load_bytes,
+            a_stage_bytes=kernel.a_stage_bytes, b_stage_bytes=kernel.b_stage_bytes,
+        )
+
+    cute.compile(probe)
     return found
