@@ -1,9 +1,8 @@
-"""Tile/cluster sweep for small M (decode) on a Hopper GPU: which instance streams W fastest.
+"""Tile/cluster sweep on a Hopper GPU: candidate configurations (not necessarily in the manifest) on the
+same data, next to cuBLAS for the same recipe. The manifest's rows are chosen from what this prints.
 
-    python -m benchmarks.tune_small_m [--ms 1,16,64,128] [--nk 8192x8192,10240x8192]
-
-Compiles candidate configurations that need not be in the manifest (the manifest's small-M rows are chosen
-from this table), runs each on the same data, and prints time, GB/s and % of 3.0 TB/s next to cuBLAS.
+    python -m benchmarks.tune_tiles --ms 1,16,64,128 --nk 8192x8192          (decode: GB/s matters)
+    python -m benchmarks.tune_tiles --ms 8192 --nk 8192x8192 --tiles 128x128c2x1,128x192c2x1 --accums promoted
 """
 
 from __future__ import annotations
@@ -18,10 +17,15 @@ from cutedsl_gemm.generators.manifest import KernelInstance
 from .common import HBM_TBPS, bench, cublas_call, make_operands
 
 
-def candidates(recipe):
-    accs = ("promoted",) if "x128" in recipe else ("promoted", "fast")
-    for tile_n, (cm, cn), accum in itertools.product((64, 128), ((1, 1), (1, 2), (2, 1)), accs):
-        yield KernelInstance("sm_90a", "gemm", "tune", recipe, "e4m3", "e4m3", "bf16", None, 128, tile_n, cm, cn, 0, accum)
+DEFAULT_TILES = "128x64c1x1,128x64c1x2,128x64c2x1,128x128c1x1,128x128c1x2,128x128c2x1"
+
+
+def candidates(recipe, tiles, accums):
+    accs = [a for a in accums if a == "promoted" or "x128" not in recipe]
+    for tile, accum in itertools.product(tiles, accs):
+        t, c = tile.split("c")
+        (tile_m, tile_n), (cm, cn) = map(int, t.split("x")), map(int, c.split("x"))
+        yield KernelInstance("sm_90a", "gemm", "tune", recipe, "e4m3", "e4m3", "bf16", None, tile_m, tile_n, cm, cn, 0, accum)
 
 
 def main(argv=None):
@@ -29,6 +33,8 @@ def main(argv=None):
     p.add_argument("--ms", default="1,16,64,128")
     p.add_argument("--nk", default="8192x8192")
     p.add_argument("--recipes", default="row,1x128_128x128")
+    p.add_argument("--tiles", default=DEFAULT_TILES, help="TMxTNcCMxCN,...")
+    p.add_argument("--accums", default="promoted,fast")
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for recipe in args.recipes.split(","):
@@ -44,8 +50,9 @@ def main(argv=None):
                     t_c = bench(cublas_call(recipe, qa, b, sa, sb)) * 1e3
                 except (RuntimeError, ValueError):  # e.g. cuBLAS blockwise refuses M=1
                     t_c = float("nan")
-                print(f"{recipe} M={m} N={n} K={k}: cuBLAS {t_c:.1f} us ({bytes_moved / t_c / 1e3:.0f} GB/s)")
-                for inst in candidates(recipe):
+                tflops = lambda t: 2 * m * n * k / t / 1e6
+                print(f"{recipe} M={m} N={n} K={k}: cuBLAS {t_c:.1f} us ({bytes_moved / t_c / 1e3:.0f} GB/s, {tflops(t_c):.0f} TFLOPS)")
+                for inst in candidates(recipe, args.tiles.split(","), args.accums.split(",")):
                     fn = api._compiled(inst)
                     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                     clusters = sms // (inst.cluster_m * inst.cluster_n)
@@ -55,7 +62,7 @@ def main(argv=None):
                     t = bench(call) * 1e3
                     gbs = bytes_moved / t / 1e3
                     print(f"   t{inst.tile_m}x{inst.tile_n} c{inst.cluster_m}x{inst.cluster_n} {inst.accum:8s} {t:7.1f} us "
-                          f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% x{t_c / t:5.2f} err {err:.1e}")
+                          f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
 
 
 if __name__ == "__main__":

@@ -92,12 +92,14 @@ class TileConfig:
 # ------------------------------------------------------------------------------------------------
 TABLE: Tuple[TileConfig, ...] = (
     # Hopper, epilogue-scaled FP8, W multicast over a 2x1 cluster. Promoted accumulation (the default, as
-    # torch's use_fast_accum=False) keeps two extra fragments in registers, so its tiles are 128 wide;
+    # torch's use_fast_accum=False) keeps a K-tile fragment next to the accumulator, so its tiles are at
+    # most 192 wide (128x192 ran 1247 TFLOPS at 8192^3 against 970 for 128x128: benchmarks/tune_tiles);
     # fast accumulation affords 128x256 tiles.
-    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 128, cluster_m=2, cluster_n=1, accum="promoted"),
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1, accum="promoted"),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
-    # promoted-accumulation kernels with one 128-wide W scale block per tile.
+    # promoted-accumulation kernels. 128x192 tiles work too (tests pass) but ran no faster at 8192^3 and
+    # slower at M=1024, N=1536 (benchmarks/tune_tiles, BENCHMARKS.md), so the table keeps 128x128.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
         cluster_m=2, cluster_n=1, accum="promoted",

@@ -23,7 +23,7 @@ def reports():
 
 def test_wgmma_with_the_operand_types(reports):
     for (recipe, a, b, out, bias, accum), rep in reports.items():
-        n = 128 if accum == "promoted" else 256
+        n = 192 if accum == "promoted" else 256
         assert rep.has(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{a}\.{b}"), rep.name
 
 

@@ -18,6 +18,8 @@ so TMA cannot address them) and each lane signals the stage's full barrier with
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -37,8 +39,16 @@ def is_block_scaled(recipe: str) -> bool:
 
 
 def scale_smem_bytes_per_stage(tile_m: int, tile_n: int) -> int:
-    """One fp32 slot per tile row of A and per tile column of W (only slot 0 is used for ``block``)."""
+    """One fp32 slot per tile row of A and per tile column of W (``block`` uses the first few: one per
+    128-block the tile touches)."""
     return (tile_m + tile_n) * 4
+
+
+def blocks_touched(tile_extent: int) -> int:
+    """Most 128-blocks a tile of this extent can overlap: tiles start at multiples of the extent, so a
+    tile starts at most 128 - gcd(extent, 128) into a block (a 192-wide tile overlaps two)."""
+    worst_offset = SCALE_BLOCK - math.gcd(tile_extent, SCALE_BLOCK)
+    return -(-(tile_extent + worst_offset) // SCALE_BLOCK)
 
 
 @cute.jit
@@ -67,8 +77,10 @@ def stage_scales(
             if row < rows:
                 _copy_one(atom, scales, (row, kt), slots, (r, stage))
     else:
-        if lane == 0:
-            _copy_one(atom, scales, (tile * tile_extent // SCALE_BLOCK, kt), slots, (0, stage))
+        first = tile * tile_extent // SCALE_BLOCK
+        if lane < blocks_touched(tile_extent):
+            if first + lane < scales.shape[0]:
+                _copy_one(atom, scales, (first + lane, kt), slots, (lane, stage))
 
 
 @cute.jit
@@ -79,12 +91,44 @@ def _copy_one(atom, scales: cute.Tensor, src_coord, slots: cute.Tensor, dst_coor
 
 
 @cute.jit
-def tile_scale(slots_a: cute.Tensor, slots_b: cute.Tensor, gran_a: cutlass.Constexpr, gran_b: cutlass.Constexpr, m, n, stage):
-    """The combined dequantization factor of accumulator element (m, n) (tile coordinates) for a stage."""
-    row = 0
-    col = 0
-    if cutlass.const_expr(gran_a == "group"):
-        row = m
-    if cutlass.const_expr(gran_b == "group"):
-        col = n
-    return Float32(slots_a[(row, stage)]) * Float32(slots_b[(col, stage)])
+def promote_block_scaled(acc, frag, slots_a, slots_b, tile_coords, grans: cutlass.Constexpr,
+                         tile_mn: cutlass.Constexpr, origin_n, stage):
+    """acc += frag * sa(row) * sb(column) for one retired K tile of a 64 x N WGMMA fragment.
+
+    The fragment layout is WGMMA's ((2 columns, 2 rows, N/8 column groups), 1, 1): element i sits in row
+    half (i // 2) % 2 and column group i // 4, so the scale of each element is known at trace time except
+    for a "block" W scale on tiles that straddle 128-column blocks (a 192-wide tile): there the tile's
+    offset into its first block (one of a few values) picks a branch in which it is known again.
+    """
+    bM, bN = tile_mn
+    assert cute.size(acc) == bN // 2, "expected a 64 x N WGMMA accumulator per warp group"
+    if cutlass.const_expr(grans[0] == "group"):
+        # The two rows this thread holds: those of elements 0 and 2.
+        sa = (Float32(slots_a[(tile_coords[0][0], stage)]), Float32(slots_a[(tile_coords[2][0], stage)]))
+    else:
+        sa0 = Float32(slots_a[(0, stage)])  # a 128-row tile lies in one A block
+        sa = (sa0, sa0)
+    if cutlass.const_expr(grans[1] == "group"):
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            sb = Float32(slots_b[(tile_coords[i][1], stage)])
+            acc[i] = acc[i] + frag[i] * (sa[(i // 2) % 2] * sb)
+    elif cutlass.const_expr(SCALE_BLOCK % bN == 0):
+        sb = Float32(slots_b[(0, stage)])  # the tile lies in one W block
+        s = (sa[0] * sb, sa[1] * sb)
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            acc[i] = acc[i] + frag[i] * s[(i // 2) % 2]
+    else:
+        sb = (Float32(slots_b[(0, stage)]), Float32(slots_b[(1, stage)]))
+        s = ((sa[0] * sb[0], sa[1] * sb[0]), (sa[0] * sb[1], sa[1] * sb[1]))
+        offset = origin_n % SCALE_BLOCK
+        for off in cutlass.range_constexpr(SCALE_BLOCK):
+            if cutlass.const_expr(off in _tile_offsets(bN)):
+                if offset == off:
+                    for i in cutlass.range_constexpr(cute.size(acc)):
+                        block = (off + 8 * (i // 4)) // SCALE_BLOCK
+                        acc[i] = acc[i] + frag[i] * s[block][(i // 2) % 2]
+
+
+def _tile_offsets(tile_extent: int):
+    """Offsets into its first 128-block at which a tile of this extent can start."""
+    return sorted({(t * tile_extent) % SCALE_BLOCK for t in range(SCALE_BLOCK)})
