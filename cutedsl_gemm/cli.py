@@ -139,8 +139,12 @@ def cmd_catalog(args) -> int:
     docs = args.docs or C.DOCS_DIR
     if args.check:
         problems = C.check(docs)
-        for p in problems:
-            print(f"  {p.kind}: {p.text}", file=sys.stderr)
+        for kind in ("manifest", "sources"):
+            mine = [p for p in problems if p.kind == kind]
+            for p in mine[:10]:
+                print(f"  {kind}: {p.text}", file=sys.stderr)
+            if len(mine) > 10:
+                print(f"  {kind}: ... and {len(mine) - 10} more", file=sys.stderr)
         print(f"catalog: {'stale, run `' + C.REGENERATE + '`' if problems else 'up to date'} ({docs})", file=sys.stderr)
         return 1 if problems else 0
     try:

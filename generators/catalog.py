@@ -192,6 +192,7 @@ def check(docs_dir: Path = DOCS_DIR) -> List[Problem]:
     entries = load_sidecar(docs_dir)
     problems: List[Problem] = []
     insts = instances()
+    moved: Dict[Tuple[str, str], List[str]] = {}
     for inst in insts:
         if family(inst) is None:
             continue  # rendered as "no inspector"; nothing to refresh
@@ -201,8 +202,10 @@ def check(docs_dir: Path = DOCS_DIR) -> List[Problem]:
         elif e.get("config") != code_config(inst):
             problems.append(Problem("manifest", f"{inst.name}: facts in {SIDECAR_NAME} are for another configuration"))
         elif e.get("fingerprint") != facts_fingerprint(inst):
-            problems.append(Problem("sources", f"{inst.name}: facts were taken from other kernel sources "
-                                               f"({e.get('fingerprint')} != {facts_fingerprint(inst)})"))
+            moved.setdefault((str(e.get("fingerprint")), str(facts_fingerprint(inst))), []).append(inst.name)
+    for (old, new), names in sorted(moved.items()):
+        problems.append(Problem("sources", f"{len(names)} instance(s) catalogued from kernel sources {old}, now {new} "
+                                           f"(e.g. {names[0]})"))
     doc = docs_dir / DOC_NAME
     if not doc.exists() or doc.read_text() != render(insts, entries):
         problems.append(Problem("manifest", f"{doc} differs from what the manifest and {SIDECAR_NAME} render to"))

@@ -11,12 +11,9 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
 * ``cutedsl_gemm_kernels.cmake`` + ``CMakeLists.txt``: the static library ``cutedsl_gemm_kernels``;
 * ``export.json``: what was exported, from which sources.
 
-Export compiles without ``--enable-tvm-ffi``: the DSL's C export (header + object) exists only for the
-plain calling convention; a TVM-FFI compile exports a bare object with a packed-function symbol and no
-header (that is what ``cutedsl_gemm.jit`` links for its disk cache).
+Compiling and describing one instance is ``c_export.export_one``; this module renders and builds.
 """
 
-import ctypes
 import json
 import os
 import re
@@ -26,161 +23,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
-import cuda.bindings.driver as cuda
-import cutlass.cute as cute
 import jinja2
-from cutlass import Int32
 
+from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, field_name
 from cutedsl_gemm.generators.manifest import KernelInstance
 from cutedsl_gemm.generators.runner import code_key, pick, run_parallel
 
-TEMPLATES = Path(__file__).resolve().parent / "templates"
 LIB_NAME = "cutedsl_gemm_kernels"
-MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
-MAX_SYMS = 16  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel
-
-# Kernel argument -> field of cutedsl_gemm_args_t (the GEMM host entry's tensors, in call order).
-GEMM_TENSOR_ROLES = (("mA", "a"), ("mB", "b"), ("mD", "d"), ("mSA", "scale_a"), ("mSB", "scale_b"), ("mBias", "bias"))
-
-
-class ExportError(RuntimeError):
-    pass
-
-
-# ------------------------------------------------------------------------------------------------
-# Compiling one instance for the C export
-# ------------------------------------------------------------------------------------------------
-class GemmCEntry:
-    """C-exportable host entry around a GEMM kernel object.
-
-    The DSL's C header generator needs every argument annotated, and the kernel's own ``stream`` is not;
-    this wrapper takes the same arguments with ``stream: cuda.CUstream`` and inlines the kernel's entry.
-    (No ``from __future__ import annotations`` in this module: the DSL reads these annotations as types.)
-    """
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    @cute.jit
-    def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mD: cute.Tensor, mSA: cute.Tensor, mSB: cute.Tensor,
-                 mBias: cute.Tensor, max_clusters: Int32, stream: cuda.CUstream):
-        self.kernel(mA, mB, mD, mSA, mSB, mBias, max_clusters, stream)
-
-
-def _gemm_compile_args(inst: KernelInstance):
-    """(entry, fake args) for an sm_90a GEMM instance: the runtime's fake tensors, a plain fake stream."""
-    from cutlass.cute.runtime import make_fake_stream
-
-    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-    from cutedsl_gemm.sm90_compile import fake_gemm_args
-
-    cfg = inst.sm90_config()
-    args = list(fake_gemm_args(cfg))
-    if len(args) != 2 + len(GEMM_TENSOR_ROLES):
-        raise ExportError(f"{inst.name}: fake_gemm_args returned {len(args)} arguments, the C entry takes "
-                          f"{len(GEMM_TENSOR_ROLES)} tensors, max_clusters and a stream; update export.py")
-    args[-1] = make_fake_stream()  # the C caller passes its stream; there is no TVM-FFI environment stream
-    return GemmCEntry(Sm90Fp8Gemm(cfg)), args
-
-
-_RUNTIME_LOADED = False
-
-
-def _load_runtime_globally():
-    # The DSL's object dump JIT-links the host module first, which must resolve the CUDA shims
-    # (_cudaLaunchKernelEx, ...) defined in libcute_dsl_runtime; TVM-FFI compiles load it, plain ones not.
-    global _RUNTIME_LOADED
-    if not _RUNTIME_LOADED:
-        from cutlass.runtime import find_runtime_libraries
-
-        for path in find_runtime_libraries(enable_tvm_ffi=False):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-        _RUNTIME_LOADED = True
-
-
-def _mode(value, syms: Dict[int, int]) -> dict:
-    if isinstance(value, int):
-        return {"static": True, "value": value, "sym": -1, "div": 1, "width": 64}
-    if not hasattr(value, "divisibility"):
-        raise ExportError(f"unsupported shape/stride entry {value!r} (nested layouts are not exportable)")
-    # Identity, not equality: the same SymInt object in two tensors is one run-time extent (M, N or K).
-    sym = syms.setdefault(id(value), len(syms))
-    return {"static": False, "value": 0, "sym": sym, "div": int(value.divisibility), "width": int(value.width)}
-
-
-def _tensor_specs(args) -> List[dict]:
-    syms: Dict[int, int] = {}
-    specs = []
-    for (param, role), t in zip(GEMM_TENSOR_ROLES, args):
-        shape, stride = tuple(t.shape), tuple(t.stride)
-        if len(shape) > MAX_RANK or len(stride) != len(shape):
-            raise ExportError(f"{param}: rank {len(shape)} tensor (shape {shape}, stride {stride}) does not fit the "
-                              f"{MAX_RANK}-mode C descriptor")
-        stride_modes = []
-        for v in stride:
-            m = _mode(v, {})
-            m["sym"] = -1  # strides are independent run-time values (padded leading dimensions)
-            stride_modes.append(m)
-        specs.append({
-            "param": param,
-            "role": role,
-            "rank": len(shape),
-            "align": int(t._assumed_align),
-            "shape": [_mode(v, syms) for v in shape],
-            "stride": stride_modes,
-        })
-    return specs
-
-
-_WRAPPER_RE = re.compile(r"static inline (\w+) (cute_dsl_\w+_wrapper)\(([^)]*)\)")
-_STRUCT_RE = re.compile(r"typedef struct \{([^}]*)\} (\w+)_Tensor_(\w+)_t;")
-_FIELD_RE = re.compile(r"(int32_t|int64_t) (dynamic_shapes|dynamic_strides)\[(\d+)\];")
-
-
-def _read_header(header: str, prefix: str, specs: List[dict]) -> dict:
-    """Cross-check the DSL header against the traced signature; return the wrapper and slot types."""
-    m = _WRAPPER_RE.search(header)
-    if not m:
-        raise ExportError(f"{prefix}.h: no cute_dsl_*_wrapper declaration (DSL header format changed?)")
-    ret_type, wrapper, params = m.groups()
-    names = [p.strip().split()[-1].lstrip("*") for p in params.split(",")]
-    expected = ["module"] + [s["param"] for s in specs] + ["max_clusters", "stream"]
-    if names != expected:
-        raise ExportError(f"{prefix}.h: wrapper parameters {names}, expected {expected}")
-    structs = {}
-    for body, pfx, arg in _STRUCT_RE.findall(header):
-        if pfx == prefix:
-            structs[arg] = {kind: (ctype, int(n)) for ctype, kind, n in _FIELD_RE.findall(body)}
-    for s in specs:
-        fields = structs.get(s["param"])
-        if fields is None:
-            raise ExportError(f"{prefix}.h: no descriptor struct for {s['param']}")
-        for kind, modes in (("dynamic_shapes", s["shape"]), ("dynamic_strides", s["stride"])):
-            n_dyn = sum(not md["static"] for md in modes)
-            ctype, n = fields.get(kind, ("int32_t", 0))
-            if n != n_dyn:
-                raise ExportError(f"{prefix}.h: {s['param']}.{kind} has {n} slots, the traced tensor {n_dyn}")
-            s[kind + "_type"] = ctype
-    return {"wrapper": wrapper, "return_type": ret_type}
-
-
-def export_one(job: Tuple[KernelInstance, str]) -> dict:
-    """Compile one instance and write ``<key>.o`` and ``<key>.h`` into ``job[1]`` (runs in a worker)."""
-    inst, kernels_dir = job
-    if not (inst.arch == "sm_90a" and inst.op == "gemm"):
-        raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}")
-    entry, args = _gemm_compile_args(inst)
-    specs = _tensor_specs(args)
-    compiled = cute.compile(entry, *args, options=f"--gpu-arch {inst.arch}")
-    _load_runtime_globally()
-    key = code_key(inst)
-    compiled.export_to_c(kernels_dir, key, function_prefix=key)
-    header = Path(kernels_dir, key + ".h").read_text()
-    info = _read_header(header, key, specs)
-    num_syms = 1 + max((md["sym"] for s in specs for md in s["shape"]), default=-1)
-    if num_syms > MAX_SYMS:
-        raise ExportError(f"{inst.name}: {num_syms} run-time extents, the registry tracks at most {MAX_SYMS}")
-    return {"key": key, "tensors": specs, "num_syms": num_syms, **info}
+C_TYPES = {"int32": "int32_t", "int64": "int64_t"}
+# What the registry header says about each field of cutedsl_gemm_args_t (others: "kernel argument <name>").
+FIELD_DOCS = {
+    "a": "(M, K) row-major",
+    "b": "(K, N) column-major: w.t() of a row-major (N, K) weight",
+    "d": "(M, N) row-major output",
+    "scale_a": "fp32: (1,) | (M, 1) | block recipes (M or M/128 blocks, K/128)",
+    "scale_b": "fp32: (1,) | (1, N) | block recipes (N or N/128 blocks, K/128)",
+    "bias": "(N,); ignored by instances built without bias",
+    "workspace": "split-K fp32 partials, >= tiles x splits x tile_m x tile_n; data NULL when splits <= 1",
+    "counters": "split-K int32, one per output tile, zeroed before first use (launches leave them zero)",
+    "splits": "K splits: <= 1 none; > 1 only on split_k instances (normalised: no empty split)",
+    "max_clusters": "persistent clusters to launch; <= 0: SM count / cluster size of the current device",
+}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -198,8 +61,8 @@ def template_env() -> jinja2.Environment:
     return env
 
 
-def _c_plan(kernel: dict, inst: KernelInstance) -> dict:
-    """Template inputs for one exported kernel: which descriptor slots take which extents/strides."""
+def _c_plan(kernel: dict, inst: KernelInstance, max_splits: int) -> dict:
+    """Template inputs for one exported kernel: slot assignments, roles, scalars, the wrapper's arguments."""
     for ti, t in enumerate(kernel["tensors"]):
         lines = [f"{t['param']}.data = views[{ti}].data;"]
         for kind, src in (("dynamic_shapes", "shape"), ("dynamic_strides", "stride")):
@@ -209,9 +72,28 @@ def _c_plan(kernel: dict, inst: KernelInstance) -> dict:
                     lines.append(f"{t['param']}.{kind}[{slot}] = ({t[kind + '_type']})views[{ti}].{src}[{j}];")
                     slot += 1
         t["assign"] = lines
-    roles = [t["role"] for t in kernel["tensors"]]
-    return {**kernel, "has_bias": inst.bias_dtype is not None, "bias_index": roles.index("bias"),
-            "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n}
+    idx = {t["role"]: i for i, t in enumerate(kernel["tensors"])}
+    missing = {"a", "b", "d"} - set(idx)
+    if missing:
+        raise ExportError(f"{kernel['key']}: the entry has no {sorted(missing)} tensor (the registry's GEMM roles)")
+    scalars = [{"name": n, "ctype": C_TYPES[k]} for n, k in kernel["params"] if k in C_TYPES]
+    names = {s["name"] for s in scalars}
+    call = [f"&{n}" if k == "tensor" else n for n, k in kernel["params"]]
+    return {**kernel, "idx": idx, "scalars": scalars, "scalar_names": names, "call_args": call,
+            "splits": "splits" in names and {"workspace", "counters"} <= set(idx), "max_splits": max_splits,
+            "has_bias": inst.bias_dtype is not None, "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n,
+            "tile_m": inst.tile_m, "tile_n": inst.tile_n}
+
+
+def _arg_fields(params) -> List[dict]:
+    out = []
+    for name, kind in params:
+        if kind == "stream":
+            continue
+        f = field_name(name)
+        out.append({"field": f, "ctype": "cutedsl_gemm_tensor_t" if kind == "tensor" else C_TYPES[kind],
+                    "doc": FIELD_DOCS.get(f, f"kernel argument {name}")})
+    return out
 
 
 def _fields(inst: KernelInstance) -> dict:
@@ -224,6 +106,7 @@ class ExportResult:
     instances: Tuple[KernelInstance, ...]
     kernels: Dict[str, dict]  # code key -> export_one's result
     files: List[Path]
+    arg_fields: List[dict]  # cutedsl_gemm_args_t, in order: {"field", "ctype", "doc"}
 
 
 def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int] = None,
@@ -245,13 +128,22 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int]
         raise ExportError(f"{len(failed)} of {len(results)} instances failed to export:\n" +
                           "\n".join(f"  {r.item[0].name}: {r.error}" for r in failed))
     kernels = {r.value["key"]: r.value for r in results}
+    signatures = {tuple(k["params"]) for k in kernels.values()}
+    if len(signatures) != 1:
+        raise ExportError(f"the selected instances have different entry signatures ({sorted(signatures)}); "
+                          f"export them separately (--filter)")
+    from cutedsl_gemm import dispatch
+
+    max_splits = int(getattr(dispatch, "MAX_SPLITS", 1 << 30))
     ctx = {
         "arch": arch,
         "lib": LIB_NAME,
         "dsl_version": dsl_version(),
         "fingerprint": source_fingerprint(),
-        "kernels": [_c_plan(kernels[k], inst) for k, inst in first.items()],
-        "entries": [{"key": code_key(i), "fields": _fields(i), "name": i.name} for i in insts],
+        "kernels": [_c_plan(kernels[k], inst, max_splits) for k, inst in first.items()],
+        "arg_fields": _arg_fields(next(iter(signatures))),
+        "entries": [{"key": code_key(i), "fields": _fields(i), "name": i.name,
+                     "split_k": kernels[code_key(i)]["split_k"]} for i in insts],
         "dsl_runtime": _dsl_runtime_library(),
     }
     env = template_env()
@@ -267,7 +159,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int]
     files.append(out / "export.json")
     for k in first:
         files += [kdir / f"{k}.o", kdir / f"{k}.h"]
-    return ExportResult(out, insts, kernels, files)
+    return ExportResult(out, insts, kernels, files, ctx["arg_fields"])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,208 @@
+"""One manifest instance through the DSL's C export: compile for the target arch, write ``<key>.o`` and
+``<key>.h``, and describe the entry point for the registry templates.
+
+The entry's arguments are read from the kernel class's ``__call__`` signature, so a kernel that gains an
+argument (e.g. split-K buffers) is exported without editing this file. Each tensor argument is described
+mode by mode from the fake tensor it was traced with: a fixed extent/stride, or a run-time value with its
+divisibility, and for extents which other tensor modes hold the same value (the same ``SymInt`` object:
+M, N, K). The registry turns that into argument checks.
+
+Compiles without ``--enable-tvm-ffi``: the DSL's C export (header + object) exists only for the plain
+calling convention; a TVM-FFI compile exports a bare object with a packed-function symbol and no header
+(that is what ``cutedsl_gemm.jit`` links for its disk cache).
+"""
+
+import ctypes
+import hashlib
+import inspect
+import linecache
+import re
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import cuda.bindings.driver as cuda
+import cutlass.cute as cute
+import jinja2
+from cutlass import Int32, Int64
+
+from cutedsl_gemm.generators.manifest import KernelInstance
+from cutedsl_gemm.generators.runner import code_key
+
+TEMPLATES = Path(__file__).resolve().parent / "templates"
+MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
+MAX_SYMS = 16  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel
+
+# Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case.
+KNOWN_FIELDS = {"mA": "a", "mB": "b", "mD": "d", "mSA": "scale_a", "mSB": "scale_b", "mBias": "bias",
+                "mWorkspace": "workspace", "mCounters": "counters"}
+
+
+class ExportError(RuntimeError):
+    pass
+
+
+def field_name(param: str) -> str:
+    if param in KNOWN_FIELDS:
+        return KNOWN_FIELDS[param]
+    base = re.sub(r"^m(?=[A-Z])", "", param)
+    return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", base).lower()
+
+
+def entry_params(kernel_cls) -> Tuple[Tuple[str, str], ...]:
+    """(name, kind) of the kernel entry's arguments; kind: tensor | int32 | int64 | stream."""
+    params = list(inspect.signature(kernel_cls.__call__).parameters.values())[1:]  # drop self
+    out = []
+    for p in params:
+        ann = p.annotation
+        text = ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann))
+        if p.name == "stream" and (ann is inspect.Parameter.empty or "CUstream" in text):
+            kind = "stream"
+        elif text.endswith("Tensor"):
+            kind = "tensor"
+        elif text.endswith("Int32"):
+            kind = "int32"
+        elif text.endswith("Int64"):
+            kind = "int64"
+        else:
+            raise ExportError(f"{kernel_cls.__name__}.__call__: cannot export argument {p.name}: {text!r}")
+        out.append((p.name, kind))
+    if [k for _, k in out].count("stream") != 1 or out[-1][1] != "stream":
+        raise ExportError(f"{kernel_cls.__name__}.__call__ must end with one stream argument, got {out}")
+    return tuple(out)
+
+
+_ANNOTATIONS = {"tensor": "cute.Tensor", "int32": "Int32", "int64": "Int64", "stream": "cuda.CUstream"}
+_ENTRIES: Dict[Tuple, type] = {}
+
+
+def _env() -> jinja2.Environment:
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), undefined=jinja2.StrictUndefined,
+                              keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+
+
+def entry_class(kernel_cls, params) -> type:
+    """A ``@cute.jit`` class with the kernel's arguments, typed for the C header (generated once per signature)."""
+    cls = _ENTRIES.get(params)
+    if cls is None:
+        src = _env().get_template("c_entry.py.j2").render(
+            kernel=kernel_cls.__name__, params=[{"name": n, "annotation": _ANNOTATIONS[k]} for n, k in params])
+        fname = f"<cutedsl_gemm C entry {hashlib.sha256(src.encode()).hexdigest()[:12]}>"
+        # The DSL compiles from the source of what it traces; linecache serves it for generated code.
+        linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)
+        ns = {"cute": cute, "cuda": cuda, "Int32": Int32, "Int64": Int64}
+        exec(compile(src, fname, "exec"), ns)
+        cls = _ENTRIES[params] = ns["GemmCEntry"]
+    return cls
+
+
+_RUNTIME_LOADED = False
+
+
+def _load_runtime_globally():
+    # The DSL's object dump JIT-links the host module first, which must resolve the CUDA shims
+    # (_cudaLaunchKernelEx, ...) defined in libcute_dsl_runtime; TVM-FFI compiles load it, plain ones not.
+    global _RUNTIME_LOADED
+    if not _RUNTIME_LOADED:
+        from cutlass.runtime import find_runtime_libraries
+
+        for path in find_runtime_libraries(enable_tvm_ffi=False):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+        _RUNTIME_LOADED = True
+
+
+def _mode(value, syms: Dict[int, int]) -> dict:
+    if isinstance(value, int):
+        return {"static": True, "value": value, "sym": -1, "div": 1, "width": 64}
+    if not hasattr(value, "divisibility"):
+        raise ExportError(f"unsupported shape/stride entry {value!r} (nested layouts are not exportable)")
+    # Identity, not equality: the same SymInt object in two tensors is one run-time extent (M, N or K).
+    sym = syms.setdefault(id(value), len(syms))
+    return {"static": False, "value": 0, "sym": sym, "div": int(value.divisibility), "width": int(value.width)}
+
+
+def tensor_specs(params, args) -> List[dict]:
+    syms: Dict[int, int] = {}
+    specs = []
+    for (name, kind), t in zip(params, args):
+        if kind != "tensor":
+            continue
+        shape, stride = tuple(t.shape), tuple(t.stride)
+        if len(shape) > MAX_RANK or len(stride) != len(shape):
+            raise ExportError(f"{name}: rank {len(shape)} tensor (shape {shape}, stride {stride}) does not fit the "
+                              f"{MAX_RANK}-mode C descriptor")
+        strides = []
+        for v in stride:
+            m = _mode(v, {})
+            m["sym"] = -1  # strides are independent run-time values (padded leading dimensions)
+            strides.append(m)
+        specs.append({"param": name, "role": field_name(name), "rank": len(shape), "align": int(t._assumed_align),
+                      "shape": [_mode(v, syms) for v in shape], "stride": strides})
+    return specs
+
+
+_WRAPPER_RE = re.compile(r"static inline (\w+) (cute_dsl_\w+_wrapper)\(([^)]*)\)")
+_STRUCT_RE = re.compile(r"typedef struct \{([^}]*)\} (\w+)_Tensor_(\w+)_t;")
+_FIELD_RE = re.compile(r"(int32_t|int64_t) (dynamic_shapes|dynamic_strides)\[(\d+)\];")
+
+
+def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
+    """Cross-check the DSL header against the traced signature; return the wrapper and slot types."""
+    m = _WRAPPER_RE.search(header)
+    if not m:
+        raise ExportError(f"{prefix}.h: no cute_dsl_*_wrapper declaration (DSL header format changed?)")
+    ret_type, wrapper, decl = m.groups()
+    names = [p.strip().split()[-1].lstrip("*") for p in decl.split(",")]
+    expected = ["module"] + [n for n, _ in params]
+    if names != expected:
+        raise ExportError(f"{prefix}.h: wrapper parameters {names}, expected {expected}")
+    structs = {}
+    for body, pfx, arg in _STRUCT_RE.findall(header):
+        if pfx == prefix:
+            structs[arg] = {kind: (ctype, int(n)) for ctype, kind, n in _FIELD_RE.findall(body)}
+    for s in specs:
+        fields = structs.get(s["param"])
+        if fields is None:
+            raise ExportError(f"{prefix}.h: no descriptor struct for {s['param']}")
+        for kind, modes in (("dynamic_shapes", s["shape"]), ("dynamic_strides", s["stride"])):
+            n_dyn = sum(not md["static"] for md in modes)
+            ctype, n = fields.get(kind, ("int32_t", 0))
+            if n != n_dyn:
+                raise ExportError(f"{prefix}.h: {s['param']}.{kind} has {n} slots, the traced tensor {n_dyn}")
+            s[kind + "_type"] = ctype
+    return {"wrapper": wrapper, "return_type": ret_type}
+
+
+def _sm90_gemm(inst: KernelInstance):
+    """(kernel object, fake args) as the runtime traces them, with a plain fake stream for the C caller."""
+    from cutlass.cute.runtime import make_fake_stream
+
+    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
+    from cutedsl_gemm.sm90_compile import fake_gemm_args
+
+    cfg = inst.sm90_config()
+    args = list(fake_gemm_args(cfg))
+    args[-1] = make_fake_stream()  # the C caller passes its stream; there is no TVM-FFI environment stream
+    return Sm90Fp8Gemm(cfg), args, cfg
+
+
+def export_one(job: Tuple[KernelInstance, str]) -> dict:
+    """Compile one instance and write ``<key>.o`` and ``<key>.h`` into ``job[1]`` (runs in a worker)."""
+    inst, kernels_dir = job
+    if not (inst.arch == "sm_90a" and inst.op == "gemm"):
+        raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}")
+    kernel, args, cfg = _sm90_gemm(inst)
+    params = entry_params(type(kernel))
+    if len(args) != len(params):
+        raise ExportError(f"{inst.name}: the traced arguments ({len(args)}) do not match "
+                          f"{type(kernel).__name__}.__call__ ({[n for n, _ in params]})")
+    specs = tensor_specs(params, args)
+    compiled = cute.compile(entry_class(type(kernel), params)(kernel), *args, options=f"--gpu-arch {inst.arch}")
+    _load_runtime_globally()
+    key = code_key(inst)
+    compiled.export_to_c(kernels_dir, key, function_prefix=key)
+    info = read_header(Path(kernels_dir, key + ".h").read_text(), key, params, specs)
+    num_syms = 1 + max((md["sym"] for s in specs for md in s["shape"]), default=-1)
+    if num_syms > MAX_SYMS:
+        raise ExportError(f"{inst.name}: {num_syms} run-time extents, the registry tracks at most {MAX_SYMS}")
+    return {"key": key, "params": params, "tensors": specs, "num_syms": num_syms,
+            "tile_k": int(kernel.tile_shape_mnk[2]), "split_k": bool(getattr(cfg, "split_k", False)), **info}
