@@ -1,11 +1,14 @@
 """FP8 quantization benchmark on a Hopper GPU: CuTe DSL kernels against the torch reference quantizer.
 
-    python -m benchmarks.bench_quantize [--shape 8192x8192] [--dtype bf16] [--fmt e4m3] [--out quant.json]
+    python -m benchmarks.bench_quantize [--shape 8192x8192[,MxK...]] [--dtype bf16] [--fmt e4m3]
+                                        [--check cpu|gpu] [--out quant.json]
 
 One row per recipe: our time, the torch reference (cutedsl_gemm.reference.quantize on the GPU) time and
 the speed-up, effective bandwidth (bytes read + written, scales included) and % of the 3.0 TB/s HBM
 bandwidth measured on the lent H100, plus whether our output equals the reference bit for bit (NaN codes
-compared as NaN). Target (issue 3): >= 80% of 3.0 TB/s for 1x128 and 128x128 on 8192x8192 bf16.
+compared as NaN; ``--check cpu``, the default, runs that reference on the CPU). A last row times torch's
+plain ``x.to(float8)`` (no scaling, same bytes moved) as a bandwidth yardstick.
+Target (issue 3): >= 80% of 3.0 TB/s for 1x128 and 128x128 on 8192x8192 bf16.
 """
 
 from __future__ import annotations
@@ -65,10 +68,11 @@ def _equal(q, s, qr, sr, fmt):
     return bool(same_q and same_s)
 
 
-def run(m, k, dtype, fmt_name, out_path=None):
+def run(m, k, dtype, fmt_name, check="cpu"):
     fmt = element_format(fmt_name)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
-    xc = x.cpu()  # the reference for the bit-exact column runs on the CPU (IEEE fp32 division for sure)
+    # the reference for the bit-exact column: on the CPU (IEEE fp32 division for sure) or on the GPU
+    xc = x.cpu() if check == "cpu" else x
     in_bytes = x.element_size() * m * k
     rows = []
     hdr = (f"{'recipe':16s} | {'ours us':>8s} {'torch us':>9s} {'speedup':>7s} | {'GB/s':>7s} {'%3.0TB/s':>8s} | "
@@ -85,7 +89,7 @@ def run(m, k, dtype, fmt_name, out_path=None):
         ref = lambda: R.quantize(x, g, fmt)
         # the torch reference in the same layout, for the bit-exact column
         qr, sr = quantize_fp8(xc, recipe, fmt=fmt, block=block, scale_layout=layout, backend="reference")
-        exact = _equal(q.cpu(), s.cpu(), qr, sr, fmt)
+        exact = _equal(q.to(xc.device), s.to(xc.device), qr, sr, fmt)
         t_ours = bench(ours) * 1e3
         try:
             t_ref = bench(ref) * 1e3
@@ -101,21 +105,32 @@ def run(m, k, dtype, fmt_name, out_path=None):
                          ours_us=t_ours, torch_us=t_ref, speedup=t_ref / t_ours if t_ours else math.nan,
                          bytes=moved, gbps=gbs, pct_of_3tbps=pct, bit_exact=exact,
                          meets_target=(pct >= 80.0) if label in TARGETS else None))
-    write_json(out_path, rows)
+    t_cast = bench(lambda: x.to(fmt.torch_dtype)) * 1e3
+    gbs = (in_bytes + x.numel()) / (t_cast * 1e-6) / 1e9
+    pct = 100.0 * gbs / (HBM_TBPS * 1e3)
+    print(f"{'torch x.to(fp8)':16s} | {t_cast:8.1f} {'':>9s} {'':>7s} | {gbs:7.0f} {pct:7.1f}% | "
+          f"{'n/a':>9s}  (no scaling: bandwidth yardstick)")
+    rows.append(dict(recipe="torch x.to(fp8) (no scaling)", m=m, k=k, dtype=str(dtype), fmt=fmt.name, ours_us=t_cast,
+                     bytes=in_bytes + x.numel(), gbps=gbs, pct_of_3tbps=pct))
     return rows
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", default="8192x8192", help="ROWSxK")
+    p.add_argument("--shape", default="8192x8192", help="ROWSxK, or several separated by commas")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--fmt", default="e4m3", choices=["e4m3", "e5m2"])
+    p.add_argument("--check", default="cpu", choices=["cpu", "gpu"], help="where the bit-exact reference runs")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     a = p.parse_args(argv)
-    m, k = (int(v) for v in a.shape.lower().split("x"))
+    shapes = [tuple(int(v) for v in sh.lower().split("x")) for sh in a.shape.split(",")]
     if not torch.cuda.is_available():
         raise SystemExit("bench_quantize needs a CUDA GPU")
-    run(m, k, DTYPES[a.dtype], a.fmt, a.out)
+    rows = []
+    for m, k in shapes:
+        rows += run(m, k, DTYPES[a.dtype], a.fmt, check=a.check)
+        print()
+    write_json(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -134,9 +134,9 @@ def _validate(x, gran, fmt, block, scale_layout, backend):
             raise ValueError("x's data pointer must be 16-byte aligned (a sliced view may not be); call .clone()")
         if not x.is_cuda:
             raise ValueError(f"backend='kernel' needs a CUDA tensor, got device {x.device}")
-        tile_rows = block if gran is G.BLOCK_128x128 else 128  # the tile kernels' grid.y = ceil(rows / tile)
-        if gran is not G.ROW and _ceil_div(rows, tile_rows) > 65535:
-            raise ValueError(f"at most {65535 * tile_rows} rows are supported by the kernels, got {rows}")
+        tile_cols = block if gran is G.BLOCK_128x128 else 128  # the tile kernels' grid.y = ceil(K / tile)
+        if gran is not G.ROW and _ceil_div(k, tile_cols) > 65535:
+            raise ValueError(f"at most {65535 * tile_cols} columns (K) are supported by the kernels, got {k}")
     return fmt, scale_layout, use_kernel
 
 
@@ -217,23 +217,33 @@ def _cutlass_types(x, fmt):
     return getattr(cutlass, _IN_DTYPES[x.dtype]), fmt.cutlass_dtype()
 
 
+# Kernel tuning overrides per kind ("group", "block", "row_block", "row", "tensor_amax", "tensor_cast"):
+# keyword arguments of the kernels' compile functions. Empty = the kernels' defaults; benchmarks set it
+# to compare variants (the values are part of the compile-cache key).
+TUNING = {}
+AMAX_CTAS_PER_SM = 4  # per-tensor pass 1: resident CTAs per SM of its grid-stride grid
+
+
 def _get(kind, x, fmt, *cfg):
     from cutedsl_gemm.kernels.sm90 import quantize_fp8 as K
 
-    key = ("quantize_fp8", kind, _IN_DTYPES[x.dtype], fmt.name) + tuple(cfg)
+    tune = dict(TUNING.get(kind, {}))
+    key = ("quantize_fp8", kind, _IN_DTYPES[x.dtype], fmt.name) + tuple(cfg) + tuple(sorted(tune.items()))
 
     def build():
         ti, to = _cutlass_types(x, fmt)
         if kind == "group":
-            return K.compile_group(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major")
+            return K.compile_group(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major", **tune)
         if kind == "block":
-            return K.compile_block(ti, to, fmt.max_finite, cfg[0])
+            return K.compile_block(ti, to, fmt.max_finite, cfg[0], **tune)
+        if kind == "row_block":
+            return K.compile_row_block(ti, to, fmt.max_finite, cfg[1], threads=cfg[0], **tune)
         if kind == "row":
-            return K.compile_row(ti, to, fmt.max_finite)
+            return K.compile_row(ti, to, fmt.max_finite, **tune)
         if kind == "tensor_amax":
-            return K.compile_tensor_amax(ti)
+            return K.compile_tensor_amax(ti, **tune)
         if kind == "tensor_cast":
-            return K.compile_tensor_cast(ti, to, fmt.max_finite)
+            return K.compile_tensor_cast(ti, to, fmt.max_finite, **tune)
         raise AssertionError(kind)
 
     return KERNEL_CACHE.get(key, build)
@@ -260,12 +270,18 @@ def _kernel(x, gran, fmt, block, scale_layout):
         _get("block", x, fmt, block)(x, q, s, s)
         return q, s
     if gran is G.ROW:
+        from cutedsl_gemm.kernels.sm90.quantize_fp8 import row_tile
+
         s = torch.empty((rows, 1), **f32)
-        _get("row", x, fmt)(x, q, s)
+        tile = row_tile(k, x.element_size() * 8)
+        if tile is not None:  # one CTA per row (a 1 x 2^n block), read once where it fits in registers
+            _get("row_block", x, fmt, *tile)(x, q, s, s)
+        else:  # rows longer than 65536: one warp per row, two passes
+            _get("row", x, fmt)(x, q, s)
         return q, s
     # per-tensor: partial maxima (grid-stride CTAs, no atomics), then the cast kernel folds them
     ntiles = _ceil_div(rows, 128) * _ceil_div(k, 128)
-    part = torch.empty((max(1, min(ntiles, 8 * _num_sms(dev))),), **f32)
+    part = torch.empty((max(1, min(ntiles, AMAX_CTAS_PER_SM * _num_sms(dev))),), **f32)
     s = torch.empty((1,), **f32)
     _get("tensor_amax", x, fmt)(x, part)
     _get("tensor_cast", x, fmt)(x, q, s, part)

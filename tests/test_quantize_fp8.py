@@ -1,8 +1,11 @@
 """FP8 quantization: reference numerics (CPU), compile-only sm_90a PTX checks, GPU kernel == reference.
 
 CPU tests check ``quantize_fp8(backend="reference")`` against an independent per-group loop written here
-(numpy float32 arithmetic), the scale layouts, the special-value contract and the argument validation.
-GPU tests (``gpu``) compare the CuTe DSL kernels with the reference quantizer bit for bit.
+(numpy float32 arithmetic), the scale layouts, the special-value contract and the argument validation, and
+prove the kernels' reciprocal division for bf16/fp16 input on every pair of significands (exact emulation).
+Compile tests read the sm_90a PTX (vectorized, unconditional loads; instruction mix; registers).
+GPU tests (``gpu``) compare the CuTe DSL kernels with the reference quantizer bit for bit, on random data,
+on special groups (signed zeros, subnormal and boundary scales, inf/NaN, FP8 ties) and on all significand pairs.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 import torch
 
 from cutedsl_gemm.formats import E4M3, E5M2, BLOCK_128x128_128x128, DEEPSEEK_1x128_128x128, ScaleGranularity
+from cutedsl_gemm import reference as R
 from cutedsl_gemm.quantize import quantize_fp8
 
 FMTS = {"e4m3": E4M3, "e5m2": E5M2}
@@ -165,6 +169,77 @@ def test_dequantized_error_is_within_half_ulp():
 
 
 # ----------------------------------------------------------------------------------------------------
+# CPU: the kernels' reciprocal division (bf16/fp16 input), emulated exactly
+# ----------------------------------------------------------------------------------------------------
+
+
+def _rn32_sum(a, b):
+    """fp32 round-to-nearest-even of the exact a + b (float64 arrays): an FMA's single rounding."""
+    d = a + b
+    bp = d - a
+    e = (a - (d - bp)) + (b - bp)  # TwoSum: d + e == a + b exactly
+    q = d.astype(np.float32)
+    # float64 -> fp32 double-rounds only when d is exactly halfway between two fp32 values and e != 0
+    lo = q.astype(np.float64)
+    for toward in (np.float32(np.inf), np.float32(-np.inf)):
+        nb = np.nextafter(q, toward)
+        mid = (lo + nb.astype(np.float64)) / 2
+        away = (d == mid) & (np.sign(e) == np.sign(mid - lo)) & (e != 0)
+        q = np.where(away, nb, q)
+    return q
+
+
+def emulate_fast_div(x, s):
+    """The kernels' per-element sequence (see kernels/sm90/quantize_fp8.py), for finite fp32 x and scale s:
+    r = RN(1/s); q0 = RN(x r) clamped to +-2^20; n = RN(q0 s - x); q = RN(q0 - n r)."""
+    r = np.float32(1) / s
+    with np.errstate(over="ignore", under="ignore"):
+        q0 = x * r
+    q0 = np.where(np.abs(q0) > 2.0**20, np.copysign(np.float32(2.0**20), q0), q0).astype(np.float32)
+    n = _rn32_sum(q0.astype(np.float64) * s.astype(np.float64), -x.astype(np.float64))
+    return _rn32_sum(-n.astype(np.float64) * r.astype(np.float64), q0.astype(np.float64))
+
+
+@pytest.mark.parametrize("mant_bits", [7, 10], ids=["bf16", "fp16"])
+def test_fast_division_exhaustive_significands(mant_bits):
+    # With everything in the normal range, whether the sequence returns RN(x / s) depends only on the
+    # significands of x and s; s = RN(amax / fmax) and both fmax (448 = 1.75 * 2^8, 57344 = 1.75 * 2^15)
+    # give the same significands. So this checks every (x, amax) pair of 16-bit inputs.
+    m = (1 + np.arange(2**mant_bits) / 2**mant_bits).astype(np.float32)
+    s = np.unique(m / np.float32(448.0))
+    for xb in (m, m * np.float32(2)):  # both alignments of the quotient's binade
+        X, S = (a.ravel() for a in np.meshgrid(xb, s))
+        got = emulate_fast_div(X, S)
+        bad = got.view(np.int32) != (X / S).view(np.int32)
+        assert not bad.any(), f"{int(bad.sum())} pairs differ, e.g. x={X[bad][0]!r} s={S[bad][0]!r}"
+    # the emulation is sharp enough to see a wrong sequence: without the correction step many differ
+    X, S = (a.ravel() for a in np.meshgrid(m, s))
+    assert ((X * (np.float32(1) / S)) != X / S).mean() > 0.05
+
+
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_fast_division_range_on_fp8_codes(fmt):
+    # Every finite bf16 x against scales across the fast path's range (scale >= 2^-64, up to the largest
+    # amax): the FP8 codes equal the reference's, including tiny quotients and subnormal inputs.
+    f = FMTS[fmt]
+    allx = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).float().numpy()
+    allx = allx[np.isfinite(allx)]
+    g = np.random.default_rng(1)
+    amaxes = [2.0**-64 * f.max_finite, 1.0, 3.3895313892515355e38, 1e-12, 65504.0]
+    amaxes += list(np.float32(2.0) ** g.uniform(np.log2(f.max_finite) - 63.9, 127, 40))
+    for amax in torch.tensor(amaxes).to(torch.bfloat16).float().tolist():
+        s = np.float32(amax) / np.float32(f.max_finite)
+        assert s >= 2.0**-64
+        x = allx[np.abs(allx) <= amax]
+        got = emulate_fast_div(x, np.full_like(x, s))
+        with np.errstate(all="ignore"):
+            ref = x / s
+        gq = R.cast_saturate(torch.from_numpy(got), f).view(torch.uint8)
+        rq = R.cast_saturate(torch.from_numpy(ref), f).view(torch.uint8)
+        assert torch.equal(gq, rq), f"amax={amax!r}: {int((gq != rq).sum())} codes differ"
+
+
+# ----------------------------------------------------------------------------------------------------
 # CPU: layouts
 # ----------------------------------------------------------------------------------------------------
 
@@ -263,8 +338,11 @@ _COMPILE_SCRIPT = textwrap.dedent(
         "group_f32_e4m3_rowmajor": lambda: Q.compile_group(F, E4, 448.0, 128, False),
         "block128_bf16_e4m3": lambda: Q.compile_block(B, E4, 448.0, 128),
         "block128_f16_e5m2": lambda: Q.compile_block(H, E5, 57344.0, 128),
+        "block256_bf16_e4m3": lambda: Q.compile_block(B, E4, 448.0, 256),
         "block256_f32_e4m3": lambda: Q.compile_block(F, E4, 448.0, 256),
+        "rowblock8192_bf16_e4m3": lambda: Q.compile_row_block(B, E4, 448.0, 8192, threads=256),
         "row_bf16_e4m3": lambda: Q.compile_row(B, E4, 448.0),
+        "row_f32_e4m3": lambda: Q.compile_row(F, E4, 448.0),
         "tensor_amax_bf16": lambda: Q.compile_tensor_amax(B),
         "tensor_cast_bf16_e4m3": lambda: Q.compile_tensor_cast(B, E4, 448.0),
     }
@@ -290,30 +368,57 @@ def _count(text, needle):
     return sum(1 for line in text.splitlines() if needle in line)
 
 
+def _loads_before_arithmetic(text):
+    """Index of the last global load and of the first arithmetic instruction of the kernel body."""
+    lines = text.splitlines()
+    last_ld = max(i for i, l in enumerate(lines) if "ld.global.v4" in l)
+    math_ops = ("sub.rn.bf16x2", "cvt.f32.bf16", "div.rn")
+    first_math = min(i for i, l in enumerate(lines) if any(op in l for op in math_ops))
+    return last_ld, first_math
+
+
 @pytest.mark.compile
 def test_ptx_vectorized_memory(ptx):
     for name in ("group_bf16_e4m3", "block128_bf16_e4m3", "tensor_cast_bf16_e4m3"):
         t = ptx[name][1]
-        # 4 passes x 16 bf16 = 8 x 16-byte loads, 4 x 16-byte stores of 16 FP8 bytes
+        # 4 vectors x 16 bf16 = 8 x 16-byte loads; 4 x 16-byte stores of 16 FP8 bytes on each of the two
+        # division paths (reciprocal, and div.rn for tiny scales)
         assert _count(t, "ld.global.v4.b32") == 8, name
-        assert _count(t, "st.global.v4.b32") == 4, name
+        assert _count(t, "st.global.v4.b32") == 8, name
         if name != "tensor_cast_bf16_e4m3":  # (the cast kernel reads the fp32 partial maxima one by one)
             assert _count(t, "ld.global.b") == 0 and _count(t, "ld.global.u") == 0, name  # no scalar loads
-    t = ptx["group_f32_e4m3_rowmajor"][1]
-    assert _count(t, "ld.global.v4.b32") == 16 and _count(t, "st.global.v4.b32") == 4
+        # every load is issued before the first arithmetic, and none sits under a branch
+        last_ld, first_math = _loads_before_arithmetic(t)
+        assert last_ld < first_math, name
+        assert "@%p" not in "".join(l for l in t.splitlines()[:last_ld] if "bra" in l), name
+    t = ptx["group_f32_e4m3_rowmajor"][1]  # 2 vectors x 16 fp32 per thread
+    assert _count(t, "ld.global.v4.b32") == 8 and _count(t, "st.global.v4.b32") == 2
     assert _count(ptx["tensor_amax_bf16"][1], "ld.global.v4.b32") == 8
+    assert _count(ptx["block256_bf16_e4m3"][1], "ld.global.v4.b32") == 8  # held: read once
+    assert _count(ptx["rowblock8192_bf16_e4m3"][1], "ld.global.v4.b32") == 4  # 32 elements per thread
 
 
 @pytest.mark.compile
 def test_ptx_contract_arithmetic(ptx):
     for name, (_, t) in ptx.items():
-        assert "div.approx" not in t and "div.full" not in t, name  # IEEE division only
+        assert "div.approx" not in t and "div.full" not in t and "rcp.approx" not in t, name  # IEEE only
         assert ".ftz" not in t, name  # subnormals are part of the contract
-        if name != "tensor_amax_bf16":  # one IEEE division per element held (row: 2 vectors per lane)
-            assert _count(t, "div.rn.f32") >= (32 if name.startswith("row") else 64), name
+    for name in ("group_bf16_e4m3", "block128_bf16_e4m3", "block128_f16_e5m2", "tensor_cast_bf16_e4m3"):
+        t = ptx[name][1]
+        # reciprocal path: per element mul + clamp + 2 FMAs; div.rn kept for tiny-scale groups
+        assert _count(t, "mul.rn.f32") == 64 and _count(t, "fma.rn.f32") == 128, name
+        assert _count(t, "min.xorsign.abs.f32") == 64, name
+        assert _count(t, "div.rn.f32") >= 64, name
+        assert _count(t, "setp.ltu.f32") >= 1 or _count(t, "setp.ge.f32") >= 1, name  # the scale >= 2^-64 test
+    for name in ("group_f32_e4m3_rowmajor", "block256_f32_e4m3", "row_f32_e4m3"):
+        t = ptx[name][1]
+        assert "fma.rn.f32" not in t and _count(t, "div.rn.f32") >= 32, name  # fp32 input: div.rn only
     assert "cvt.rn.satfinite.e4m3x2.f32" in ptx["block128_bf16_e4m3"][1]
     assert "cvt.rn.satfinite.e5m2x2.f32" in ptx["block128_f16_e5m2"][1]
     assert "e4m3x2" not in ptx["block128_f16_e5m2"][1]
+    # 16-bit amax on packed pairs
+    assert _count(ptx["group_bf16_e4m3"][1], "max.bf16x2") == 4 * 7
+    assert _count(ptx["block128_f16_e5m2"][1], "max.f16x2") == 4 * 7
 
 
 @pytest.mark.compile
@@ -322,30 +427,39 @@ def test_ptx_reductions(ptx):
     assert _count(g, "shfl.sync.bfly") == 4 * 3  # 8-lane butterflies, 4 passes
     assert "bar.sync" not in g and "barrier.sync" not in g  # 1x128 groups never sync the CTA
     b = ptx["block128_bf16_e4m3"][1]
-    assert _count(b, "shfl.sync.bfly") == 5 and ("bar.sync" in b or "barrier.sync" in b)
+    # warp butterfly (5) + butterfly over the 8 warp maxima (3), one barrier
+    assert _count(b, "shfl.sync.bfly") == 5 + 3 and ("bar.sync" in b or "barrier.sync" in b)
     assert "atom." not in ptx["tensor_amax_bf16"][1]  # partial maxima, no atomics
 
 
 @pytest.mark.compile
 def test_ptx_block256_fp32_reloads(ptx):
-    # 128 fp32 per thread would not fit in registers: the block is read twice (2 x 8 passes x 4 loads)
-    assert _count(ptx["block256_f32_e4m3"][1], "ld.global.v4.b32") == 64
+    # 64 fp32 per thread (1024 threads) would not fit in registers: the block is read twice (2 x 4 x 4 loads)
+    assert _count(ptx["block256_f32_e4m3"][1], "ld.global.v4.b32") == 32
 
 
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="ptxas not installed")
-def test_ptxas_no_spills(ptx):
+def test_ptxas_no_spills_and_occupancy(ptx):
+    # registers per thread that still allow the CTAs per SM the bandwidth needs (64K registers per SM)
+    max_regs = {"group_bf16_e4m3": 64, "block128_bf16_e4m3": 64, "block128_f16_e5m2": 64,
+                "block256_bf16_e4m3": 64, "tensor_cast_bf16_e4m3": 64, "tensor_amax_bf16": 64}
     for name, (path, _) in ptx.items():
         r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", os.devnull], capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         assert "0 bytes spill stores" in r.stderr and "0 bytes spill loads" in r.stderr, (name, r.stderr)
+        regs = int(r.stderr.split("Used ")[1].split(" registers")[0])
+        assert regs <= max_regs.get(name, 128), (name, regs)
 
 
 # ----------------------------------------------------------------------------------------------------
 # GPU: kernels == reference, bit for bit
 # ----------------------------------------------------------------------------------------------------
 
-GPU_SHAPES = [(1, 16), (128, 128), (130, 272), (257, 528), (1000, 1040), (512, 4096)]
+# (3, 2032), (5, 8192), (33, 17424): per-row 1xK blocks of 2048 / 8192 / 32768 columns; (3, 65552): the
+# two-pass row kernel
+GPU_SHAPES = [(1, 16), (128, 128), (130, 272), (257, 528), (1000, 1040), (512, 4096), (3, 2032), (5, 8192),
+              (33, 17424), (3, 65552)]
 LAYOUT_CASES = [
     ("tensor", None, 128),
     ("row", None, 128),
@@ -375,6 +489,89 @@ def test_kernel_matches_reference(case, shape, dtype, fmt):
         assert_q_equal(q, qr, f)
     except AssertionError as e:
         raise AssertionError(f"seed={seed}: {e}") from None
+
+
+def _special_input(pattern, dtype, fmt, rows=300, k=528, seed=0):
+    """A whole matrix of one kind of group, so that every granularity sees it."""
+    g = torch.Generator().manual_seed(seed)
+    fin = torch.finfo(dtype)
+    sign = torch.randint(0, 2, (rows, k), generator=g).float() * 2 - 1
+    u = torch.rand(rows, k, generator=g)
+    if pattern == "signed_zeros":  # -0 must stay -0 (code 0x80), +0 stays +0
+        x = sign * 0.0
+    elif pattern == "zeros_and_ones":
+        x = sign * 0.0
+        x[::7, ::5] = sign[::7, ::5]
+    elif pattern == "subnormal":  # amax subnormal: a tiny scale (bf16/fp32: below 2^-64, the div.rn path)
+        x = sign * torch.randint(1, 64, (rows, k), generator=g).float() * fin.smallest_normal / 64
+    elif pattern == "scale_2^-64":  # amax = 2^-64 * fmax: the smallest scale of the reciprocal path
+        x = sign * u * (2.0**-64 * fmt.max_finite)
+        x[:, ::16] = 2.0**-64 * fmt.max_finite
+    elif pattern == "below_2^-64":  # the next smaller amax: div.rn path
+        top = torch.tensor(2.0**-64 * fmt.max_finite).to(dtype)
+        below = torch.nextafter(top.float(), torch.tensor(0.0)).to(dtype).float()
+        if dtype != torch.float32:  # one step of the 16-bit format
+            below = (top.view(torch.int16) - 1).view(dtype).float()
+        x = sign * u * below
+        x[:, ::16] = below
+    elif pattern == "huge":  # amax = the format's largest finite value
+        x = sign * u * fin.max
+        x[:, ::16] = fin.max
+    elif pattern == "non_finite":  # inf/NaN-only groups (scale 1) next to zeros
+        x = torch.where(u < 0.5, sign * float("inf"), torch.full_like(u, float("nan")))
+        x[:, 200:] = 0.0
+    elif pattern == "ties":  # values whose quotients land on FP8 rounding midpoints
+        x = sign * (torch.randint(0, 32, (rows, k), generator=g).float() * 2 + 1) / 64 * fmt.max_finite / 8
+        x[:, ::16] = fmt.max_finite / 8
+    else:
+        raise AssertionError(pattern)
+    return x.to(dtype)
+
+
+SPECIAL = ["signed_zeros", "zeros_and_ones", "subnormal", "scale_2^-64", "below_2^-64", "huge", "non_finite", "ties"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
+@pytest.mark.parametrize("pattern", SPECIAL)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_kernel_special_groups(case, pattern, dtype, fmt):
+    gran, layout, block = case
+    f = FMTS[fmt]
+    if pattern in ("scale_2^-64", "below_2^-64") and dtype == torch.float16:
+        pytest.skip("fp16 cannot represent an amax that small")
+    x = _special_input(pattern, dtype, f)
+    q, s = quantize_fp8(x.cuda(), gran, fmt=fmt, block=block, scale_layout=layout, backend="kernel")
+    torch.cuda.synchronize()
+    qr, sr = quantize_fp8(x, gran, fmt=fmt, block=block, scale_layout=layout, backend="reference")
+    assert_scales_equal(s, sr)
+    assert_q_equal(q, qr, f)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("fmt", list(FMTS))
+def test_kernel_all_significand_pairs(dtype, fmt):
+    # The hardware counterpart of test_fast_division_exhaustive_significands: every (amax, x) pair of
+    # 16-bit significands through the kernels' reciprocal path. Row i: 1x128 groups whose amax is
+    # significand i; the other 127 slots of the groups hold every significand (halved, signs alternating).
+    f = FMTS[fmt]
+    nb = 7 if dtype == torch.bfloat16 else 10
+    n = 2**nb
+    m = 1 + torch.arange(n, dtype=torch.float32) / n
+    ngroups = -(-n // 127)
+    xs = torch.cat([m / 2, m[: ngroups * 127 - n] / 2])  # pad the last group with repeats
+    xs = xs * torch.where(torch.arange(xs.numel()) % 2 == 0, 1.0, -1.0)
+    body = xs.view(ngroups, 127).expand(n, ngroups, 127)
+    x = torch.cat([m.view(n, 1, 1).expand(n, ngroups, 1), body], dim=2).reshape(n, ngroups * 128)
+    exps = (-100, -50, 0, 100) if dtype == torch.bfloat16 else (-10, 0, 10)  # (bf16 2^-100: div.rn path)
+    x = torch.cat([x * 2.0**e for e in exps]).to(dtype)
+    for gran in ("1x128", "row"):
+        q, sc = quantize_fp8(x.cuda(), gran, fmt=fmt, backend="kernel")
+        qr, sr = quantize_fp8(x, gran, fmt=fmt, backend="reference")
+        assert_scales_equal(sc, sr)
+        assert_q_equal(q, qr, f)
 
 
 @pytest.mark.gpu
