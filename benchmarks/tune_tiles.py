@@ -56,7 +56,8 @@ def main(argv=None):
                     fn = api._compiled(inst)
                     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                     clusters = sms // (inst.cluster_m * inst.cluster_n)
-                    call = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), clusters)
+                    dummy = api._workspace(0).get(1, 1)
+                    call = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *dummy, 1, clusters)
                     call()
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3

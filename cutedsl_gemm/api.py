@@ -23,6 +23,29 @@ def _dummy_bias(index: int) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", index))
 
 
+class _SplitKWorkspace:
+    """Per-device split-K buffers, grown on demand and reused by every call (no per-call allocation, so
+    calls can be captured in CUDA graphs once the buffers are large enough): fp32 partial sums and int32
+    per-tile counters, which the kernel leaves at zero after each launch."""
+
+    def __init__(self, device):
+        self.device = device
+        self.partials = torch.empty(1, dtype=torch.float32, device=device)
+        self.counters = torch.zeros(1, dtype=torch.int32, device=device)
+
+    def get(self, partial_floats: int, tiles: int):
+        if self.partials.numel() < partial_floats:
+            self.partials = torch.empty(partial_floats, dtype=torch.float32, device=self.device)
+        if self.counters.numel() < tiles:
+            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+        return self.partials, self.counters
+
+
+@functools.lru_cache(maxsize=None)
+def _workspace(index: int) -> _SplitKWorkspace:
+    return _SplitKWorkspace(torch.device("cuda", index))
+
+
 # manifest instance -> (compiled function, clusters to launch on this GPU)
 _LAUNCH_CACHE: dict = {}
 
@@ -32,7 +55,7 @@ _LAUNCH_CACHE: dict = {}
 _SIGNATURES: dict = {}
 
 
-def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b):
+def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b, schedule, split_k):
     return (
         a.shape, a.stride(), a.dtype, a.get_device(),
         b.shape, b.stride(), b.dtype, b.get_device(),
@@ -41,7 +64,7 @@ def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, sca
         scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.get_device(),
         None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
         None if out is None else (out.shape, out.stride(), out.dtype, out.get_device(), out.data_ptr() & (V.TMA_ALIGN - 1)),
-        out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b,
+        out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b, schedule, split_k,
     )
 
 
@@ -66,6 +89,8 @@ def scaled_mm(
     fmt_b=None,
     scale_recipe_a=None,
     scale_recipe_b=None,
+    schedule: Optional[str] = None,
+    split_k: Optional[int] = None,
 ) -> torch.Tensor:
     """FP8 GEMM with torch._scaled_mm's argument conventions.
 
@@ -76,6 +101,9 @@ def scaled_mm(
     128-deep K block: 1x128 x 128x128 (DeepSeek-V3: ``scale_a`` (M, Kb), ``scale_b`` (Kb, ceil(N/128))),
     128x128 x 128x128 and 1x128 x 1x128. The shapes pick the recipe; ``scale_recipe_a``/``scale_recipe_b``
     (strings or ``torch.nn.functional.ScalingType``, as in ``F.scaled_mm``) name it explicitly.
+
+    ``schedule`` overrides the manifest's choice by M ("small_m" for M <= 128, else "cooperative");
+    ``split_k`` overrides the small-M schedule's K-split heuristic (``dispatch.choose_splits``).
     ``bias`` is (N,) in ``out_dtype`` or fp32.
 
     ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
@@ -90,17 +118,19 @@ def scaled_mm(
     if fmt_a is None and fmt_b is None and type(a) is torch.Tensor and type(b) is torch.Tensor \
             and type(scale_a) is torch.Tensor and type(scale_b) is torch.Tensor \
             and (bias is None or type(bias) is torch.Tensor) and (out is None or type(out) is torch.Tensor):
-        sig = _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b)
+        sig = _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b,
+                         schedule, split_k)
         try:
             hit = _SIGNATURES.get(sig)
         except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
             sig = hit = None
         if hit is not None:
-            fn, max_clusters, recipe, kb, dummy_bias, out_shape = hit
+            fn, max_clusters, recipe, kb, dummy_bias, out_shape, splits, ws_need = hit
             if out is None:
                 out = torch.empty(out_shape, dtype=out_dtype, device=a.device)
             sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
-            fn(a, b, out, sa, sb, bias if bias is not None else dummy_bias, max_clusters)
+            partials, counters = _workspace(a.get_device()).get(*ws_need)
+            fn(a, b, out, sa, sb, bias if bias is not None else dummy_bias, partials, counters, splits, max_clusters)
             return out
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
     arch, sms = _device_info(device.index)
@@ -155,7 +185,19 @@ def scaled_mm(
     if not arch.startswith("sm_90"):
         V.require_hopper(device)
     accum = "fast" if use_fast_accum and recipe in ("tensor", "row") else "promoted"
-    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum)
+    if schedule is not None and schedule not in ("cooperative", "small_m"):
+        raise ValueError(f"schedule must be None, 'cooperative' or 'small_m', got {schedule!r}")
+    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum, schedule)
+    if split_k is not None:
+        if inst.schedule != "small_m":
+            raise ValueError(f"split_k needs the small_m schedule (M <= 128 or schedule='small_m'); got {inst.schedule}")
+        if not isinstance(split_k, int) or not 1 <= split_k <= dispatch.MAX_SPLITS:
+            raise ValueError(f"split_k must be an int in 1..{dispatch.MAX_SPLITS}, got {split_k!r}")
+        splits = dispatch.normalize_splits(split_k, -(-k // 128))
+    else:
+        splits = dispatch.choose_splits(inst, m, n, k, sms)
+    tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
+    ws_need = (tiles * splits * inst.tile_m * inst.tile_n if splits > 1 else 1, tiles if splits > 1 else 1)
     hit = _LAUNCH_CACHE.get(inst)
     if hit is None:
         hit = _LAUNCH_CACHE[inst] = (_compiled(inst), sms // (inst.cluster_m * inst.cluster_n))
@@ -163,7 +205,8 @@ def scaled_mm(
     if sig is not None:
         if len(_SIGNATURES) >= 4096:  # many distinct shapes (e.g. every batch size): start over
             _SIGNATURES.clear()
-        _SIGNATURES[sig] = (fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n))
+        _SIGNATURES[sig] = (fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need)
     sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
-    fn(a, b, out, sa, sb, bias if bias is not None else _dummy_bias(device.index), max_clusters)
+    partials, counters = _workspace(device.index).get(*ws_need)
+    fn(a, b, out, sa, sb, bias if bias is not None else _dummy_bias(device.index), partials, counters, splits, max_clusters)
     return out

@@ -46,7 +46,11 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
         bias = make_fake_compact_tensor(cutlass_dtype(cfg.bias_dtype), (n,), assumed_align=4)
     else:
         bias = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
-    return a, b, d, sa, sb, bias, cutlass.Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True)
+    # Split-K workspace (fp32 partials) and per-tile counters: dummies of any size where unused.
+    workspace = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=16)
+    counters = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    return (a, b, d, sa, sb, bias, workspace, counters, cutlass.Int32(1), cutlass.Int32(1),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):

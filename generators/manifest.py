@@ -62,6 +62,7 @@ class KernelInstance:
             cluster_n=self.cluster_n,
             stages=self.stages,
             accum=self.accum,
+            split_k=self.schedule == "small_m",
         )
 
 
@@ -91,6 +92,15 @@ class TileConfig:
 # THE TABLE
 # ------------------------------------------------------------------------------------------------
 TABLE: Tuple[TileConfig, ...] = (
+    # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound; with fewer output
+    # tiles than SMs the K range is split (run-time split count, deterministic reduction) so every SM
+    # streams W. Rows are tried in order, so these come before the general ones.
+    TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, 128, accum="promoted", m_max=128),
+    TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, 128, accum="fast", m_max=128),
+    TileConfig(
+        "sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
+        accum="promoted", m_max=128,
+    ),
     # Hopper, epilogue-scaled FP8, W multicast over a 2x1 cluster. Promoted accumulation (the default, as
     # torch's use_fast_accum=False) keeps a K-tile fragment next to the accumulator, so its tiles are at
     # most 192 wide (128x192 ran 1247 TFLOPS at 8192^3 against 970 for 128x128: benchmarks/tune_tiles);

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 import cutedsl_gemm
 from cutedsl_gemm import reference as R
 
+from gpu_operands import block_scaled_operands as _operands, torch_scale_layout as _torch_layout
+
 pytestmark = pytest.mark.gpu
 
 TOL = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 2e-4}
@@ -32,31 +34,6 @@ SHAPES = [
     (333, 1040, 464, "e4m3", "e4m3", torch.bfloat16, True),
     (64, 576, 256, "e4m3", "e4m3", torch.float16, True),
 ]
-
-
-def _block_magnitudes(rows, k, rb, device):
-    """A random power of two per (rb rows x 128 K) block, expanded to (rows, k)."""
-    g = torch.randint(-4, 3, (-(-rows // rb), -(-k // 128)), device=device).float().exp2()
-    return g.repeat_interleave(rb, 0)[:rows].repeat_interleave(128, 1)[:, :k]
-
-
-def _operands(m, n, k, fa, fb, recipe):
-    rec = cutedsl_gemm.recipe(recipe)
-    a = torch.randn(m, k, device="cuda") * _block_magnitudes(m, k, rec.a.rows, "cuda")
-    w = torch.randn(n, k, device="cuda") * _block_magnitudes(n, k, rec.b.rows, "cuda")
-    return R.quantize_operands(a, w, recipe, fa, fb)  # qa, sa, qw, sw in plain (rows or blocks, Kb) layout
-
-
-def _torch_layout(s, gran_rows):
-    """The same scales in F.scaled_mm's layout for the operand: 1x128 outer-dim-major; 128x128 with the
-    K-block axis padded to a multiple of 4 (cuBLAS's storage, passed whole)."""
-    rows, kb = s.shape
-    if gran_rows == 1:
-        return s.t().contiguous().t()
-    l4 = -(-kb // 4) * 4
-    out = torch.ones(rows, l4, device=s.device)
-    out[:, :kb] = s
-    return out
 
 
 @pytest.mark.parametrize("layout", ["torch", "plain"])

@@ -16,6 +16,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
+from .split_k import k_tile_range, reduce_partials
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, scale_smem_bytes_per_stage, stage_scales
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
@@ -42,6 +43,9 @@ class Sm90GemmConfig:
     # each 128-deep K tile goes into a fresh accumulator that is added into an fp32 one, bounding the error
     # of the tensor cores' reduced-precision FP8 accumulation (torch's default, use_fast_accum=False).
     accum: str = "promoted"
+    # Split-K (for problems with fewer output tiles than SMs, e.g. decode): the number of K splits is a
+    # run-time argument; the splits' partial sums are reduced deterministically (kernels/sm90/split_k.py).
+    split_k: bool = False
 
     @property
     def cluster_shape_mn(self):
@@ -174,6 +178,9 @@ class Sm90Fp8Gemm:
         mSA: cute.Tensor,  # per-tensor: (1,); row-wise: (M, 1); block-scaled: (M or ceil(M/128), Kb)
         mSB: cute.Tensor,  # per-tensor: (1,); row-wise: (1, N); block-scaled: (N or ceil(N/128), Kb)
         mBias: cute.Tensor,  # (N,) or a 1-element dummy when there is no bias
+        mWorkspace: cute.Tensor,  # split-K: fp32 partials, >= tiles * splits * tile_m * tile_n (else a dummy)
+        mCounters: cute.Tensor,  # split-K: int32 per output tile, zero between launches (else a dummy)
+        splits: Int32,  # K splits (1 unless split_k)
         max_clusters: Int32,
         stream,
     ):
@@ -221,6 +228,7 @@ class Sm90Fp8Gemm:
             # Block scales of each stage's K tile (a 1-element placeholder for epilogue-scaled recipes).
             sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.ab_stages if self.block_scaled else 1], 16]
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.ab_stages if self.block_scaled else 1], 16]
+            split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
 
         self.shared_storage = SharedStorage
         assert SharedStorage.size_in_bytes() <= SM90_SMEM_CAPACITY, (SharedStorage.size_in_bytes(), self.cfg)
@@ -229,12 +237,14 @@ class Sm90Fp8Gemm:
         tiles_m = ceil_div(M, bM)
         tiles_n = ceil_div(N, bN)
         # Cluster tiles that exist; the host caps max_clusters at what fits on the GPU.
-        ctiles = ceil_div(tiles_m, cm) * ceil_div(tiles_n, cn)
+        if cutlass.const_expr(not self.cfg.split_k):
+            splits = Int32(1)
+        ctiles = ceil_div(tiles_m, cm) * ceil_div(tiles_n, cn) * splits
         grid_clusters = cutlass.min(ctiles, max_clusters)
 
         self.kernel(
-            tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, mBias, a_smem, b_smem, d_smem,
-            tiles_m, tiles_n,
+            tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, mBias, mWorkspace, mCounters,
+            a_smem, b_smem, d_smem, tiles_m, tiles_n, splits,
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
@@ -269,11 +279,14 @@ class Sm90Fp8Gemm:
         mSA: cute.Tensor,
         mSB: cute.Tensor,
         mBias: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCounters: cute.Tensor,
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         d_smem: cute.ComposedLayout,
         tiles_m: Int32,
         tiles_n: Int32,
+        splits: Int32,
     ):
         bM, bN, bK = self.tile_shape_mnk
         cm, cn = self.cfg.cluster_shape_mn
@@ -316,6 +329,7 @@ class Sm90Fp8Gemm:
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
+        split_flag = storage.split_flag.get_tensor(cute.make_layout(1))
         scale_slots = None
         if cutlass.const_expr(self.block_scaled):
             scale_slots = (
@@ -351,15 +365,17 @@ class Sm90Fp8Gemm:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m)
+                sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 lane = cute.arch.lane_idx()
                 unit = cluster_id
                 while unit < sched.num_units:
-                    tm, tn, _ = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+                    tm, tn, split = sched.coords(unit, cluster_coord[0], cluster_coord[1])
                     tAgA_t = tAgA[(None, tm, None)]
                     tBgB_t = tBgB[(None, tn, None)]
-                    for kt in cutlass.range(k_tiles, unroll=1):
+                    k_begin, k_count = k_tile_range(k_tiles, splits, split)
+                    for i in cutlass.range(k_count, unroll=1):
+                        kt = k_begin + i
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
                         if cutlass.const_expr(self.block_scaled):
@@ -374,7 +390,7 @@ class Sm90Fp8Gemm:
                 mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m)
+            sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
             mma_tidx = tidx - self.num_threads_per_warp_group
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCsA = thr_mma.partition_A(sA)
@@ -411,10 +427,11 @@ class Sm90Fp8Gemm:
             tiles_done = Int32(0)
             unit = cluster_id
             while unit < sched.num_units:
-                tm, tn, _ = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+                tm, tn, split = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+                _, k_count = k_tile_range(k_tiles, splits, split)
                 if cutlass.const_expr(self.cfg.accum == "fast"):
                     read_state, release_state = self._mainloop(
-                        tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles
+                        tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_count
                     )
                 else:
                     scales = None
@@ -422,15 +439,24 @@ class Sm90Fp8Gemm:
                         scales = (scale_slots, tile_coords, tm * bM, tn * bN)
                     if cutlass.const_expr(len(temps) == 2):
                         read_state, release_state = self._mainloop_promoted(
-                            mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+                            mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
                         )
                     else:
                         read_state, release_state = self._mainloop_promoted_serial(
-                            mmas, acc, temps[0], tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+                            mmas, acc, temps[0], tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
                         )
-                self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn)
-                self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
-                tiles_done += 1
+                owns_epilogue = True
+                if cutlass.const_expr(self.cfg.split_k):
+                    # Tiles past the edge (cluster padding) have nothing to reduce or store.
+                    if splits > 1 and tm < tiles_m and tn < tiles_n:
+                        owns_epilogue = reduce_partials(
+                            acc, mWorkspace, mCounters, tm * tiles_n + tn, split, splits, mma_tidx,
+                            self.num_mma_threads, epi_barrier, split_flag,
+                        )
+                if owns_epilogue:
+                    self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn)
+                    self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
+                    tiles_done += 1
                 unit += num_clusters
             store_pipe.producer_tail()
 

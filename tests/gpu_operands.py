@@ -1,0 +1,33 @@
+"""Operands for the GPU tests: quantized with the reference quantizer, with a random magnitude per scale
+block (2^-4 .. 2^2) so that a scale applied to the wrong row, column or K block shows as a large error."""
+
+import torch
+
+import cutedsl_gemm
+from cutedsl_gemm import reference as R
+
+
+def block_magnitudes(rows, k, rb, device):
+    """A random power of two per (rb rows x 128 K) block, expanded to (rows, k) (rb None: all rows)."""
+    rb = rb or max(rows, 1)
+    g = torch.randint(-4, 3, (-(-rows // rb), -(-k // 128)), device=device).float().exp2()
+    return g.repeat_interleave(rb, 0)[:rows].repeat_interleave(128, 1)[:, :k]
+
+
+def block_scaled_operands(m, n, k, fa, fb, recipe):
+    rec = cutedsl_gemm.recipe(recipe)
+    a = torch.randn(m, k, device="cuda") * block_magnitudes(m, k, rec.a.rows, "cuda")
+    w = torch.randn(n, k, device="cuda") * block_magnitudes(n, k, rec.b.rows, "cuda")
+    return R.quantize_operands(a, w, recipe, fa, fb)  # qa, sa, qw, sw in plain (rows or blocks, Kb) layout
+
+
+def torch_scale_layout(s, gran_rows):
+    """The same scales in F.scaled_mm's layout for the operand: 1x128 outer-dim-major; 128x128 with the
+    K-block axis padded to a multiple of 4 (cuBLAS's storage, passed whole)."""
+    rows, kb = s.shape
+    if gran_rows == 1:
+        return s.t().contiguous().t()
+    l4 = -(-kb // 4) * 4
+    out = torch.ones(rows, l4, device=s.device)
+    out[:, :kb] = s
+    return out

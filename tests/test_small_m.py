@@ -1,0 +1,63 @@
+"""Small-M (decode) dispatch and split-K: the heuristic table and the compiled reduction (CPU)."""
+
+import re
+
+import pytest
+
+from cutedsl_gemm import dispatch
+from cutedsl_gemm.generators import manifest
+from cutedsl_gemm.inspect import inspect_instance
+
+
+def _inst(m, recipe="row", accum="promoted", schedule=None):
+    return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum, schedule)
+
+
+def test_small_m_schedule_up_to_128_rows():
+    for recipe in ("tensor", "row", "1x128_128x128", "128x128_128x128", "1x128_1x128"):
+        assert _inst(1, recipe).schedule == "small_m"
+        assert _inst(128, recipe).schedule == "small_m"
+        assert _inst(129, recipe).schedule == "cooperative"
+    assert _inst(128, accum="fast").schedule == "small_m"
+    # A forced schedule serves any M.
+    assert _inst(4096, schedule="small_m").schedule == "small_m"
+    assert _inst(1, schedule="cooperative").schedule == "cooperative"
+
+
+@pytest.mark.parametrize(
+    "m,n,k,want",
+    [(1, 8192, 8192, 2), (128, 8192, 8192, 2), (16, 10240, 8192, 3), (64, 8192, 28672, 2), (1, 57344, 8192, 1),
+     (200, 8192, 8192, 1)],  # M > 128: the cooperative instance never splits
+)
+def test_split_heuristic_table(m, n, k, want):
+    assert dispatch.choose_splits(_inst(m), m, n, k, sms=132) == want
+
+
+def test_split_counts_never_leave_a_split_empty():
+    for k_tiles in range(1, 80):
+        for s in range(1, 20):
+            eff = dispatch.normalize_splits(s, k_tiles)
+            per = -(-k_tiles // eff)
+            assert 1 <= eff <= min(s, k_tiles) and (eff - 1) * per < k_tiles <= eff * per
+
+
+def test_more_tiles_than_sms_means_no_split():
+    inst = _inst(64)
+    assert dispatch.choose_splits(inst, 64, 133 * 128, 8192, sms=132) == 1
+
+
+def test_every_small_m_instance_is_split_k():
+    rows = manifest.select(schedule="small_m")
+    assert rows and all(r.sm90_config().split_k for r in rows)
+    assert not any(r.sm90_config().split_k for r in manifest.select(schedule="cooperative"))
+
+
+@pytest.mark.compile
+def test_split_k_reduction_in_the_ptx():
+    rep = inspect_instance(_inst(16))
+    # one acq_rel counter increment per tile, partials read back at L2, a device-scope fence
+    assert re.search(r"atom\.global(\.gpu)?\.acq_rel(\.gpu)?\.add\.u32", rep.ptx)
+    assert re.search(r"ld\.global\.cg\.(f32|b32)", rep.ptx)
+    assert re.search(r"fence\.acq_rel\.gpu", rep.ptx)
+    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
+    assert rep.frame_bytes == 0
