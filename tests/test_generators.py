@@ -1,0 +1,375 @@
+"""generators/: manifest validity rules, AOT export (C objects, registry, CMake, linking), precompile into
+the JIT cache, and the kernel catalog's freshness. Compiling tests keep to one or two instances."""
+
+import ctypes
+import shutil
+import subprocess
+import time
+import warnings
+from dataclasses import replace
+
+import pytest
+import torch
+
+from cutedsl_gemm.dispatch import select_gemm
+from cutedsl_gemm.generators import catalog as C
+from cutedsl_gemm.generators import manifest as M
+from cutedsl_gemm.generators.runner import SelectionError, code_key, pick
+
+# Whatever the manifest dispatches to (its tiles change): the no-bias row-wise bf16 GEMM (the GPU test
+# runs it) and a tensor-wise fp32 one with bias (bias length is a third shared extent).
+M_TEST = 1000  # not a multiple of any tile: the GPU run has a partial tile
+ROW_BF16 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_TEST, "promoted").name
+TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "promoted").name
+M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the manifest has one
+SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
+
+
+def _instance(name):
+    hits = [i for i in M.INSTANCES if i.name == name]
+    assert hits, f"{name} is not in the manifest"
+    return hits[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Manifest and selection (no compile)
+# ------------------------------------------------------------------------------------------------
+def test_validate_rejects_promoted_tile_too_wide_for_registers():
+    bad = replace(_instance(ROW_BF16), tile_n=256, accum="promoted")
+    with pytest.raises(M.ManifestError, match=r"promoted accumulation.*tile_n=256 > \d+ does not fit") as e:
+        M.validate(bad)
+    assert bad.name in str(e.value)
+
+
+def test_validate_rejects_stages_beyond_shared_memory():
+    with pytest.raises(M.ManifestError, match=r"12 stages of \d+ B .* need \d+ B of shared memory; the budget is \d+ B"):
+        M.validate(replace(_instance(ROW_BF16), stages=12))
+
+
+def test_expand_refuses_a_bad_table_row():
+    row = M.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
+    with pytest.raises(M.ManifestError, match="does not fit"):
+        M.expand([row])
+
+
+def test_pick_selects_filters_and_explains_empty_selections():
+    sel = pick("sm_90a", [ROW_BF16])
+    assert [i.name for i in sel] == [ROW_BF16]
+    assert len(pick("sm_90a", ["_bf16_"], limit=3)) == 3
+    assert len(set(pick("sm_90a"))) == len(pick("sm_90a"))  # identical expanded rows appear once
+    with pytest.raises(SelectionError, match=r"no sm_100a instances \(archs with instances: sm_90a"):
+        pick("sm_100a")
+    with pytest.raises(SelectionError, match="no sm_90a instance name contains"):
+        pick("sm_90a", ["no-such-kernel"])
+
+
+def test_cli_export_of_an_arch_without_instances_is_an_error(tmp_path, capsys):
+    from cutedsl_gemm.cli import main
+
+    assert main(["export", "--arch", "sm_100a", "--out", str(tmp_path)]) == 2
+    assert "no sm_100a instances" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+# ------------------------------------------------------------------------------------------------
+# AOT export
+# ------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    from cutedsl_gemm.generators import export as E
+
+    out = tmp_path_factory.mktemp("aot")
+    t0 = time.perf_counter()
+    names = list(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL]))
+    res = E.export("sm_90a", out, names, jobs=0)  # in-process: the DSL is loaded already
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+@pytest.fixture(scope="module")
+def exported_lib(exported):
+    from cutedsl_gemm.generators import export as E
+
+    # Share the CUDA runtime torch loaded, where it did (GPU machines); else the toolkit's.
+    return E.build_shared(exported.out_dir, cudart=E.loaded_cudart())
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("ndim", ctypes.c_int32), ("shape", ctypes.c_int64 * 4),
+                ("stride", ctypes.c_int64 * 4)]
+
+
+class Kernel(ctypes.Structure):
+    _fields_ = ([(f, ctypes.c_char_p) for f in ("name", "arch", "op", "schedule", "recipe", "a_dtype", "b_dtype",
+                                                "out_dtype", "bias_dtype", "accum")]
+                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k")]
+                + [("m_min", ctypes.c_int64), ("m_max", ctypes.c_int64), ("launch", ctypes.c_void_p)])
+
+
+def _args_type(arg_fields):
+    """cutedsl_gemm_args_t as the export rendered it (its fields follow the kernel entry's arguments)."""
+    ctypes_of = {"cutedsl_gemm_tensor_t": Tensor, "int32_t": ctypes.c_int32, "int64_t": ctypes.c_int64}
+    return type("Args", (ctypes.Structure,), {"_fields_": [(f["field"], ctypes_of[f["ctype"]]) for f in arg_fields]})
+
+
+def _open(path, args_type):
+    lib = ctypes.CDLL(str(path))
+    lib.cutedsl_gemm_find.restype = ctypes.POINTER(Kernel)
+    lib.cutedsl_gemm_find.argtypes = [ctypes.c_char_p] * 8 + [ctypes.c_int64]
+    lib.cutedsl_gemm_find_by_name.restype = ctypes.POINTER(Kernel)
+    lib.cutedsl_gemm_kernel_at.restype = ctypes.POINTER(Kernel)
+    lib.cutedsl_gemm_launch.argtypes = [ctypes.POINTER(Kernel), ctypes.POINTER(args_type), ctypes.c_void_p]
+    lib.cutedsl_gemm_last_error.restype = ctypes.c_char_p
+    return lib
+
+
+def _view(data, shape, stride):
+    return Tensor(data, len(shape), (ctypes.c_int64 * 4)(*shape), (ctypes.c_int64 * 4)(*stride))
+
+
+def _fake_args(args_type, m, n, k, base=1 << 20):
+    """Descriptors of a valid row-wise problem at made-up, aligned addresses (checks only, no launch).
+    Fields not set here (bias, split-K buffers) stay empty: the registry fills in what the kernel ignores."""
+    return args_type(a=_view(base, (m, k), (k, 1)), b=_view(base + (1 << 24), (k, n), (1, k)),
+                     d=_view(base + (2 << 24), (m, n), (n, 1)), scale_a=_view(base + (3 << 24), (m, 1), (1, 1)),
+                     scale_b=_view(base + (4 << 24), (1, n), (n, 1)))
+
+
+@pytest.mark.compile
+def test_export_writes_objects_headers_registry_and_build_files(exported):
+    out = exported.out_dir
+    keys = [code_key(_instance(n)) for n in dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL])]
+    assert sorted(exported.kernels) == sorted(keys)
+    for key in keys:
+        header = (out / "kernels" / f"{key}.h").read_text()
+        assert f"cute_dsl_{key}_wrapper" in header and f"{key}_Kernel_Module_Load" in header
+        syms = subprocess.run(["nm", "-g", "--defined-only", str(out / "kernels" / f"{key}.o")],
+                              capture_output=True, text=True, check=True).stdout
+        assert f"_mlir_{key}_cuda_init" in syms and f"_mlir_{key}__mlir_ciface_" in syms
+    registry = (out / "cutedsl_gemm_registry.c").read_text()
+    assert all(f"cdg_launch_{k}" in registry for k in keys)
+    assert "cutedsl_gemm_find" in (out / "cutedsl_gemm_registry.h").read_text()
+    assert "add_library(cutedsl_gemm_kernels STATIC" in (out / "cutedsl_gemm_kernels.cmake").read_text()
+    print(f"export of {len(keys)} instances: {exported.seconds:.1f} s")
+
+
+@pytest.mark.compile
+def test_exported_library_links_with_every_symbol_resolved(exported_lib):
+    # build_shared links with -Wl,--no-undefined (and -Werror on the registry), so reaching here proves it.
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(exported_lib)], capture_output=True, text=True,
+                          check=True).stdout
+    for fn in ("cutedsl_gemm_find", "cutedsl_gemm_launch", "cutedsl_gemm_kernel_count", "cutedsl_gemm_last_error"):
+        assert f" T {fn}\n" in syms
+
+
+@pytest.mark.compile
+def test_registry_lookup_and_argument_checks(exported, exported_lib):
+    Args = _args_type(exported.arg_fields)
+    lib = _open(exported_lib, Args)
+    assert lib.cutedsl_gemm_kernel_count() == len(set([ROW_BF16, TENSOR_BIAS, SMALL]))
+    k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST)
+    assert k and k.contents.name.decode() == ROW_BF16 and k.contents.m_max == 1 << 31 and k.contents.cluster_m == 2
+    assert k.contents.bias_dtype is None and k.contents.tile_n == _instance(ROW_BF16).tile_n
+    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"promoted", M_TEST)
+    assert kb and kb.contents.name.decode() == TENSOR_BIAS
+    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1)
+    assert b"no exported kernel for op=gemm arch=sm_90a recipe=row A=e5m2" in lib.cutedsl_gemm_last_error()
+
+    def refused(args, kernel=k):
+        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
+        return rc, lib.cutedsl_gemm_last_error().decode()
+
+    bad = _fake_args(Args, 256, 512, 1024)
+    bad.b.shape[0] = 512  # K of b differs from K of a
+    rc, msg = refused(bad)
+    assert rc == 1 and "b.shape[0]=512 must equal a.shape[1]=1024" in msg
+    bad = _fake_args(Args, 256, 512, 1000)  # K must be a multiple of 16 (TMA rows)
+    assert refused(bad) == (1, f"{ROW_BF16}: a.shape[1]=1000 must be a multiple of 16")
+    bad = _fake_args(Args, 256, 512, 1024)
+    bad.a.data += 8
+    assert "a.data" in refused(bad)[1] and "not 16-byte aligned" in refused(bad)[1]
+    bad = _fake_args(Args, 256, 512, 1024)
+    bad.scale_a.ndim = 1
+    assert "scale_a must have 2 modes, got ndim=1" in refused(bad)[1]
+    bad = _fake_args(Args, 256, 512, 1024)
+    bad.d.stride[1] = 2
+    assert "d.stride[1] must be 1 (compiled-in layout), got 2" in refused(bad)[1]
+    # The bias instance ties the bias length to N and takes (1,) scales.
+    args = _fake_args(Args, 256, 512, 1024)
+    args.scale_a, args.scale_b = _view(1 << 20, (1,), (1,)), _view(1 << 20, (1,), (1,))
+    args.bias = _view(1 << 20, (496,), (1,))
+    assert "bias.shape[0]=496 must equal b.shape[1]=512" in refused(args, kb)[1]
+    # An empty output launches nothing and needs no GPU.
+    assert lib.cutedsl_gemm_launch(k, ctypes.byref(_fake_args(Args, 0, 512, 1024)), None) == 0
+    if not torch.cuda.is_available():
+        rc, msg = refused(_fake_args(Args, 256, 512, 1024))  # valid: gets as far as asking CUDA for the SM count
+        assert rc == 2 and "querying the SM count failed" in msg
+
+
+@pytest.mark.compile
+def test_registry_split_k_rules(exported, exported_lib):
+    fields = [f["field"] for f in exported.arg_fields]
+    if "splits" not in fields or not getattr(_instance(SMALL).sm90_config(), "split_k", False):
+        pytest.skip("the manifest has no split-K instance")
+    Args = _args_type(exported.arg_fields)
+    lib = _open(exported_lib, Args)
+    small = lib.cutedsl_gemm_find_by_name(SMALL.encode())
+    coop = lib.cutedsl_gemm_find_by_name(ROW_BF16.encode())
+    assert small.contents.split_k == 1 and coop.contents.split_k == 0
+
+    def launch(kernel, args):
+        return lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None), lib.cutedsl_gemm_last_error().decode()
+
+    args = _fake_args(Args, 64, 1040, 1024)
+    args.splits = 2
+    rc, msg = launch(coop, args)
+    assert rc == 1 and "splits=2, but this is not a split-K instance" in msg
+    args.splits = 3  # 8 K tiles: splits of 3, 3, 2; 9 output tiles of 128 x 128
+    rc, msg = launch(small, args)
+    assert rc == 1 and "splits=3 needs a workspace of >= 442368 fp32" in msg
+    args.workspace = _view(1 << 30, (442368 - 1,), (1,))
+    assert "needs a workspace" in launch(small, args)[1]
+    args.workspace = _view(1 << 30, (442368,), (1,))
+    rc, msg = launch(small, args)
+    assert rc == 1 and "splits=3 needs >= 9 zeroed int32 counters" in msg
+    args.splits = 99
+    assert "splits=99, at most" in launch(small, args)[1]
+
+
+@pytest.mark.compile
+@pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
+def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
+    src = tmp_path / "consumer"
+    src.mkdir()
+    (src / "main.c").write_text(
+        '#include <stdio.h>\n#include "cutedsl_gemm_registry.h"\n'
+        "int main(void) {\n"
+        "    for (int i = 0; i < cutedsl_gemm_kernel_count(); ++i) printf(\"%s\\n\", cutedsl_gemm_kernel_at(i)->name);\n"
+        "    return 0;\n}\n")
+    (src / "CMakeLists.txt").write_text(
+        "cmake_minimum_required(VERSION 3.18)\nproject(consumer C)\n"
+        f'include("{exported.out_dir}/cutedsl_gemm_kernels.cmake")\n'
+        "add_executable(consumer main.c)\ntarget_link_libraries(consumer PRIVATE cutedsl_gemm_kernels)\n")
+    build = tmp_path / "build"
+    for cmd in (["cmake", "-S", str(src), "-B", str(build)], ["cmake", "--build", str(build)]):
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = subprocess.run([str(build / "consumer")], capture_output=True, text=True, check=True)
+    assert sorted(run.stdout.split()) == sorted(set([ROW_BF16, TENSOR_BIAS, SMALL]))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["cooperative", "split_k"])
+def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which):
+    from cutedsl_gemm import reference as R
+
+    name, m, splits = (ROW_BF16, M_TEST, 0) if which == "cooperative" else (SMALL, M_SMALL, 3)
+    inst = _instance(name)
+    if which == "split_k" and not getattr(inst.sm90_config(), "split_k", False):
+        pytest.skip("the manifest has no split-K instance")
+    Args = _args_type(exported.arg_fields)
+    lib = _open(exported_lib, Args)
+    torch.manual_seed(7)
+    n, k = 1040, 1024
+    a, w = torch.randn(m, k, device="cuda") * 3, torch.randn(n, k, device="cuda")
+    qa, sa, qw, sw = R.quantize_operands(a, w, "row")
+    scale_a, scale_b = sa.reshape(m, 1).contiguous(), sw.reshape(1, n).contiguous()
+    b = qw.t()  # (K, N) column-major, as torch._scaled_mm takes it
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # unwritten tiles stay NaN
+
+    def view(t):
+        return _view(t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+    # bias (none) and max_clusters (0: the device's SM count) stay empty
+    args = Args(a=view(qa), b=view(b), d=view(out), scale_a=view(scale_a), scale_b=view(scale_b))
+    if which == "split_k":
+        tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
+        workspace = torch.empty(tiles * splits * inst.tile_m * inst.tile_n, dtype=torch.float32, device="cuda")
+        counters = torch.zeros(tiles, dtype=torch.int32, device="cuda")
+        args.workspace, args.counters, args.splits = view(workspace), view(counters), splits
+    kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m)
+    assert kern and kern.contents.name.decode() == name, lib.cutedsl_gemm_last_error()
+    rc = lib.cutedsl_gemm_launch(kern, ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    assert rc == 0, lib.cutedsl_gemm_last_error()
+    torch.cuda.synchronize()
+    err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, "row"))
+    assert err <= 2e-3, f"{name}: relative Frobenius error {err:.2e} > 2e-3"
+    if which == "split_k":
+        assert int(counters.abs().sum()) == 0  # the kernel hands the counters back zeroed
+
+
+# ------------------------------------------------------------------------------------------------
+# Precompile into the JIT cache
+# ------------------------------------------------------------------------------------------------
+def test_precompile_uses_the_runtime_cache_key(monkeypatch):
+    """precompile must fill exactly the entry scaled_mm looks up."""
+    from cutedsl_gemm import api
+    from cutedsl_gemm.generators.precompile import cache_key
+
+    seen = []
+
+    class Recorder:
+        def get(self, key, build, *, arch=None, load=True):
+            seen.append((key, arch))
+            return "compiled"
+
+    monkeypatch.setattr(api, "KERNEL_CACHE", Recorder())
+    inst = _instance(ROW_BF16)
+    api._compiled(inst)
+    assert seen == [cache_key(inst)]
+
+
+@pytest.mark.compile
+def test_precompile_fills_the_cache_once(tmp_path, monkeypatch):
+    from cutedsl_gemm.generators.precompile import precompile
+    from cutedsl_gemm.jit import KERNEL_CACHE
+
+    monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
+    first = precompile("sm_90a", [ROW_BF16], jobs=1)  # one spawned worker process
+    assert (first.selected, first.compiled, first.failed) == (1, 1, [])
+    assert KERNEL_CACHE.entry_path(_instance(ROW_BF16), "sm_90a").stat().st_size > 0
+    t0 = time.perf_counter()
+    second = precompile("sm_90a", [ROW_BF16], jobs=1)
+    took = time.perf_counter() - t0
+    assert (second.compiled, second.already_cached) == (0, 1)
+    assert took < 0.5, f"a precompile with everything cached took {took:.2f} s"
+    print(f"precompile no-op: {took * 1e3:.1f} ms")
+
+
+# ------------------------------------------------------------------------------------------------
+# Catalog
+# ------------------------------------------------------------------------------------------------
+def test_catalog_is_fresh():
+    problems = C.check()
+    stale_sources = [p.text for p in problems if p.kind == "sources"]
+    if stale_sources:
+        warnings.warn(f"docs/kernels.md: {len(stale_sources)} instances were catalogued from older kernel sources "
+                      f"(e.g. {stale_sources[0]}); run `{C.REGENERATE}`")
+    manifest = [p.text for p in problems if p.kind == "manifest"]
+    assert not manifest, (f"docs/kernels.md is stale relative to the manifest; run `{C.REGENERATE}`:\n  "
+                          + "\n  ".join(manifest[:10]))
+
+
+def test_catalog_fingerprint_covers_the_kernel_sources():
+    mods = C.module_closure(C.FAMILIES[("sm_90a", "gemm")].roots)
+    assert {"cutedsl_gemm.sm90_compile", "cutedsl_gemm.kernels.sm90.fp8_gemm",
+            "cutedsl_gemm.kernels.common.tile_scheduler"} <= set(mods)
+    assert "cutedsl_gemm.kernels.sm90.quantize_fp8" not in mods  # unrelated edits keep the facts
+
+
+@pytest.mark.compile
+def test_catalog_refresh_compiles_only_what_is_missing(tmp_path, monkeypatch):
+    inst = _instance(ROW_BF16)
+    other_range = replace(inst, m_min=1, m_max=64)  # same code, another dispatch range: shares the facts
+    monkeypatch.setattr(C, "instances", lambda: (inst, other_range))
+    rep = C.refresh(tmp_path, jobs=0)
+    assert (rep.compiled, rep.failed) == (1, [])
+    doc = (tmp_path / "kernels.md").read_text()
+    assert f"`{code_key(inst)}`" in doc and f"`wgmma.mma_async.sync.aligned.m64n{inst.tile_n}k32.f32.e4m3.e4m3`" in doc
+    facts = C.load_sidecar(tmp_path)[code_key(inst)]
+    assert facts["registers"] > 0 and facts["smem_bytes"] > 0 and facts["stages"] >= 2
+    assert C.check(tmp_path) == []
+    monkeypatch.setattr(C, "collect_facts", lambda i: pytest.fail("must not compile again"))
+    assert C.refresh(tmp_path, jobs=0).compiled == 0
+    (tmp_path / "kernels.md").write_text(doc + "edited\n")
+    assert [p.kind for p in C.check(tmp_path)] == ["manifest"]
