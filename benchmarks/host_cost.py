@@ -26,12 +26,36 @@ def per_call_us(fn, calls):
     return (t1 - t0) / calls * 1e6
 
 
+def breakdown(m, n, k, calls):
+    """Where the time of one call goes: the bare compiled call (TVM-FFI, prebuilt arguments), the call
+    signature, the scale views, and the whole scaled_mm."""
+    from cutedsl_gemm import api, scale_layouts
+
+    qa, qw, sa, sb, _ = make_operands(m, n, k, "row")
+    b = qw.t()
+    out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)
+    sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
+    fn, clusters, recipe, kb, dummy, _, splits, need = api._SIGNATURES[sig]
+    ws = api._workspace(0).get(*need)
+    rows = {
+        "compiled call only": lambda: fn(qa, b, out, sa, sb, dummy, *ws, splits, clusters),
+        "signature": lambda: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None),
+        "scale views": lambda: scale_layouts.kernel_views(recipe, kb, sa, sb),
+        "scaled_mm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out),
+    }
+    print("breakdown (row recipe, out given):")
+    for name, fn_ in rows.items():
+        print(f"  {name:20s} {per_call_us(fn_, calls):6.2f} us")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=1000)
     args = p.parse_args(argv)
     m, n, k = 1, 512, 256
     print(f"host cost per call, M={m} N={n} K={k}, {args.calls} back-to-back calls (CPU time / call):")
+    breakdown(m, n, k, args.calls)
     for recipe in ("tensor", "row", "1x128_128x128"):
         qa, qw, sa, sb, _ = make_operands(m, n, k, recipe)
         b = qw.t()
