@@ -20,12 +20,22 @@ from .common import HBM_TBPS, bench, cublas_call, make_operands
 DEFAULT_TILES = "128x64c1x1,128x64c1x2,128x64c2x1,128x128c1x1,128x128c1x2,128x128c2x1"
 
 
-def candidates(recipe, tiles, accums):
+class _NoSplit(KernelInstance):
+    """A candidate compiled without the split-K reduction (to measure what carrying it costs)."""
+
+    @property
+    def can_split_k(self):
+        return False
+
+
+def candidates(recipe, tiles, accums, split_variants=(True,)):
     accs = [a for a in accums if a == "promoted" or "x128" not in recipe]
-    for tile, accum in itertools.product(tiles, accs):
+    for tile, accum, split in itertools.product(tiles, accs, split_variants):
         t, c = tile.split("c")
         (tile_m, tile_n), (cm, cn) = map(int, t.split("x")), map(int, c.split("x"))
-        yield KernelInstance("sm_90a", "gemm", "tune", recipe, "e4m3", "e4m3", "bf16", None, tile_m, tile_n, cm, cn, 0, accum)
+        cls = KernelInstance if split else _NoSplit
+        yield cls("sm_90a", "gemm", "tune" if split else "tune_nosplit", recipe, "e4m3", "e4m3", "bf16", None,
+                  tile_m, tile_n, cm, cn, 0, accum)
 
 
 def main(argv=None):
@@ -35,6 +45,7 @@ def main(argv=None):
     p.add_argument("--recipes", default="row,1x128_128x128")
     p.add_argument("--tiles", default=DEFAULT_TILES, help="TMxTNcCMxCN,...")
     p.add_argument("--accums", default="promoted,fast")
+    p.add_argument("--split-variants", action="store_true", help="also build each candidate without split-K")
     args = p.parse_args(argv)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for recipe in args.recipes.split(","):
@@ -52,7 +63,8 @@ def main(argv=None):
                     t_c = float("nan")
                 tflops = lambda t: 2 * m * n * k / t / 1e6
                 print(f"{recipe} M={m} N={n} K={k}: cuBLAS {t_c:.1f} us ({bytes_moved / t_c / 1e3:.0f} GB/s, {tflops(t_c):.0f} TFLOPS)")
-                for inst in candidates(recipe, args.tiles.split(","), args.accums.split(",")):
+                variants = (True, False) if args.split_variants else (True,)
+                for inst in candidates(recipe, args.tiles.split(","), args.accums.split(","), variants):
                     fn = api._compiled(inst)
                     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                     clusters = sms // (inst.cluster_m * inst.cluster_n)
@@ -62,7 +74,7 @@ def main(argv=None):
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3
                     gbs = bytes_moved / t / 1e3
-                    print(f"   t{inst.tile_m}x{inst.tile_n} c{inst.cluster_m}x{inst.cluster_n} {inst.accum:8s} {t:7.1f} us "
+                    print(f"   {inst.schedule:13s} t{inst.tile_m}x{inst.tile_n} c{inst.cluster_m}x{inst.cluster_n} {inst.accum:8s} {t:7.1f} us "
                           f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
 
 

@@ -18,6 +18,24 @@ def _device_info(index: int):
 
 
 @functools.lru_cache(maxsize=None)
+def _max_active_clusters(index: int, cluster_size: int) -> int:
+    """Clusters of this size that can be resident at once (1 CTA per SM, all shared memory): the persistent
+    grid must not exceed it, or the clusters that do not fit run as a second wave. On the H100 this can be
+    fewer than SMs / cluster_size, because clusters cannot span GPCs."""
+    from cutlass.utils import HardwareInfo
+
+    with torch.cuda.device(index):
+        torch.cuda.init()
+        try:
+            return max(1, HardwareInfo().get_max_active_clusters(cluster_size))
+        except Exception as e:  # the query needs the driver API; without it, assume every SM is usable
+            import warnings
+
+            warnings.warn(f"cluster occupancy query failed ({e}); assuming {_device_info(index)[1] // cluster_size} clusters")
+            return _device_info(index)[1] // cluster_size
+
+
+@functools.lru_cache(maxsize=None)
 def _dummy_bias(index: int) -> torch.Tensor:
     # Stands in for the bias argument of instances built without one; never read.
     return torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", index))
@@ -103,7 +121,8 @@ def scaled_mm(
     (strings or ``torch.nn.functional.ScalingType``, as in ``F.scaled_mm``) name it explicitly.
 
     ``schedule`` overrides the manifest's choice by M ("small_m" for M <= 128, else "cooperative");
-    ``split_k`` overrides the small-M schedule's K-split heuristic (``dispatch.choose_splits``).
+    ``split_k`` overrides the K-split heuristic (``dispatch.choose_splits``: split K only when there are
+    fewer output tiles than SMs).
     ``bias`` is (N,) in ``out_dtype`` or fp32.
 
     ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
@@ -133,7 +152,7 @@ def scaled_mm(
             fn(a, b, out, sa, sb, bias if bias is not None else dummy_bias, partials, counters, splits, max_clusters)
             return out
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
-    arch, sms = _device_info(device.index)
+    arch, _ = _device_info(device.index)
     if arch.startswith("sm_100"):
         if out is not None:
             raise ValueError("out= is not supported by the sm_100 f8f6f4 path yet; omit it")
@@ -188,20 +207,22 @@ def scaled_mm(
     if schedule is not None and schedule not in ("cooperative", "small_m"):
         raise ValueError(f"schedule must be None, 'cooperative' or 'small_m', got {schedule!r}")
     inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum, schedule)
+    hit = _LAUNCH_CACHE.get(inst)
+    if hit is None:
+        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), _max_active_clusters(device.index, inst.cluster_m * inst.cluster_n))
+    fn, max_clusters = hit
     if split_k is not None:
-        if inst.schedule != "small_m":
-            raise ValueError(f"split_k needs the small_m schedule (M <= 128 or schedule='small_m'); got {inst.schedule}")
+        if not inst.can_split_k:
+            raise ValueError(f"split_k: {inst.name} is built without the split-K reduction (use_fast_accum=False "
+                             "or schedule='small_m' select instances that have it)")
         if not isinstance(split_k, int) or not 1 <= split_k <= dispatch.MAX_SPLITS:
             raise ValueError(f"split_k must be an int in 1..{dispatch.MAX_SPLITS}, got {split_k!r}")
         splits = dispatch.normalize_splits(split_k, -(-k // 128))
     else:
-        splits = dispatch.choose_splits(inst, m, n, k, sms)
+        # A wave is as many CTAs as can be resident at once.
+        splits = dispatch.choose_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
     tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
     ws_need = (tiles * splits * inst.tile_m * inst.tile_n if splits > 1 else 1, tiles if splits > 1 else 1)
-    hit = _LAUNCH_CACHE.get(inst)
-    if hit is None:
-        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), sms // (inst.cluster_m * inst.cluster_n))
-    fn, max_clusters = hit
     if sig is not None:
         if len(_SIGNATURES) >= 4096:  # many distinct shapes (e.g. every batch size): start over
             _SIGNATURES.clear()

@@ -59,28 +59,24 @@ def normalize_splits(splits: int, k_tiles: int) -> int:
     return -(-k_tiles // per)
 
 
-# One partial tile read back in the reduction costs about as much as streaming this many K tiles of W
-# (a 128x128 fp32 partial is 64 KiB from L2; a K tile of W is 16 KiB from HBM).
-PARTIAL_COST_K_TILES = 2
+def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> int:
+    """Split-K heuristic (the documented dispatch table, see README): split K only to fill SMs that would
+    otherwise idle, within one wave --
 
+        splits = min(slots // tiles, 16, k_tiles // 2), at least 1
 
-def choose_splits(inst: KernelInstance, m: int, n: int, k: int, sms: int) -> int:
-    """Split-K heuristic for the small-M instances (the documented dispatch table, see README):
+    where ``tiles`` is the number of output tiles, ``slots`` the CTAs that can be resident at once (SMs,
+    rounded down to whole clusters) and ``k_tiles = ceil(K / 128)``. Splitting further (several waves of
+    split units) measured slower on the H100: the last split's read-back of the partials sits on the
+    tile's critical path (M=1024, N=1536, K=7168 at 128x128 tiles: 47 us with 4 splits, 31 us with none).
 
-    * not a small_m instance, or at least as many output tiles as SMs: 1 (no split);
-    * otherwise the s <= 16 (with >= 2 K tiles per split) minimising the modelled time
-      ``waves(tiles * s) * ceil(k_tiles / s) + (s - 1) * PARTIAL_COST_K_TILES`` -- whole waves of SMs, each
-      streaming its K share, plus the last split reading the others' partials; ties go to the smaller s.
-
-    On 132 SMs with 128x128 tiles and M <= 128: N = K = 8192 -> 2; N = 10240, K = 8192 -> 3;
-    N = 8192, K = 28672 -> 2; N = 57344 -> 1.
+    On 132 SMs: M <= 128 (128x128 tiles), N = K = 8192 -> 2; N = 8192, K = 28672 -> 2; N = 10240 -> 1;
+    M = 1024, N = 1536, K = 7168 (128x192 tiles) -> 2; M = 1024, N = 576 -> 5. Instances built without
+    the reduction (``can_split_k`` False) always get 1.
     """
-    if inst.schedule != "small_m":
+    if not inst.can_split_k:
         return 1
     tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
     k_tiles = -(-k // 128)
-    if tiles >= sms:
-        return 1
-    cost = lambda s: -(-tiles * s // sms) * -(-k_tiles // s) + (s - 1) * PARTIAL_COST_K_TILES
-    candidates = range(1, max(1, min(MAX_SPLITS, k_tiles // MIN_K_TILES_PER_SPLIT)) + 1)
-    return normalize_splits(min(candidates, key=lambda s: (cost(s), s)), k_tiles)
+    splits = max(1, min(slots // tiles, MAX_SPLITS, k_tiles // MIN_K_TILES_PER_SPLIT))
+    return normalize_splits(splits, k_tiles)

@@ -46,6 +46,12 @@ class KernelInstance:
             f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}"
         )
 
+    @property
+    def can_split_k(self) -> bool:
+        """Compiled with the split-K reduction (dispatch.choose_splits decides per call). Not the 128x256
+        fast-accumulation tiles: their 128-register accumulator leaves no room for it without spilling."""
+        return self.arch == "sm_90a" and self.op == "gemm" and self.tile_n <= 192
+
     def sm90_config(self):
         """The kernel-class configuration this instance compiles to."""
         from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90GemmConfig
@@ -62,7 +68,7 @@ class KernelInstance:
             cluster_n=self.cluster_n,
             stages=self.stages,
             accum=self.accum,
-            split_k=self.schedule == "small_m",
+            split_k=self.can_split_k,
         )
 
 

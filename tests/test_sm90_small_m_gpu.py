@@ -60,8 +60,10 @@ def test_forced_schedules():
     for kw in (dict(schedule="small_m"), dict(schedule="small_m", split_k=4)):
         out = cutedsl_gemm.scaled_mm(*args, **kw)
         assert R.rel_error(out, ref) <= 2e-3, kw
-    with pytest.raises(ValueError, match="split_k needs the small_m schedule"):
-        cutedsl_gemm.scaled_mm(*args, split_k=2)
+    out = cutedsl_gemm.scaled_mm(*args, split_k=3)  # the cooperative schedule splits too
+    assert R.rel_error(out, ref) <= 2e-3
+    with pytest.raises(ValueError, match="split_k must be an int"):
+        cutedsl_gemm.scaled_mm(*args, split_k=0)
     with pytest.raises(ValueError, match="schedule must be"):
         cutedsl_gemm.scaled_mm(*args, schedule="pingpong")
 

@@ -26,11 +26,13 @@ def test_small_m_schedule_up_to_128_rows():
 
 @pytest.mark.parametrize(
     "m,n,k,want",
-    [(1, 8192, 8192, 2), (128, 8192, 8192, 2), (16, 10240, 8192, 3), (64, 8192, 28672, 2), (1, 57344, 8192, 1),
-     (200, 8192, 8192, 1)],  # M > 128: the cooperative instance never splits
+    [(1, 8192, 8192, 2), (128, 8192, 8192, 2), (16, 10240, 8192, 1), (64, 8192, 28672, 2), (1, 57344, 8192, 1),
+     (1024, 1536, 7168, 2),  # cooperative 128x192 tiles: 64 tiles on 132 SMs
+     (1024, 576, 7168, 5),
+     (6144, 7168, 2048, 1)],  # plenty of tiles: no split
 )
 def test_split_heuristic_table(m, n, k, want):
-    assert dispatch.choose_splits(_inst(m), m, n, k, sms=132) == want
+    assert dispatch.choose_splits(_inst(m), m, n, k, slots=132) == want
 
 
 def test_split_counts_never_leave_a_split_empty():
@@ -43,13 +45,15 @@ def test_split_counts_never_leave_a_split_empty():
 
 def test_more_tiles_than_sms_means_no_split():
     inst = _inst(64)
-    assert dispatch.choose_splits(inst, 64, 133 * 128, 8192, sms=132) == 1
+    assert dispatch.choose_splits(inst, 64, 133 * 128, 8192, slots=132) == 1
 
 
-def test_every_small_m_instance_is_split_k():
-    rows = manifest.select(schedule="small_m")
-    assert rows and all(r.sm90_config().split_k for r in rows)
-    assert not any(r.sm90_config().split_k for r in manifest.select(schedule="cooperative"))
+def test_split_k_instances():
+    rows = manifest.select(arch="sm_90a", op="gemm")
+    assert all(r.sm90_config().split_k == (r.tile_n <= 192) for r in rows)
+    assert all(r.can_split_k for r in rows if r.accum == "promoted" or r.schedule == "small_m")
+    fast_wide = _inst(4096, accum="fast")
+    assert fast_wide.tile_n == 256 and dispatch.choose_splits(fast_wide, 4096, 512, 8192, slots=132) == 1
 
 
 @pytest.mark.compile
