@@ -3,7 +3,8 @@
 # that each fit the device tool's 10-minute limit:
 #   bash benchmarks/gpu_session.sh tests     GPU test tier + host cost per call
 #   bash benchmarks/gpu_session.sh bench     GEMM benchmarks (all recipes, both accumulations), end to end, quantizers
-# Results and logs go to $OUT (or ./gpu_results).
+# Results and logs go to $OUT (or ./gpu_results), also packed into results-<part>.tar.gz (the device tool
+# brings back only a few files per call).
 set -uo pipefail
 out=${OUT:-gpu_results}; mkdir -p "$out"
 export CUTEDSL_GEMM_CACHE_DIR=${CUTEDSL_GEMM_CACHE_DIR:-/tmp/cutedsl_gemm_cache} PYTHONUNBUFFERED=1
@@ -23,4 +24,9 @@ bench)
   for f in gemm_promoted gemm_fast gemm_block; do grep -A 12 "^geomeans" "$out/$f.txt"; done
   tail -n 2 "$out/e2e.txt"; tail -n 12 "$out/quant.txt"
   ;;
+promoted)
+  python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
+  grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
+  ;;
 esac
+tar -czf "/tmp/results-${1:-tests}.tar.gz" -C "$out" --exclude='*.tar.gz' . && mv "/tmp/results-${1:-tests}.tar.gz" "$out/"

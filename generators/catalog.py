@@ -15,6 +15,8 @@ and warns on the second, so kernel edits are not blocked on a full recompile.
 
 from __future__ import annotations
 
+import dataclasses
+
 import ast
 import hashlib
 import importlib.util
@@ -36,7 +38,11 @@ DISPATCH_ONLY = ("m_min", "m_max")
 
 
 def code_config(inst: KernelInstance) -> dict:
-    return {k: getattr(inst, k) for k in inst.__dataclass_fields__ if k not in DISPATCH_ONLY}
+    cfg = {k: getattr(inst, k) for k in inst.__dataclass_fields__ if k not in DISPATCH_ONLY}
+    if (inst.arch, inst.op) == ("sm_90a", "gemm"):
+        # What the manifest derives for the kernel class (e.g. split_k) shapes the code too.
+        cfg["kernel"] = dataclasses.asdict(inst.sm90_config())
+    return cfg
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from cutedsl_gemm.generators.runner import SelectionError, code_key, pick
 # runs it) and a tensor-wise fp32 one with bias (bias length is a third shared extent).
 M_TEST = 1000  # not a multiple of any tile: the GPU run has a partial tile
 ROW_BF16 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_TEST, "promoted").name
-TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "promoted").name
+# 128x256 fast accumulation: the one Hopper tile built without the split-K reduction
+TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "fast").name
 M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the manifest has one
 SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
 
@@ -170,7 +171,7 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST)
     assert k and k.contents.name.decode() == ROW_BF16 and k.contents.m_max == 1 << 31 and k.contents.cluster_m == 2
     assert k.contents.bias_dtype is None and k.contents.tile_n == _instance(ROW_BF16).tile_n
-    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"promoted", M_TEST)
+    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST)
     assert kb and kb.contents.name.decode() == TENSOR_BIAS
     assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1)
     assert b"no exported kernel for op=gemm arch=sm_90a recipe=row A=e5m2" in lib.cutedsl_gemm_last_error()
@@ -215,15 +216,19 @@ def test_registry_split_k_rules(exported, exported_lib):
     lib = _open(exported_lib, Args)
     small = lib.cutedsl_gemm_find_by_name(SMALL.encode())
     coop = lib.cutedsl_gemm_find_by_name(ROW_BF16.encode())
-    assert small.contents.split_k == 1 and coop.contents.split_k == 0
+    nosplit = lib.cutedsl_gemm_find_by_name(TENSOR_BIAS.encode())
+    assert small.contents.split_k == 1 and coop.contents.split_k == 1 and nosplit.contents.split_k == 0
 
     def launch(kernel, args):
         return lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None), lib.cutedsl_gemm_last_error().decode()
 
     args = _fake_args(Args, 64, 1040, 1024)
-    args.splits = 2
-    rc, msg = launch(coop, args)
-    assert rc == 1 and "splits=2, but this is not a split-K instance" in msg
+    tensorwise = _fake_args(Args, 64, 1040, 1024)  # the non-split instance is per-tensor with a bias
+    tensorwise.scale_a, tensorwise.scale_b = _view(5 << 24, (1,), (1,)), _view(6 << 24, (1,), (1,))
+    tensorwise.bias = _view(7 << 24, (1040,), (1,))
+    tensorwise.splits = 2
+    rc, msg = launch(nosplit, tensorwise)
+    assert rc == 1 and "splits=2, but this is not a split-K instance" in msg, msg
     args.splits = 3  # 8 K tiles: splits of 3, 3, 2; 9 output tiles of 128 x 128
     rc, msg = launch(small, args)
     assert rc == 1 and "splits=3 needs a workspace of >= 442368 fp32" in msg
