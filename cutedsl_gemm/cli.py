@@ -39,23 +39,22 @@ def _demo_gpu() -> int:
 
     from triton.testing import do_bench
 
-    print(f"{'recipe':6s} {'M':>5s} {'N':>5s} {'K':>5s} | {'rel err':>8s} | {'ours TFLOPS':>11s} {'cuBLAS TFLOPS':>13s} {'ratio':>6s}")
+    print(f"{'recipe':13s} {'M':>5s} {'N':>5s} {'K':>5s} | {'rel err':>8s} | {'ours TFLOPS':>11s} {'cuBLAS TFLOPS':>13s} {'ratio':>6s}")
+    from cutedsl_gemm.benchmarks.common import cublas_call, make_operands
+
     worst = 0.0
-    for recipe in ("tensor", "row"):
+    for recipe in ("tensor", "row", "1x128_128x128"):
         for m, n, k in DEMO_SHAPES:
-            a, w = torch.randn(m, k, device="cuda"), torch.randn(n, k, device="cuda")
-            qa, sa, qw, sw = R.quantize_operands(a, w, recipe)
-            scale_a = sa.reshape(()) if recipe == "tensor" else sa.reshape(m, 1).contiguous()
-            scale_b = sw.reshape(()) if recipe == "tensor" else sw.reshape(1, n).contiguous()
+            qa, qw, scale_a, scale_b, plain = make_operands(m, n, k, recipe)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             run = lambda: cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b, out=out)
             run()
-            err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, recipe))
+            err = R.rel_error(out, R.reference_gemm(*plain, recipe))
             worst = max(worst, err)
             t_ours = do_bench(run, return_mode="median")
-            t_ref = do_bench(lambda: torch._scaled_mm(qa, qw.t(), scale_a, scale_b, out_dtype=torch.bfloat16), return_mode="median")
+            t_ref = do_bench(cublas_call(recipe, qa, qw.t(), scale_a, scale_b), return_mode="median")
             tf = lambda t: 2 * m * n * k / (t * 1e-3) / 1e12
-            print(f"{recipe:6s} {m:5d} {n:5d} {k:5d} | {err:8.2e} | {tf(t_ours):11.0f} {tf(t_ref):13.0f} {t_ref / t_ours:6.3f}")
+            print(f"{recipe:13s} {m:5d} {n:5d} {k:5d} | {err:8.2e} | {tf(t_ours):11.0f} {tf(t_ref):13.0f} {t_ref / t_ours:6.3f}")
     ok = worst <= 2e-3
     print(f"\n{'PASS' if ok else 'FAIL'}: worst relative error {worst:.2e} (limit 2e-3)")
     return 0 if ok else 1
@@ -68,16 +67,18 @@ def _demo_cpu() -> int:
     print("No Hopper GPU here: compiling the FP8 GEMM instances for sm_90a and inspecting them.\n")
     expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA", "setmaxnreg": "register reallocation"}
     ok = True
-    for accum in ("promoted", "fast"):
-        for recipe, a, b in (("row", "e4m3", "e4m3"), ("tensor", "e5m2", "e4m3")):
-            inst = dispatch.select_gemm("sm_90a", recipe, a, b, "bf16", None, 4096, accum)
-            t0 = time.time()
-            rep = inspect_instance(inst)
-            print("\n".join(rep.summary_lines()) + f"\n    (compiled in {time.time() - t0:.1f} s)")
-            for ins, what in expect.items():
-                if not any(k.startswith(ins) for k in rep.instructions):
-                    print(f"    MISSING {ins} ({what})")
-                    ok = False
+    cases = [(recipe, a, b, accum, 4096) for accum in ("promoted", "fast")
+             for recipe, a, b in (("row", "e4m3", "e4m3"), ("tensor", "e5m2", "e4m3"))]
+    cases += [("1x128_128x128", "e4m3", "e4m3", "promoted", 4096), ("row", "e4m3", "e4m3", "promoted", 16)]
+    for recipe, a, b, accum, m in cases:
+        inst = dispatch.select_gemm("sm_90a", recipe, a, b, "bf16", None, m, accum)
+        t0 = time.time()
+        rep = inspect_instance(inst)
+        print("\n".join(rep.summary_lines()) + f"\n    (compiled in {time.time() - t0:.1f} s)")
+        for ins, what in expect.items():
+            if not any(k.startswith(ins) for k in rep.instructions):
+                print(f"    MISSING {ins} ({what})")
+                ok = False
     print("\nReference numerics (CPU, float64 on dequantized operands):")
     torch.manual_seed(0)
     for recipe in ("tensor", "row", "1x128_128x128", "128x128_128x128"):
