@@ -42,7 +42,8 @@ def torch_block_layout(s, gran):
     """(rows or row blocks, Kb) scales in F.scaled_mm's layout: 1x128 outer-dim-major, 128x128 with the
     K-block axis padded to a multiple of 4 (the padded tensor is what cuBLAS takes)."""
     if gran == "1x128":
-        return s.t().contiguous().t()
+        rows, kb = s.shape  # strides exactly (1, rows), as F.scaled_mm checks them (also for rows == 1)
+        return torch.empty_strided((rows, kb), (1, rows), device=s.device).copy_(s)
     kb = s.shape[1]
     padded = torch.ones(s.shape[0], -(-kb // 4) * 4, device=s.device)
     padded[:, :kb] = s
