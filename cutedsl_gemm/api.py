@@ -86,6 +86,14 @@ def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, sca
     )
 
 
+def _launch(plan, a, b, out, sa, sb, bias, device_index: int) -> torch.Tensor:
+    """Run a validated call: ``plan`` is what ``_SIGNATURES`` holds, ``sa``/``sb`` the kernel's scale views."""
+    fn, max_clusters, _, _, dummy_bias, _, splits, ws_need = plan
+    partials, counters = _workspace(device_index).get(*ws_need)
+    fn(a, b, out, sa, sb, bias if bias is not None else dummy_bias, partials, counters, splits, max_clusters)
+    return out
+
+
 def _compiled(inst):
     """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
     from cutedsl_gemm.sm90_compile import compile_gemm
@@ -144,13 +152,11 @@ def scaled_mm(
         except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
             sig = hit = None
         if hit is not None:
-            fn, max_clusters, recipe, kb, dummy_bias, out_shape, splits, ws_need = hit
+            _, _, recipe, kb, _, out_shape, _, _ = hit
             if out is None:
                 out = torch.empty(out_shape, dtype=out_dtype, device=a.device)
             sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
-            partials, counters = _workspace(a.get_device()).get(*ws_need)
-            fn(a, b, out, sa, sb, bias if bias is not None else dummy_bias, partials, counters, splits, max_clusters)
-            return out
+            return _launch(hit, a, b, out, sa, sb, bias, a.get_device())
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
     arch, _ = _device_info(device.index)
     if arch.startswith("sm_100"):
@@ -171,7 +177,7 @@ def scaled_mm(
     a_name = V.require_fp8("a", a)
     b_name = V.require_fp8("b", b)
     out_name = V.require_out_dtype(out_dtype)
-    recipe, _, _ = scale_layouts.resolve(scale_a, scale_b, m, n, k, scale_recipe_a, scale_recipe_b)
+    recipe, sa, sb = scale_layouts.resolve(scale_a, scale_b, m, n, k, scale_recipe_a, scale_recipe_b)
     kb = -(-k // scale_layouts.SCALE_K)
     bias_name = None
     if bias is not None:
@@ -223,11 +229,9 @@ def scaled_mm(
         splits = dispatch.choose_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
     tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
     ws_need = (tiles * splits * inst.tile_m * inst.tile_n if splits > 1 else 1, tiles if splits > 1 else 1)
+    plan = (fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need)
     if sig is not None:
         if len(_SIGNATURES) >= 4096:  # many distinct shapes (e.g. every batch size): start over
             _SIGNATURES.clear()
-        _SIGNATURES[sig] = (fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need)
-    sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
-    partials, counters = _workspace(device.index).get(*ws_need)
-    fn(a, b, out, sa, sb, bias if bias is not None else _dummy_bias(device.index), partials, counters, splits, max_clusters)
-    return out
+        _SIGNATURES[sig] = plan
+    return _launch(plan, a, b, out, sa, sb, bias, device.index)
