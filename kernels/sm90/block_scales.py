@@ -121,12 +121,11 @@ def promote_block_scaled(acc, frag, slots_a, slots_b, tile_coords, grans: cutlas
         sb = (Float32(slots_b[(0, stage)]), Float32(slots_b[(1, stage)]))
         s = ((sa[0] * sb[0], sa[1] * sb[0]), (sa[0] * sb[1], sa[1] * sb[1]))
         offset = origin_n % SCALE_BLOCK
-        for off in cutlass.range_constexpr(SCALE_BLOCK):
-            if cutlass.const_expr(off in _tile_offsets(bN)):
-                if offset == off:
-                    for i in cutlass.range_constexpr(cute.size(acc)):
-                        block = (off + 8 * (i // 4)) // SCALE_BLOCK
-                        acc[i] = acc[i] + frag[i] * s[block][(i // 2) % 2]
+        for off in _tile_offsets(bN):  # a trace-time list: one branch per possible offset
+            if offset == off:
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    block = (off + 8 * (i // 4)) // SCALE_BLOCK
+                    acc[i] = acc[i] + frag[i] * s[block][(i // 2) % 2]
 
 
 def _tile_offsets(tile_extent: int):
