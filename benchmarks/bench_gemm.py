@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+import torch.nn.functional as F
 
 import cutedsl_gemm
 from .common import SETS, FP8_TFLOPS, bench, cublas_call, gbps, geomean, make_operands, tflops, write_json
@@ -90,7 +91,6 @@ def run_e2e(shapes, out_path=None):
 
         def _theirs():
             qx, sx = torch_quantize_1x128(x)
-            import torch.nn.functional as F
             return F.scaled_mm(qx, qw.t(), sx, F.ScalingType.BlockWise1x128, sw_b, F.ScalingType.BlockWise128x128,
                                output_dtype=torch.bfloat16)
 
