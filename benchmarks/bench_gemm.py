@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import cutedsl_gemm
+from . import common
 from .common import SETS, FP8_TFLOPS, bench, cublas_call, gbps, geomean, make_operands, tflops, write_json
 from cutedsl_gemm import reference as R
 
@@ -112,7 +113,9 @@ def main(argv=None):
     p.add_argument("--fast-accum", action="store_true", help="use_fast_accum=True for both us and cuBLAS")
     p.add_argument("--shapes", default=None, help="MxNxK,... instead of the named sets")
     p.add_argument("--e2e", action="store_true", help="quantize + GEMM end to end (DeepSeek recipe, M >= 1024)")
+    p.add_argument("--flush", default=common.FLUSH, choices=("read", "zero"), help="L2 eviction before each run (common.bench)")
     args = p.parse_args(argv)
+    common.FLUSH = args.flush
     if args.e2e:
         run_e2e([(m, n, k) for (m, n, k) in SETS["dsv3"] if k % 128 == 0] + [(8192, 8192, 8192)], args.out)
         return

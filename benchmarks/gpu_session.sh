@@ -16,13 +16,29 @@ tests)
   python3 -m benchmarks.host_cost --calls 1000 2>&1 | tee "$out/host_cost.txt"
   ;;
 bench)
-  python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
+  python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --fast-accum --out "$out/gemm_fast.json" > "$out/gemm_fast.txt" 2>&1
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
   python3 -m benchmarks.bench_gemm --e2e --out "$out/e2e.json" > "$out/e2e.txt" 2>&1
   python3 -m benchmarks.bench_quantize --shape 8192x8192 --dtype bf16 --out "$out/quant.json" > "$out/quant.txt" 2>&1
   for f in gemm_promoted gemm_fast gemm_block; do grep -A 12 "^geomeans" "$out/$f.txt"; done
   tail -n 2 "$out/e2e.txt"; tail -n 12 "$out/quant.txt"
+  ;;
+decode)
+  # Decode tile/split sweep (swap-AB tiles vs the 128x128 one), L2 emptied by reads, plus the bandwidth floor.
+  t=128x128c1x1,128x16c1x1s,128x16c1x1sst12,128x32c1x1s,128x32c1x1sst10,128x64c1x1s,128x64c1x1sk256
+  python3 -m benchmarks.tune_tiles --ms 1,16,32,64,128 --nk 8192x8192 --recipes row --accums promoted --floor --tiles $t --splits 0,1,2,4 > "$out/decode_row.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 1,16,64 --nk 10240x8192,57344x8192,8192x28672 --recipes row --accums promoted --floor --tiles 128x16c1x1s,128x64c1x1s,128x64c1x1sk256 --splits 0,1,2,4 > "$out/decode_layers.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 16,64 --nk 8192x8192 --recipes 1x128_128x128,tensor --accums promoted --floor --tiles 128x128c1x1,128x16c1x1s,128x32c1x1s,128x64c1x1s --splits 0,1,2 > "$out/decode_block.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 16 --nk 8192x8192 --recipes row --accums promoted --floor --flush zero --tiles 128x16c1x1s --splits 1 > "$out/decode_zero.txt" 2>&1
+  grep -v Warn "$out"/decode_*.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
+decode_bench)
+  # The decode sets through scaled_mm (dispatch picks the swapped small-M kernels) for what `bench` leaves
+  # out: fast accumulation and the block-scaled recipes.
+  python3 -m benchmarks.bench_gemm --sets llama70b_decode,llama70b_layers --recipes tensor,row --fast-accum --out "$out/decode_fast.json" > "$out/decode_fast.txt" 2>&1
+  python3 -m benchmarks.bench_gemm --sets llama70b_decode,llama70b_layers --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/decode_block.json" > "$out/decode_block.txt" 2>&1
+  for f in decode_fast decode_block; do grep -A 12 "^geomeans" "$out/$f.txt"; done
   ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1

@@ -3,17 +3,23 @@ same data, next to cuBLAS for the same recipe. The manifest's rows are chosen fr
 
     python -m benchmarks.tune_tiles --ms 1,16,64,128 --nk 8192x8192          (decode: GB/s matters)
     python -m benchmarks.tune_tiles --ms 8192 --nk 8192x8192 --tiles 128x128c2x1,128x192c2x1 --accums promoted
+    python -m benchmarks.tune_tiles --ms 16 --tiles 128x16c1x1s,128x16c1x1sk256 --splits 0,1,2,4
+
+A tile spec is TMxTN c CMxCN, then optional ``s`` (swap A and W: tile_m runs over N), ``k256`` (K depth
+per stage) and ``st<stages>``. ``--splits``: K splits to force (0 = the dispatch heuristic).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import re
 
 import torch
 
-from cutedsl_gemm import api, reference as R
+from cutedsl_gemm import api, dispatch, reference as R
 from cutedsl_gemm.generators.manifest import KernelInstance
+from . import common
 from .common import HBM_TBPS, bench, cublas_call, make_operands
 
 
@@ -31,11 +37,16 @@ class _NoSplit(KernelInstance):
 def candidates(recipe, tiles, accums, split_variants=(True,)):
     accs = [a for a in accums if a == "promoted" or "x128" not in recipe]
     for tile, accum, split in itertools.product(tiles, accs, split_variants):
-        t, c = tile.split("c")
-        (tile_m, tile_n), (cm, cn) = map(int, t.split("x")), map(int, c.split("x"))
+        got = re.fullmatch(r"(\d+)x(\d+)c(\d+)x(\d+)(s?)(?:k(\d+))?(?:st(\d+))?", tile)
+        if not got:
+            raise SystemExit(f"bad tile spec {tile!r} (expected e.g. 128x128c2x1 or 128x16c1x1sk256st10)")
+        tile_m, tile_n, cm, cn = map(int, got.groups()[:4])
+        swap, tile_k, stages = bool(got[5]), int(got[6] or 128), int(got[7] or 0)
+        if tile_k != 128 and "x128" in recipe:
+            continue
         cls = KernelInstance if split else _NoSplit
         yield cls("sm_90a", "gemm", "tune" if split else "tune_nosplit", recipe, "e4m3", "e4m3", "bf16", None,
-                  tile_m, tile_n, cm, cn, 0, accum)
+                  tile_m, tile_n, cm, cn, stages, accum, swap_ab=swap, tile_k=tile_k)
 
 
 def main(argv=None):
@@ -46,7 +57,11 @@ def main(argv=None):
     p.add_argument("--tiles", default=DEFAULT_TILES, help="TMxTNcCMxCN,...")
     p.add_argument("--accums", default="promoted,fast")
     p.add_argument("--split-variants", action="store_true", help="also build each candidate without split-K")
+    p.add_argument("--splits", default="1", help="K splits to run each candidate with; 0 = dispatch.choose_splits")
+    p.add_argument("--floor", action="store_true", help="also time a read-only pass over W (the bandwidth floor)")
+    p.add_argument("--flush", default=common.FLUSH, choices=("read", "zero"), help="L2 eviction before each run (common.bench)")
     args = p.parse_args(argv)
+    common.FLUSH = args.flush
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for recipe in args.recipes.split(","):
         for nk in args.nk.split(","):
@@ -63,18 +78,32 @@ def main(argv=None):
                     t_c = float("nan")
                 tflops = lambda t: 2 * m * n * k / t / 1e6
                 print(f"{recipe} M={m} N={n} K={k}: cuBLAS {t_c:.1f} us ({bytes_moved / t_c / 1e3:.0f} GB/s, {tflops(t_c):.0f} TFLOPS)")
+                if args.floor:
+                    words = qw.view(torch.int32)
+                    t_f = bench(lambda: torch.amax(words)) * 1e3
+                    print(f"   read-only amax over W: {t_f:.1f} us ({qw.numel() / t_f / 1e3:.0f} GB/s)")
                 variants = (True, False) if args.split_variants else (True,)
-                for inst in candidates(recipe, args.tiles.split(","), args.accums.split(","), variants):
+                for inst, want in itertools.product(
+                        candidates(recipe, args.tiles.split(","), args.accums.split(","), variants),
+                        map(int, args.splits.split(","))):
                     fn = api._compiled(inst)
                     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    clusters = sms // (inst.cluster_m * inst.cluster_n)
-                    dummy = api._workspace(0).get(1, 1)
-                    call = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *dummy, 1, clusters)
+                    clusters = api._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
+                    if not inst.can_split_k:
+                        splits = 1
+                    elif want == 0:
+                        splits = dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
+                    else:
+                        splits = dispatch.normalize_splits(want, inst.k_tiles(k))
+                    tiles = inst.output_tiles(m, n)
+                    ws = api._workspace(0).get(tiles * splits * inst.tile_m * inst.tile_n, tiles)
+                    call = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)
                     call()
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3
                     gbs = bytes_moved / t / 1e3
-                    print(f"   {inst.schedule:13s} t{inst.tile_m}x{inst.tile_n} c{inst.cluster_m}x{inst.cluster_n} {inst.accum:8s} {t:7.1f} us "
+                    shape = f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}"
+                    print(f"   {inst.schedule:13s} {shape:20s} {inst.accum:8s} split {splits:2d} {t:7.1f} us "
                           f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
 
 

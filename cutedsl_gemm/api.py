@@ -223,11 +223,11 @@ def scaled_mm(
                              "or schedule='small_m' select instances that have it)")
         if not isinstance(split_k, int) or not 1 <= split_k <= dispatch.MAX_SPLITS:
             raise ValueError(f"split_k must be an int in 1..{dispatch.MAX_SPLITS}, got {split_k!r}")
-        splits = dispatch.normalize_splits(split_k, -(-k // 128))
+        splits = dispatch.normalize_splits(split_k, inst.k_tiles(k))
     else:
         # A wave is as many CTAs as can be resident at once.
         splits = dispatch.choose_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
-    tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
+    tiles = inst.output_tiles(m, n)
     ws_need = (tiles * splits * inst.tile_m * inst.tile_n if splits > 1 else 1, tiles if splits > 1 else 1)
     plan = (fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need)
     if sig is not None:

@@ -36,12 +36,15 @@ def select_gemm(
 ) -> KernelInstance:
     """The instance for a GEMM call: the first manifest row whose M range holds ``m``.
 
-    ``schedule`` forces a schedule (e.g. "small_m") whatever M is; otherwise the M ranges of the table decide.
+    ``schedule`` forces a schedule (e.g. "small_m") whatever M is: its row for ``m`` if it has one, else
+    its row for the largest M it covers (every instance computes any M; the ranges are for speed).
     """
     rows = _candidates(arch, "gemm", recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule)
     for inst in rows:
-        if schedule is not None or inst.m_min <= m <= inst.m_max:  # a forced schedule serves every M
+        if inst.m_min <= m <= inst.m_max:
             return inst
+    if schedule is not None and rows:
+        return max(rows, key=lambda i: i.m_max)
     raise NoKernelError(
         f"no kernel instance in the manifest for arch={arch} recipe={recipe} A={a_dtype} B={b_dtype} "
  f"out={out_dtype} bias={bias_dtype} accum={accum} M={m}" + (f" schedule={schedule}" if schedule else "")
@@ -63,7 +66,7 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
     """Split-K heuristic (the documented dispatch table, see README): split K only to fill SMs that would
     otherwise idle, within one wave --
 
-        splits = min(slots // tiles, 16, k_tiles // 2), at least 1
+        splits = min(slots // tiles, 16, k_tiles // 2), at least 1      (slots // (2 * tiles) when swapped)
 
     where ``tiles`` is the number of output tiles, ``slots`` the CTAs that can be resident at once (SMs,
     rounded down to whole clusters) and ``k_tiles = ceil(K / 128)``. Splitting further (several waves of
@@ -73,10 +76,16 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
     On 132 SMs: M <= 128 (128x128 tiles), N = K = 8192 -> 2; N = 8192, K = 28672 -> 2; N = 10240 -> 1;
     M = 1024, N = 1536, K = 7168 (128x192 tiles) -> 2; M = 1024, N = 576 -> 5. Instances built without
     the reduction (``can_split_k`` False) always get 1.
+
+    The swapped decode kernels split only below half a wave of tiles: streaming W from 64 SMs already
+    beats splitting it over 128 plus the reduction (N = K = 8192, M = 16, 128x16 tiles: 29.5 us unsplit,
+    32.1 us with 2 splits). On 132 SMs: N = 8192 or 10240 -> 1; N = 4096 -> 2; N = 576, K = 7168 -> 12.
     """
     if not inst.can_split_k:
         return 1
-    tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
-    k_tiles = -(-k // 128)
+    tiles = inst.output_tiles(m, n)
+    if inst.swap_ab:
+        slots //= 2
+    k_tiles = inst.k_tiles(k)
     splits = max(1, min(slots // tiles, MAX_SPLITS, k_tiles // MIN_K_TILES_PER_SPLIT))
     return normalize_splits(splits, k_tiles)

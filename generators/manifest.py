@@ -37,14 +37,26 @@ class KernelInstance:
     # Dispatch: this instance serves problems with m_min <= M <= m_max.
     m_min: int = 1
     m_max: int = 1 << 31
+    # D^T = W @ A^T: tile_m runs over the user's N and tile_n over M (the decode kernels).
+    swap_ab: bool = False
+    tile_k: int = 128
 
     @property
     def name(self) -> str:
         bias = f"_bias{self.bias_dtype}" if self.bias_dtype else ""
+        extra = ("_swapab" if self.swap_ab else "") + (f"_k{self.tile_k}" if self.tile_k != 128 else "")
         return (
             f"{self.arch}_{self.op}_{self.schedule}_{self.recipe}_{self.a_dtype}x{self.b_dtype}_{self.out_dtype}{bias}"
-            f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}"
+            f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}{extra}"
         )
+
+    def output_tiles(self, m: int, n: int) -> int:
+        """Output tiles of an M x N problem (a swapped kernel tiles N by tile_m and M by tile_n)."""
+        rows, cols = (n, m) if self.swap_ab else (m, n)
+        return -(-rows // self.tile_m) * -(-cols // self.tile_n)
+
+    def k_tiles(self, k: int) -> int:
+        return -(-k // self.tile_k)
 
     @property
     def can_split_k(self) -> bool:
@@ -69,6 +81,8 @@ class KernelInstance:
             stages=self.stages,
             accum=self.accum,
             split_k=self.can_split_k,
+            swap_ab=self.swap_ab,
+            tile_k=self.tile_k,
         )
 
 
@@ -88,6 +102,8 @@ class TileConfig:
     accum: str = "promoted"
     m_min: int = 1
     m_max: int = 1 << 31
+    swap_ab: bool = False
+    tile_k: int = 128
     ab_dtypes: Tuple[Tuple[str, str], ...] = (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2"))
     out_dtypes: Tuple[str, ...] = ("bf16", "fp16", "fp32")
     # None = no bias; "out" = same dtype as the output; "fp32".
@@ -98,14 +114,23 @@ class TileConfig:
 # THE TABLE
 # ------------------------------------------------------------------------------------------------
 TABLE: Tuple[TileConfig, ...] = (
-    # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound; with fewer output
-    # tiles than SMs the K range is split (run-time split count, deterministic reduction) so every SM
-    # streams W. Rows are tried in order, so these come before the general ones.
-    TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, 128, accum="promoted", m_max=128),
-    TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, 128, accum="fast", m_max=128),
-    TileConfig(
-        "sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
-        accum="promoted", m_max=128,
+    # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound. The kernels run
+    # swapped (D^T = W @ A^T): 128 W rows per tile on WGMMA's M side, the M activation rows on its N side,
+    # as narrow as M allows. K is split only when there are far fewer tiles than SMs
+    # (dispatch.choose_splits). From benchmarks/tune_tiles (BENCHMARKS.md, decode): 128x16 is best to M=16,
+    # 128x32 to M=32, 128x64 above (with 256-deep stages where the accumulation is not promoted per 128);
+    # at M=64 128x32 tiles are as fast at N=8192 but make two waves of tiles at N=10240.
+    # Rows are tried in order, so these come before the general ones.
+    *(
+        TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, tn, accum=acc, m_min=lo, m_max=hi,
+                   swap_ab=True, tile_k=256 if acc == "fast" and tn == 64 else 128)
+        for acc in ("promoted", "fast")
+        for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
+    ),
+    *(
+        TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, tn,
+                   accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
+        for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
     ),
     # Hopper, epilogue-scaled FP8, W multicast over a 2x1 cluster. Promoted accumulation (the default, as
     # torch's use_fast_accum=False) keeps a K-tile fragment next to the accumulator, so its tiles are at
@@ -165,6 +190,8 @@ def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
                     accum=row.accum,
                     m_min=row.m_min,
                     m_max=row.m_max,
+                    swap_ab=row.swap_ab,
+                    tile_k=row.tile_k,
                 )
             )
     for inst in out:

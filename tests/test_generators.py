@@ -229,14 +229,18 @@ def test_registry_split_k_rules(exported, exported_lib):
     tensorwise.splits = 2
     rc, msg = launch(nosplit, tensorwise)
     assert rc == 1 and "splits=2, but this is not a split-K instance" in msg, msg
-    args.splits = 3  # 8 K tiles: splits of 3, 3, 2; 9 output tiles of 128 x 128
+    args.splits = 3  # 8 K tiles: splits of 3, 3, 2
+    inst = _instance(SMALL)
+    tiles = inst.output_tiles(64, 1040)  # the swapped decode kernel tiles N by tile_m, M by tile_n
+    need = tiles * 3 * inst.tile_m * inst.tile_n
+    assert inst.swap_ab and tiles == 9 * -(-64 // inst.tile_n)
     rc, msg = launch(small, args)
-    assert rc == 1 and "splits=3 needs a workspace of >= 442368 fp32" in msg
-    args.workspace = _view(1 << 30, (442368 - 1,), (1,))
+    assert rc == 1 and f"splits=3 needs a workspace of >= {need} fp32" in msg, msg
+    args.workspace = _view(1 << 30, (need - 1,), (1,))
     assert "needs a workspace" in launch(small, args)[1]
-    args.workspace = _view(1 << 30, (442368,), (1,))
+    args.workspace = _view(1 << 30, (need,), (1,))
     rc, msg = launch(small, args)
-    assert rc == 1 and "splits=3 needs >= 9 zeroed int32 counters" in msg
+    assert rc == 1 and f"splits=3 needs >= {tiles} zeroed int32 counters" in msg, msg
     args.splits = 99
     assert "splits=99, at most" in launch(small, args)[1]
 

@@ -65,6 +65,15 @@ def test_manifest_rejects_oversize_tiles_with_reason():
         manifest.expand([too_many])
 
 
+def test_manifest_rejects_bad_decode_tiles_with_reason():
+    narrow = manifest.TileConfig("sm_90a", "gemm", "small_m", ("row",), 128, 8, swap_ab=True)
+    with pytest.raises(manifest.ManifestError, match="multiple of 16"):
+        manifest.expand([narrow])
+    deep_block = manifest.TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128",), 128, 16, swap_ab=True, tile_k=256)
+    with pytest.raises(manifest.ManifestError, match="needs tile_k=128"):
+        manifest.expand([deep_block])
+
+
 def test_dispatch_reads_the_manifest():
     inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 1000)
     assert inst in manifest.INSTANCES and inst.accum == "promoted"

@@ -53,6 +53,23 @@ def test_forced_splits_and_bias(split_k, fast):
     assert err <= (4e-3 if fast else 2e-3), f"split_k={split_k}: relative error {err:.3e}"
 
 
+@pytest.mark.parametrize("m", [5, 100])
+@pytest.mark.parametrize("recipe", ["tensor", "1x128_128x128"])
+@pytest.mark.parametrize("fa,fb,out_dtype,bias_dtype", [
+    ("e5m2", "e4m3", torch.float16, torch.float16), ("e4m3", "e5m2", torch.float32, torch.float32),
+    ("e5m2", "e5m2", torch.bfloat16, torch.float32), ("e4m3", "e4m3", torch.float32, None)])
+def test_swapped_decode_kernels_dtypes_and_bias(recipe, m, fa, fb, out_dtype, bias_dtype):
+    """The swapped kernels write D^T through a column-major TMA store and add the bias along their rows."""
+    n, k = 1040, 7056
+    torch.manual_seed(m + n)
+    args, plain = _call_args(m, n, k, recipe, fa, fb)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda", dtype=bias_dtype)
+    out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+    cutedsl_gemm.scaled_mm(*args, bias=bias, out=out, out_dtype=out_dtype)
+    err = R.rel_error(out, R.reference_gemm(*plain, recipe, bias=bias))
+    assert err <= 2e-3, f"relative error {err:.3e}"
+
+
 def test_forced_schedules():
     m, n, k = 256, 2048, 4096
     args, plain = _call_args(m, n, k, "1x128_128x128")
@@ -70,7 +87,7 @@ def test_forced_schedules():
 
 @pytest.mark.parametrize("recipe", ["row", "1x128_128x128"])
 def test_split_k_is_bitwise_deterministic(recipe):
-    m, n, k = 17, 8192, 8192
+    m, n, k = 17, 2048, 8192  # 16 output tiles: the heuristic splits K
     args, _ = _call_args(m, n, k, recipe)
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m)
     assert dispatch.choose_splits(inst, m, n, k, torch.cuda.get_device_properties(0).multi_processor_count) > 1
@@ -81,9 +98,10 @@ def test_split_k_is_bitwise_deterministic(recipe):
             assert torch.equal(first.view(torch.int16), again.view(torch.int16)), f"split_k={split_k}"
 
 
+@pytest.mark.parametrize("n", [2048, 8192])  # with and without split-K
 @pytest.mark.parametrize("recipe", ["row", "1x128_128x128"])
-def test_cuda_graph_capture_and_replay_with_new_inputs(recipe):
-    m, n, k = 16, 8192, 8192
+def test_cuda_graph_capture_and_replay_with_new_inputs(recipe, n):
+    m, k = 16, 8192
     args, _ = _call_args(m, n, k, recipe)
     static = [t.clone() for t in args]  # preserve_format keeps the (transposed) strides
     assert all(s.stride() == t.stride() for s, t in zip(static, args))

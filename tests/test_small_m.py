@@ -19,14 +19,29 @@ def test_small_m_schedule_up_to_128_rows():
         assert _inst(128, recipe).schedule == "small_m"
         assert _inst(129, recipe).schedule == "cooperative"
     assert _inst(128, accum="fast").schedule == "small_m"
-    # A forced schedule serves any M.
+    # A forced schedule serves any M (with its widest tile where M is past its ranges).
     assert _inst(4096, schedule="small_m").schedule == "small_m"
+    assert _inst(4096, schedule="small_m").tile_n == 64
     assert _inst(1, schedule="cooperative").schedule == "cooperative"
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "row", "1x128_128x128", "128x128_128x128", "1x128_1x128"])
+def test_decode_kernels_are_swapped_and_as_narrow_as_m(recipe):
+    """W rows on WGMMA's M side, the activations on its N side: 16 wide to M=16, 32 to 32, 64 to 128."""
+    for m, tile_n in ((1, 16), (16, 16), (17, 32), (32, 32), (33, 64), (128, 64)):
+        inst = _inst(m, recipe)
+        assert inst.swap_ab and (inst.tile_m, inst.tile_n) == (128, tile_n), inst.name
+        assert inst.output_tiles(m, 8192) == 64 * -(-m // tile_n)
+    # 256-deep stages only where neither promotion nor block scales work per 128-deep K tile
+    assert _inst(128, recipe).tile_k == 128
+    if "x128" not in recipe:
+        assert _inst(128, recipe, accum="fast").tile_k == 256
 
 
 @pytest.mark.parametrize(
     "m,n,k,want",
-    [(1, 8192, 8192, 2), (128, 8192, 8192, 2), (16, 10240, 8192, 1), (64, 8192, 28672, 2), (1, 57344, 8192, 1),
+    [(1, 8192, 8192, 1), (128, 8192, 8192, 1), (16, 10240, 8192, 1), (64, 8192, 28672, 1), (1, 57344, 8192, 1),
+     (1, 4096, 8192, 2), (1, 576, 7168, 12),  # swapped decode kernels: split below half a wave of tiles
      (1024, 1536, 7168, 2),  # cooperative 128x192 tiles: 64 tiles on 132 SMs
      (1024, 576, 7168, 5),
      (6144, 7168, 2048, 1)],  # plenty of tiles: no split
@@ -58,10 +73,12 @@ def test_split_k_instances():
 
 @pytest.mark.compile
 def test_split_k_reduction_in_the_ptx():
-    rep = inspect_instance(_inst(16))
+    rep = inspect_instance(_inst(16, schedule="small_m"))
     # one acq_rel counter increment per tile, partials read back at L2, a device-scope fence
     assert re.search(r"atom\.global(\.gpu)?\.acq_rel(\.gpu)?\.add\.u32", rep.ptx)
     assert re.search(r"ld\.global\.cg\.(f32|b32)", rep.ptx)
     assert re.search(r"fence\.acq_rel\.gpu", rep.ptx)
-    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
+    # swapped: the 16 activation rows are WGMMA's N
+    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3")
+    assert not rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32")
     assert rep.frame_bytes == 0

@@ -70,11 +70,12 @@ def stage_scales(
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
     if cutlass.const_expr(granularity == "group"):
         rows = scales.shape[0]
-        for j in cutlass.range_constexpr(tile_extent // PRODUCER_LANES):
+        for j in cutlass.range_constexpr(-(-tile_extent // PRODUCER_LANES)):
             r = lane + j * PRODUCER_LANES
             row = tile * tile_extent + r
             # Rows past the edge are never stored (the TMA store clips them): leave their slots stale.
-            if row < rows:
+            # (A 16-wide tile uses 16 of the 32 lanes.)
+            if row < rows and r < tile_extent:
                 _copy_one(atom, scales, (row, kt), slots, (r, stage))
     else:
         first = tile * tile_extent // SCALE_BLOCK

@@ -1,6 +1,10 @@
 """Hopper (sm_90a) persistent warp-specialized FP8 GEMM with epilogue scaling.
 
 D (M, N) = scale(A (M, K) @ W (N, K)^T) [+ bias (N,)], A and W K-major E4M3/E5M2, fp32 accumulation.
+
+With ``swap_ab`` the kernel computes D^T = W @ A^T instead (same arguments, swapped at trace time): the
+weight rows fill WGMMA's 64-row M side and the few activation rows (decode: M <= 128) its N side, which
+can be as narrow as 16, instead of zero-filling 128-row A tiles.
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ class Sm90GemmConfig:
     # Split-K (for problems with fewer output tiles than SMs, e.g. decode): the number of K splits is a
     # run-time argument; the splits' partial sums are reduced deterministically (kernels/sm90/split_k.py).
     split_k: bool = False
+    # Decode schedule: compute D^T = W @ A^T, so tile_m runs over N and tile_n over M (see module docstring).
+    swap_ab: bool = False
+    # K depth of one pipeline stage. 256 (fast accumulation only) halves the TMA requests per byte; promoted
+    # accumulation and block scales work per 128-deep K tile.
+    tile_k: int = 128
 
     @property
     def cluster_shape_mn(self):
@@ -83,6 +92,9 @@ class Sm90Fp8Gemm:
     scales in fp32 (per-tensor: one scalar product; row-wise: per-row A scale x per-column W scale), adds
     the bias, converts, stages the tile in shared memory and writes it with TMA stores (which clip at the
     M/N edges, so partial tiles need no predication).
+
+    ``swap_ab`` (the decode schedule) runs the same roles on D^T = W @ A^T: the tile's rows are W rows, its
+    16..64 columns activation rows, the output a column-major view of D; scales and bias follow.
     """
 
     num_threads_per_warp_group = 128
@@ -98,18 +110,21 @@ class Sm90Fp8Gemm:
     def __init__(self, cfg: Sm90GemmConfig):
         self.check_config(cfg)
         self.cfg = cfg
-        self.a_dtype = cutlass_dtype(cfg.a_dtype)
-        self.b_dtype = cutlass_dtype(cfg.b_dtype)
+        # The kernel's A and B operands (W and the activations when swapped).
+        a, b = (cfg.b_dtype, cfg.a_dtype) if cfg.swap_ab else (cfg.a_dtype, cfg.b_dtype)
+        self.a_dtype, self.b_dtype = cutlass_dtype(a), cutlass_dtype(b)
         self.d_dtype = cutlass_dtype(cfg.out_dtype)
         self.bias_dtype = cutlass_dtype(cfg.bias_dtype) if cfg.bias_dtype else None
         self.acc_dtype = Float32
-        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, 128)
+        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.num_mma_warp_groups = 2
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.num_threads_per_warp_group
         self.num_mma_threads = self.num_mma_warp_groups * self.num_threads_per_warp_group
-        self.epi_tile = (128, 32)
+        self.epi_tile = (128, self.epi_n(cfg))
         self.block_scaled = is_block_scaled(cfg.recipe)
-        self.scale_gran = BLOCK_RECIPES.get(cfg.recipe)  # (A, W) granularity, or None
+        # (kernel A, kernel B) scale granularity, or None; swapped operands swap their scales too.
+        gran = BLOCK_RECIPES.get(cfg.recipe)
+        self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages)
 
@@ -118,8 +133,15 @@ class Sm90Fp8Gemm:
         """Raise ValueError naming the broken rule (MMA shape, cluster, shared-memory budget)."""
         if cfg.tile_m != 128:
             raise ValueError(f"the cooperative schedule splits tile_m=128 over two warp groups, got tile_m={cfg.tile_m}")
-        if cfg.tile_n % 64 or not 64 <= cfg.tile_n <= 256:
-            raise ValueError(f"WGMMA N per warp group must be a multiple of 64 up to 256, got tile_n={cfg.tile_n}")
+        if cfg.tile_n % 16 or not 16 <= cfg.tile_n <= 256:
+            raise ValueError(f"WGMMA N per warp group must be a multiple of 16 in 16..256, got tile_n={cfg.tile_n}")
+        if cfg.tile_k not in (128, 256):
+            raise ValueError(f"tile_k must be 128 or 256, got {cfg.tile_k}")
+        if cfg.tile_k != 128 and is_block_scaled(cfg.recipe):
+            raise ValueError(f"block-scaled recipe {cfg.recipe!r} scales each 128-deep K block: it needs tile_k=128, got {cfg.tile_k}")
+        if cfg.tile_k != 128 and cfg.accum == "promoted":
+            raise ValueError(f"promoted accumulation adds each 128-deep K tile into fp32 (torch's use_fast_accum=False): "
+                             f"it needs tile_k=128, got {cfg.tile_k}")
         if cfg.accum not in ("fast", "promoted"):
             raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
         if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
@@ -150,12 +172,16 @@ class Sm90Fp8Gemm:
     def stage_bytes(cfg: Sm90GemmConfig) -> int:
         # One byte per FP8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).
         scales = scale_smem_bytes_per_stage(cfg.tile_m, cfg.tile_n) if is_block_scaled(cfg.recipe) else 0
-        return (cfg.tile_m + cfg.tile_n) * 128 + scales
+        return (cfg.tile_m + cfg.tile_n) * cfg.tile_k + scales
+
+    @staticmethod
+    def epi_n(cfg: Sm90GemmConfig) -> int:
+        return min(32, cfg.tile_n)
 
     @classmethod
     def epilogue_bytes(cls, cfg: Sm90GemmConfig) -> int:
         width = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.out_dtype]
-        return 128 * 32 * width * cls.epi_stages
+        return 128 * cls.epi_n(cfg) * width * cls.epi_stages
 
     reserved_bytes = 2048  # mbarriers and 1 KiB alignment of the buffers
 
@@ -184,7 +210,7 @@ class Sm90Fp8Gemm:
         max_clusters: Int32,
         stream,
     ):
-        mB = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))  # -> (N, K)
+        mA, mB, mD, mSA, mSB = self._kernel_operands(mA, mB, mD, mSA, mSB)
         self.a_layout = utils.LayoutEnum.from_tensor(mA)
         self.b_layout = utils.LayoutEnum.from_tensor(mB)
         self.d_layout = utils.LayoutEnum.from_tensor(mD)
@@ -253,6 +279,21 @@ class Sm90Fp8Gemm:
             min_blocks_per_mp=1,
             stream=stream,
         )
+
+    def _kernel_operands(self, mA, mB, mD, mSA, mSB):
+        """The user's operands as the kernel's (rows, K) K-major A and B, output and scales.
+
+        Plain: A, W = b^T, D. Swapped: A' = W, B' = A and D' = D^T (column-major); the scales follow their
+        operands (row-wise ones transposed so the kernel's "per row" / "per column" still holds).
+        """
+        mW = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 0]))  # (K, N) -> (N, K)
+        if cutlass.const_expr(not self.cfg.swap_ab):
+            return mA, mW, mD, mSA, mSB
+        mDt = cute.make_tensor(mD.iterator, cute.select(mD.layout, mode=[1, 0]))
+        if cutlass.const_expr(self.cfg.recipe == "row"):
+            transpose = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+            return mW, mA, mDt, transpose(mSB), transpose(mSA)
+        return mW, mA, mDt, mSB, mSA
 
     def _make_tma_load(self, tensor, smem_layout_staged, tile, mcast):
         op = (
@@ -613,7 +654,11 @@ class Sm90Fp8Gemm:
         if cutlass.const_expr(self.bias_dtype is not None):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 m, n = tCcD[i]
-                acc[i] = acc[i] + Float32(mBias[cutlass.min(n, N - 1)])
+                # The bias runs along the user's N: the kernel's rows when swapped.
+                if cutlass.const_expr(self.cfg.swap_ab):
+                    acc[i] = acc[i] + Float32(mBias[cutlass.min(m, M - 1)])
+                else:
+                    acc[i] = acc[i] + Float32(mBias[cutlass.min(n, N - 1)])
 
     def _make_epilogue(self, tiled_mma, sD, mma_tidx):
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype)
