@@ -38,7 +38,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def bench(fn, warmup=25, rep=100):
-    """Median ms. triton's do_bench (flushes L2 between runs) where available, else CUDA events + flush."""
+    """Median ms: benchmarks.common.bench (L2 emptied by reads before each run) where available, else CUDA events + flush."""
     try:
         from benchmarks.common import bench as do_bench
 
