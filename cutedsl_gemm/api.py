@@ -212,7 +212,8 @@ def scaled_mm(
     accum = "fast" if use_fast_accum and recipe in ("tensor", "row") else "promoted"
     if schedule is not None and schedule not in ("cooperative", "small_m"):
         raise ValueError(f"schedule must be None, 'cooperative' or 'small_m', got {schedule!r}")
-    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum, schedule)
+    inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum, schedule,
+                                n=n, sms=_device_info(device.index)[1])
     hit = _LAUNCH_CACHE.get(inst)
     if hit is None:
         hit = _LAUNCH_CACHE[inst] = (_compiled(inst), _max_active_clusters(device.index, inst.cluster_m * inst.cluster_n))

@@ -23,6 +23,17 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
     return tuple(rows)
 
 
+def wave_cost(inst: KernelInstance, m: int, n: int, sms: int) -> int:
+    """Relative time of an M x N problem on ``inst``'s tiles: waves of cluster tiles over the GPU's cluster
+    slots, times the tile's area. It captures wave quantisation, which decides between tile widths: at
+    M=6144, N=512 the 128x192 tiles make 72 cluster tiles, two waves on 66 slots (the second nearly empty),
+    where 128x128 tiles make 96 in two waves of two-thirds the work each."""
+    tiles_m, tiles_n = -(-m // inst.tile_m), -(-n // inst.tile_n)
+    ctiles = -(-tiles_m // inst.cluster_m) * -(-tiles_n // inst.cluster_n)
+    slots = max(1, sms // (inst.cluster_m * inst.cluster_n))
+    return -(-ctiles // slots) * inst.tile_m * inst.tile_n
+
+
 def select_gemm(
     arch: str,
     recipe: str,
@@ -33,16 +44,22 @@ def select_gemm(
     m: int,
     accum: str = "promoted",
     schedule: str = None,
+    n: int = 0,
+    sms: int = 0,
 ) -> KernelInstance:
-    """The instance for a GEMM call: the first manifest row whose M range holds ``m``.
+    """The instance for a GEMM call: of the manifest rows whose M range holds ``m``, the one of least
+    ``wave_cost`` for an N-wide output on ``sms`` SMs, the first in table order on ties (or when ``n`` or
+    ``sms`` is 0). The C registry's ``cutedsl_gemm_find`` applies the same rule.
 
     ``schedule`` forces a schedule (e.g. "small_m") whatever M is: its row for ``m`` if it has one, else
     its row for the largest M it covers (every instance computes any M; the ranges are for speed).
     """
     rows = _candidates(arch, "gemm", recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule)
-    for inst in rows:
-        if inst.m_min <= m <= inst.m_max:
-            return inst
+    holding = [i for i in rows if i.m_min <= m <= i.m_max]
+    if holding:
+        if n > 0 and sms > 0:
+            return min(holding, key=lambda i: wave_cost(i, m, n, sms))  # min keeps the first of equals
+        return holding[0]
     if schedule is not None and rows:
         return max(rows, key=lambda i: i.m_max)
     raise NoKernelError(

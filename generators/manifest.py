@@ -136,13 +136,22 @@ TABLE: Tuple[TileConfig, ...] = (
     # torch's use_fast_accum=False) keeps a K-tile fragment next to the accumulator, so its tiles are at
     # most 192 wide (128x192 ran 1247 TFLOPS at 8192^3 against 970 for 128x128: benchmarks/tune_tiles);
     # fast accumulation affords 128x256 tiles.
+    # (A 128x128 row next to it, chosen by dispatch.wave_cost, measured 6-8% faster at N = 512, 576 but up to
+    # 20% slower at 4096^3 and M = 1024, N = 7168: its promoted tiles run at ~0.78x the 128x192 rate, which
+    # the wave model does not know. Not in the table.)
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1, accum="promoted"),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
-    # promoted-accumulation kernels. 128x192 tiles work too (tests pass) but ran no faster at 8192^3 and
-    # slower at M=1024, N=1536 (benchmarks/tune_tiles, BENCHMARKS.md), so the table keeps 128x128.
+    # promoted-accumulation kernels. Two rows hold every M and compete by dispatch.wave_cost (N-aware):
+    # 128x192 wins on large outputs and loses where it would leave a wave nearly empty or SMs idle
+    # (M=1024, N=1536). Against 128x128 everywhere: DeepSeek 8192^3 1098 -> 1075 us, M=6144 N=1536
+    # 139 -> 128 us, N=4608 433 -> 407 us, M=1024 N=3072 18.2 -> 15.4 us; 1x128 x 1x128 8192^3 1410 -> 1234.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
+        cluster_m=2, cluster_n=1, accum="promoted",
+    ),
+    TileConfig(
+        "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 192,
         cluster_m=2, cluster_n=1, accum="promoted",
     ),
 )

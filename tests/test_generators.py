@@ -116,7 +116,7 @@ def _args_type(arg_fields):
 def _open(path, args_type):
     lib = ctypes.CDLL(str(path))
     lib.cutedsl_gemm_find.restype = ctypes.POINTER(Kernel)
-    lib.cutedsl_gemm_find.argtypes = [ctypes.c_char_p] * 8 + [ctypes.c_int64]
+    lib.cutedsl_gemm_find.argtypes = [ctypes.c_char_p] * 8 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     lib.cutedsl_gemm_find_by_name.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_kernel_at.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_launch.argtypes = [ctypes.POINTER(Kernel), ctypes.POINTER(args_type), ctypes.c_void_p]
@@ -168,12 +168,15 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     Args = _args_type(exported.arg_fields)
     lib = _open(exported_lib, Args)
     assert lib.cutedsl_gemm_kernel_count() == len(set([ROW_BF16, TENSOR_BIAS, SMALL]))
-    k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST)
+    k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST, 0, 0)
     assert k and k.contents.name.decode() == ROW_BF16 and k.contents.m_max == 1 << 31 and k.contents.cluster_m == 2
     assert k.contents.bias_dtype is None and k.contents.tile_n == _instance(ROW_BF16).tile_n
-    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST)
+    # with N and the SM count: the wave-cost rule, here among the one exported candidate
+    assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST,
+                                 512, 132).contents.name.decode() == ROW_BF16
+    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST, 0, 0)
     assert kb and kb.contents.name.decode() == TENSOR_BIAS
-    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1)
+    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1, 0, 0)
     assert b"no exported kernel for op=gemm arch=sm_90a recipe=row A=e5m2" in lib.cutedsl_gemm_last_error()
 
     def refused(args, kernel=k):
@@ -292,11 +295,11 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
     # bias (none) and max_clusters (0: the device's SM count) stay empty
     args = Args(a=view(qa), b=view(b), d=view(out), scale_a=view(scale_a), scale_b=view(scale_b))
     if which == "split_k":
-        tiles = -(-m // inst.tile_m) * -(-n // inst.tile_n)
+        tiles = inst.output_tiles(m, n)
         workspace = torch.empty(tiles * splits * inst.tile_m * inst.tile_n, dtype=torch.float32, device="cuda")
         counters = torch.zeros(tiles, dtype=torch.int32, device="cuda")
         args.workspace, args.counters, args.splits = view(workspace), view(counters), splits
-    kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m)
+    kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, 0)
     assert kern and kern.contents.name.decode() == name, lib.cutedsl_gemm_last_error()
     rc = lib.cutedsl_gemm_launch(kern, ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     assert rc == 0, lib.cutedsl_gemm_last_error()

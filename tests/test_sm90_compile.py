@@ -74,6 +74,19 @@ def test_manifest_rejects_bad_decode_tiles_with_reason():
         manifest.expand([deep_block])
 
 
+@pytest.mark.parametrize("recipe", ["1x128_128x128", "128x128_128x128", "1x128_1x128"])
+def test_dispatch_picks_the_tile_width_by_wave_cost(recipe):
+    """N = 512 at M = 6144: 128x192 tiles leave the second wave nearly empty, 128x128 ones do not."""
+    pick = lambda m, n: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
+    assert pick(6144, 512).tile_n == 128 and pick(6144, 576).tile_n == 128
+    assert pick(8192, 8192).tile_n == 192 and pick(6144, 4608).tile_n == 192
+    i128, i192 = pick(6144, 512), pick(8192, 8192)
+    assert dispatch.wave_cost(i128, 6144, 512, 132) < dispatch.wave_cost(i192, 6144, 512, 132)
+    # without N the table's first row, as before
+    first = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 6144)
+    assert first.tile_n == 128
+
+
 def test_dispatch_reads_the_manifest():
     inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 1000)
     assert inst in manifest.INSTANCES and inst.accum == "promoted"
