@@ -36,8 +36,8 @@ def breakdown(m, n, k, calls):
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)
     sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
-    fn, clusters, recipe, kb, dummy, _, splits, need = api._SIGNATURES[sig]
-    ws = api._workspace(0).get(*need)
+    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = api._SIGNATURES[sig]
+    ws = api._workspace(0).get(*need) if splits > 1 else idle
     rows = {
         "compiled call only": lambda: fn(qa, b, out, sa, sb, dummy, *ws, splits, clusters),
         "signature": lambda: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None),

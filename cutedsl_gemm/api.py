@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -64,6 +64,13 @@ def _workspace(index: int) -> _SplitKWorkspace:
     return _SplitKWorkspace(torch.device("cuda", index))
 
 
+@functools.lru_cache(maxsize=None)
+def _idle_workspace(index: int):
+    # Stands in for the split-K buffers of unsplit launches (the kernel reads them only when splits > 1).
+    dev = torch.device("cuda", index)
+    return torch.empty(1, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+
+
 # manifest instance -> (compiled function, clusters to launch on this GPU)
 _LAUNCH_CACHE: dict = {}
 
@@ -86,10 +93,26 @@ def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, sca
     )
 
 
-def _launch(plan, a, b, out, sa, sb, bias, device_index: int) -> torch.Tensor:
-    """Run a validated call: ``plan`` is what ``_SIGNATURES`` holds, ``sa``/``sb`` the kernel's scale views."""
-    fn, max_clusters, _, _, dummy_bias, _, splits, ws_need = plan
-    partials, counters = _workspace(device_index).get(*ws_need)
+class _Plan(NamedTuple):
+    """What a validated call signature launches with (``_SIGNATURES``' values)."""
+
+    fn: object  # the compiled kernel
+    max_clusters: int
+    recipe: str
+    kb: int  # K blocks of 128 (block-scaled recipes' scale views)
+    dummy_bias: torch.Tensor
+    out_shape: tuple
+    splits: int
+    ws_need: tuple  # (fp32 partials, counters) the split-K workspace must hold
+    device_index: int
+    idle_ws: tuple  # stand-ins for the split-K buffers when splits == 1 (never read)
+
+
+def _launch(plan: _Plan, a, b, out, sa, sb, bias) -> torch.Tensor:
+    """Run a validated call, ``sa``/``sb`` being the kernel's scale views."""
+    fn, max_clusters, _, _, dummy_bias, _, splits, ws_need, device_index, idle_ws = plan
+    # The split-K buffers grow on demand (a later call may have replaced them): fetch them per call.
+    partials, counters = _workspace(device_index).get(*ws_need) if splits > 1 else idle_ws
     fn(a, b, out, sa, sb, bias if bias is not None else dummy_bias, partials, counters, splits, max_clusters)
     return out
 
@@ -152,11 +175,11 @@ def scaled_mm(
         except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
             sig = hit = None
         if hit is not None:
-            _, _, recipe, kb, _, out_shape, _, _ = hit
+            _, _, recipe, kb, _, out_shape, _, _, _, _ = hit
             if out is None:
                 out = torch.empty(out_shape, dtype=out_dtype, device=a.device)
             sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
-            return _launch(hit, a, b, out, sa, sb, bias, a.get_device())
+            return _launch(hit, a, b, out, sa, sb, bias)
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
     arch, _ = _device_info(device.index)
     if arch.startswith("sm_100"):
@@ -230,9 +253,10 @@ def scaled_mm(
         splits = dispatch.choose_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
     tiles = inst.output_tiles(m, n)
     ws_need = (tiles * splits * inst.tile_m * inst.tile_n if splits > 1 else 1, tiles if splits > 1 else 1)
-    plan = (fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need)
+    plan = _Plan(fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need, device.index,
+                 _idle_workspace(device.index))
     if sig is not None:
         if len(_SIGNATURES) >= 4096:  # many distinct shapes (e.g. every batch size): start over
             _SIGNATURES.clear()
         _SIGNATURES[sig] = plan
-    return _launch(plan, a, b, out, sa, sb, bias, device.index)
+    return _launch(plan, a, b, out, sa, sb, bias)
