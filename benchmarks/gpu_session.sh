@@ -38,7 +38,9 @@ decode_bench)
   # out: fast accumulation and the block-scaled recipes.
   python3 -m benchmarks.bench_gemm --sets llama70b_decode,llama70b_layers --recipes tensor,row --fast-accum --out "$out/decode_fast.json" > "$out/decode_fast.txt" 2>&1
   python3 -m benchmarks.bench_gemm --sets llama70b_decode,llama70b_layers --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/decode_block.json" > "$out/decode_block.txt" 2>&1
+  python3 -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor > "$out/decode_chain.txt" 2>&1
   for f in decode_fast decode_block; do grep -A 12 "^geomeans" "$out/$f.txt"; done
+  grep -v Warn "$out/decode_chain.txt"
   ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1

@@ -83,6 +83,9 @@ class KernelInstance:
             split_k=self.can_split_k,
             swap_ab=self.swap_ab,
             tile_k=self.tile_k,
+            # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and
+            # set-up overlap the previous kernel's tail (programmatic dependent launch).
+            pdl=self.swap_ab,
         )
 
 

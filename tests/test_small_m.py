@@ -82,3 +82,6 @@ def test_split_k_reduction_in_the_ptx():
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3")
     assert not rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32")
     assert rep.frame_bytes == 0
+    # decode kernels use programmatic dependent launch; the producer waits before its first load
+    assert "griddepcontrol.wait" in rep.ptx and "griddepcontrol.launch_dependents" in rep.ptx
+    assert _inst(16, schedule="small_m").sm90_config().pdl and not _inst(4096).sm90_config().pdl
