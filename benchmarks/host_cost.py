@@ -48,6 +48,25 @@ def breakdown(m, n, k, calls):
     for name, fn_ in rows.items():
         print(f"  {name:20s} {per_call_us(fn_, calls):6.2f} us")
 
+    # Per-tensor: the kernel takes (1,) scale views of torch's 0-dim scales. Does handing TVM-FFI a view
+    # made in the call cost more than one kept from an earlier call?
+    qa, qw, sa, sb, _ = make_operands(m, n, k, "tensor")
+    b = qw.t()
+    cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)
+    sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
+    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = api._SIGNATURES[sig]
+    sa1, sb1 = scale_layouts.kernel_views(recipe, kb, sa, sb)
+    rows = {
+        "compiled call, kept (1,) views": lambda: fn(qa, b, out, sa1, sb1, dummy, *idle, splits, clusters),
+        "compiled call, views made per call": lambda: fn(qa, b, out, sa[None], sb[None], dummy, *idle, splits, clusters),
+        "signature": lambda: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None),
+        "scale views": lambda: scale_layouts.kernel_views(recipe, kb, sa, sb),
+        "scaled_mm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out),
+    }
+    print("breakdown (per-tensor recipe, out given):")
+    for name, fn_ in rows.items():
+        print(f"  {name:36s} {per_call_us(fn_, calls):6.2f} us")
+
 
 def main(argv=None):
     p = argparse.ArgumentParser()

@@ -24,6 +24,7 @@ run-time strides, so no layout is copied.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -140,16 +141,34 @@ def resolve(
     return (recipe,) + kernel_views(recipe, kb, scale_a, scale_b)
 
 
+# Per-tensor scales: the kernel takes a (1,) tensor, torch's convention is a 0-dim one. Making the view costs
+# ~1.5-2.5 us per scale per call on the H100 host (most of the per-tensor recipe's extra host cost), so views
+# are kept per scale tensor: keyed by id, checked by a weak reference to the very tensor and by its data
+# pointer (a set_() on it makes a new view), and only for scales with a storage of their own size (a view
+# kept here holds its storage alive, so never one into a large buffer). Bounded; cleared when full.
+_SCALAR_VIEWS: dict = {}
+_SCALAR_VIEWS_MAX = 256
+
+
 def _one(s: torch.Tensor) -> torch.Tensor:
     d = s.dim()
-    return s if d == 1 else s[None] if d == 0 else s.reshape(1)
+    if d == 1:
+        return s
+    hit = _SCALAR_VIEWS.get(id(s))
+    if hit is not None and hit[0]() is s and hit[1].data_ptr() == s.data_ptr():
+        return hit[1]
+    v = s.reshape(1)
+    if s.untyped_storage().nbytes() <= 16:
+        if len(_SCALAR_VIEWS) >= _SCALAR_VIEWS_MAX:
+            _SCALAR_VIEWS.clear()
+        _SCALAR_VIEWS[id(s)] = (weakref.ref(s), v)
+    return v
 
 
 def kernel_views(recipe: str, kb: int, scale_a: torch.Tensor, scale_b: torch.Tensor):
     """The views the Hopper kernels take: (1,) x (1,) per tensor, (M, 1) x (1, N) per row, and
     (rows or row blocks, Kb) for both operands when block-scaled (padding columns dropped)."""
     if recipe == "tensor":
-        # x[None] is the cheapest (1,) view of torch's usual 0-dim scale (~1 us less than reshape per call)
         return _one(scale_a), _one(scale_b)
     if recipe == "row":
         return scale_a, scale_b

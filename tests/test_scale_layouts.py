@@ -73,3 +73,24 @@ def test_explicit_recipes_and_errors():
         resolve(torch.rand(m, 4), torch.rand(4, 2), m, n, k, "1x64", "128x128")
     with pytest.raises(ValueError, match=r"1x128 x 128x128: \(256, 4\) x \(4, 2\)"):
         resolve(torch.rand(m, 3), torch.rand(4, 2), m, n, k)
+
+
+def test_per_tensor_scale_views_are_kept_and_refreshed():
+    """kernel_views keeps the (1,) view of a 0-dim scale per tensor, never stale, never for big storages."""
+    from cutedsl_gemm import scale_layouts as L
+
+    s, t = torch.tensor(2.0), torch.tensor(3.0)
+    va, vb = L.kernel_views("tensor", 1, s, t)
+    assert va.shape == (1,) and float(va) == 2.0 and float(vb) == 3.0
+    assert L.kernel_views("tensor", 1, s, t)[0] is va  # kept
+    s.fill_(5.0)
+    assert float(L.kernel_views("tensor", 1, s, t)[0]) == 5.0  # same storage: sees in-place updates
+    s.set_(torch.tensor(7.0).untyped_storage())  # new storage: a new view
+    v2 = L.kernel_views("tensor", 1, s, t)[0]
+    assert v2 is not va and float(v2) == 7.0
+    big = torch.arange(1000, dtype=torch.float32)
+    elem = big[3]  # a 0-dim view into a big buffer: not kept (the view would pin the buffer)
+    assert float(L.kernel_views("tensor", 1, elem, t)[0]) == 3.0
+    assert id(elem) not in L._SCALAR_VIEWS
+    one = torch.ones(1)
+    assert L.kernel_views("tensor", 1, one, t)[0] is one  # already (1,)
