@@ -66,9 +66,7 @@ def main(argv=None):
                 fn = api._compiled(plain)
                 clusters = api._max_active_clusters(0, 1)
                 splits = dispatch.choose_splits(plain, m, n, k, clusters)
-                tiles = plain.output_tiles(m, n)
-                ws = api._workspace(0).get(tiles * splits * plain.tile_m * plain.tile_n, tiles) if splits > 1 \
-                    else api._idle_workspace(0)
+                ws = api._split_buffers(plain, m, n, splits, 0)
                 views = [api.scale_layouts.resolve(sa, sb, m, n, k)[1:] for (_, _, sa, sb, _) in layers]
 
                 def ours_nopdl():

@@ -26,46 +26,54 @@ def per_call_us(fn, calls):
     return (t1 - t0) / calls * 1e6
 
 
+def _repeated_call(m, n, k, recipe, out):
+    """Operands of one recipe and the plan scaled_mm recorded for their call signature."""
+    from cutedsl_gemm import api
+
+    qa, qw, sa, sb, _ = make_operands(m, n, k, recipe)
+    b = qw.t()
+    cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)  # validates, compiles, records the plan
+    sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
+    return (qa, b, sa, sb), api._SIGNATURES[sig]
+
+
+def _print_rows(title, rows, calls):
+    print(title)
+    width = max(map(len, rows))
+    for name, fn in rows.items():
+        print(f"  {name:{width}s} {per_call_us(fn, calls):6.2f} us")
+
+
 def breakdown(m, n, k, calls):
     """Where the time of one call goes: the bare compiled call (TVM-FFI, prebuilt arguments), the call
     signature, the scale views, and the whole scaled_mm."""
     from cutedsl_gemm import api, scale_layouts
 
-    qa, qw, sa, sb, _ = make_operands(m, n, k, "row")
-    b = qw.t()
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)
-    sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
-    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = api._SIGNATURES[sig]
+    sig_of = lambda qa, b, sa, sb: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
+
+    (qa, b, sa, sb), plan = _repeated_call(m, n, k, "row", out)
+    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = plan
     ws = api._workspace(0).get(*need) if splits > 1 else idle
-    rows = {
+    _print_rows("breakdown (row recipe, out given):", {
         "compiled call only": lambda: fn(qa, b, out, sa, sb, dummy, *ws, splits, clusters),
-        "signature": lambda: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None),
+        "signature": lambda: sig_of(qa, b, sa, sb),
         "scale views": lambda: scale_layouts.kernel_views(recipe, kb, sa, sb),
         "scaled_mm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out),
-    }
-    print("breakdown (row recipe, out given):")
-    for name, fn_ in rows.items():
-        print(f"  {name:20s} {per_call_us(fn_, calls):6.2f} us")
+    }, calls)
 
     # Per-tensor: the kernel takes (1,) scale views of torch's 0-dim scales. Does handing TVM-FFI a view
     # made in the call cost more than one kept from an earlier call?
-    qa, qw, sa, sb, _ = make_operands(m, n, k, "tensor")
-    b = qw.t()
-    cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)
-    sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
-    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = api._SIGNATURES[sig]
+    (qa, b, sa, sb), plan = _repeated_call(m, n, k, "tensor", out)
+    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = plan
     sa1, sb1 = scale_layouts.kernel_views(recipe, kb, sa, sb)
-    rows = {
+    _print_rows("breakdown (per-tensor recipe, out given):", {
         "compiled call, kept (1,) views": lambda: fn(qa, b, out, sa1, sb1, dummy, *idle, splits, clusters),
         "compiled call, views made per call": lambda: fn(qa, b, out, sa[None], sb[None], dummy, *idle, splits, clusters),
-        "signature": lambda: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None),
+        "signature": lambda: sig_of(qa, b, sa, sb),
         "scale views": lambda: scale_layouts.kernel_views(recipe, kb, sa, sb),
         "scaled_mm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out),
-    }
-    print("breakdown (per-tensor recipe, out given):")
-    for name, fn_ in rows.items():
-        print(f"  {name:36s} {per_call_us(fn_, calls):6.2f} us")
+    }, calls)
 
 
 def main(argv=None):

@@ -95,8 +95,7 @@ def main(argv=None):
                         splits = dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
                     else:
                         splits = dispatch.normalize_splits(want, inst.k_tiles(k))
-                    tiles = inst.output_tiles(m, n)
-                    ws = api._workspace(0).get(tiles * splits * inst.tile_m * inst.tile_n, tiles)
+                    ws = api._split_buffers(inst, m, n, splits, 0)
                     call = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)
                     call()
                     err = R.rel_error(out, ref)

@@ -64,6 +64,23 @@ def _workspace(index: int) -> _SplitKWorkspace:
     return _SplitKWorkspace(torch.device("cuda", index))
 
 
+def _workspace_need(inst, m: int, n: int, splits: int):
+    """(fp32 partials, int32 counters) a launch with ``splits`` K splits needs: one partial tile per output
+    tile and split, one counter per output tile; (1, 1) when K is not split."""
+    if splits <= 1:
+        return 1, 1
+    tiles = inst.output_tiles(m, n)
+    return tiles * splits * inst.tile_m * inst.tile_n, tiles
+
+
+def _split_buffers(inst, m: int, n: int, splits: int, index: int):
+    """The split-K buffers to pass a kernel of ``inst`` launched directly (benchmarks): the device's
+    workspace, grown to fit, or the stand-ins when K is not split."""
+    if splits <= 1:
+        return _idle_workspace(index)
+    return _workspace(index).get(*_workspace_need(inst, m, n, splits))
+
+
 @functools.lru_cache(maxsize=None)
 def _idle_workspace(index: int):
     # Stands in for the split-K buffers of unsplit launches (the kernel reads them only when splits > 1).
@@ -251,8 +268,7 @@ def scaled_mm(
     else:
         # A wave is as many CTAs as can be resident at once.
         splits = dispatch.choose_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
-    tiles = inst.output_tiles(m, n)
-    ws_need = (tiles * splits * inst.tile_m * inst.tile_n if splits > 1 else 1, tiles if splits > 1 else 1)
+    ws_need = _workspace_need(inst, m, n, splits)
     plan = _Plan(fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need, device.index,
                  _idle_workspace(device.index))
     if sig is not None:
