@@ -33,7 +33,7 @@ def _repeated_call(m, n, k, recipe, out):
     qa, qw, sa, sb, _ = make_operands(m, n, k, recipe)
     b = qw.t()
     cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)  # validates, compiles, records the plan
-    sig = api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
+    sig = api._signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None, None)
     return (qa, b, sa, sb), api._SIGNATURES[sig]
 
 
@@ -50,7 +50,7 @@ def breakdown(m, n, k, calls):
     from cutedsl_gemm import api, scale_layouts
 
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    sig_of = lambda qa, b, sa, sb: api._signature(qa, b, sa, sb, None, out, torch.bfloat16, False, None, None, None, None)
+    sig_of = lambda qa, b, sa, sb: api._signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None, None)
 
     (qa, b, sa, sb), plan = _repeated_call(m, n, k, "row", out)
     fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = plan

@@ -91,21 +91,20 @@ def _idle_workspace(index: int):
 # manifest instance -> (compiled function, clusters to launch on this GPU)
 _LAUNCH_CACHE: dict = {}
 
-# Call signature -> everything the launch needs. A signature holds every property the full validation
-# looked at (types, devices, shapes, strides, 16-byte alignment of the TMA operands, arguments), so a
-# repeated signature skips straight to the launch: the Python cost per call is building and hashing it.
+# Call signature -> everything the launch needs. The signature holds what *chooses* the plan: problem
+# shape, operand dtypes, device, scale shapes and strides (they pick the recipe and its views) and the
+# arguments. What the compiled function checks itself before every launch (TVM-FFI: dtype, rank, every
+# extent against the M, N, K it bound, strides, 16-byte base alignment, one device) is not hashed again:
+# a repeated signature whose tensors that check refuses (a misaligned or transposed view, a wrong out=) is
+# re-run through the full validation, which names what was expected.
 _SIGNATURES: dict = {}
 
 
-def _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b, schedule, split_k):
+def _signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b, schedule, split_k):
     return (
-        a.shape, a.stride(), a.dtype, a.get_device(),
-        b.shape, b.stride(), b.dtype, b.get_device(),
-        (a.data_ptr() | b.data_ptr()) & (V.TMA_ALIGN - 1),
-        scale_a.shape, scale_a.stride(), scale_a.dtype, scale_a.get_device(),
-        scale_b.shape, scale_b.stride(), scale_b.dtype, scale_b.get_device(),
-        None if bias is None else (bias.shape, bias.stride(), bias.dtype, bias.get_device()),
-        None if out is None else (out.shape, out.stride(), out.dtype, out.get_device(), out.data_ptr() & (V.TMA_ALIGN - 1)),
+        a.shape, b.shape, a.dtype, b.dtype, a.get_device(),
+        scale_a.shape, scale_a.stride(), scale_b.shape, scale_b.stride(),
+        None if bias is None else bias.dtype,
         out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b, schedule, split_k,
     )
 
@@ -185,7 +184,7 @@ def scaled_mm(
     if fmt_a is None and fmt_b is None and type(a) is torch.Tensor and type(b) is torch.Tensor \
             and type(scale_a) is torch.Tensor and type(scale_b) is torch.Tensor \
             and (bias is None or type(bias) is torch.Tensor) and (out is None or type(out) is torch.Tensor):
-        sig = _signature(a, b, scale_a, scale_b, bias, out, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b,
+        sig = _signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b,
                          schedule, split_k)
         try:
             hit = _SIGNATURES.get(sig)
@@ -193,10 +192,12 @@ def scaled_mm(
             sig = hit = None
         if hit is not None:
             _, _, recipe, kb, _, out_shape, _, _, _, _ = hit
-            if out is None:
-                out = torch.empty(out_shape, dtype=out_dtype, device=a.device)
+            dst = torch.empty(out_shape, dtype=out_dtype, device=a.device) if out is None else out
             sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
-            return _launch(hit, a, b, out, sa, sb, bias)
+            try:
+                return _launch(hit, a, b, dst, sa, sb, bias)
+            except (TypeError, ValueError):
+                pass  # refused before launch: the full validation below says why (or re-plans for it)
     device = V.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
     arch, _ = _device_info(device.index)
     if arch.startswith("sm_100"):

@@ -122,3 +122,19 @@ def test_repeated_signature_still_checks_alignment_and_computes_fresh_data():
     shifted = big[1 : 1 + m * k].view(m, k)  # same shape and strides, base 1 byte off
     with pytest.raises(ValueError, match="16-byte aligned base address"):
         cutedsl_gemm.scaled_mm(shifted, qw.t(), sa, sb, out=out)
+    # Same shapes and dtypes as the recorded signature, but a layout the kernel cannot take: the compiled
+    # function refuses it before launching and the full validation names the problem.
+    a_col_major = qa.t().contiguous().t()
+    with pytest.raises(ValueError, match="must be K-major"):
+        cutedsl_gemm.scaled_mm(a_col_major, qw.t(), sa, sb, out=out)
+    with pytest.raises(ValueError, match=r"out must be a \(64, 512\) torch.bfloat16 tensor"):
+        cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=out.float())
+    wide = torch.empty(m * n + 8, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="out must have a 16-byte aligned base address"):
+        cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=wide[1 : 1 + m * n].view(m, n))
+    with pytest.raises(TypeError, match="scale_a must be torch.float32"):
+        cutedsl_gemm.scaled_mm(qa, qw.t(), sa.double(), sb, out=out)
+    # ...and the fast path still works afterwards.
+    out.fill_(float("nan"))
+    cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=out)
+    assert R.rel_error(out, R.reference_gemm(*plain, "row")) <= 2e-3
