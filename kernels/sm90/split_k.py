@@ -6,8 +6,10 @@ tile's counter. The split that arrives last sums all partials *in split order* (
 depend on which split finished first), resets the counter for the next launch (CUDA-graph safe: nothing
 to re-zero on the host) and runs the epilogue; the others skip it.
 
-Workspace layout: ``[tile][split][fragment element][consumer thread]`` fp32, so that for one fragment
-element the 256 consumer threads touch 1 KiB of consecutive memory.
+Workspace layout: ``[tile][split][fragment element // 4][consumer thread][fragment element % 4]`` fp32:
+each thread moves its fragment four elements (16 bytes) per instruction, and one such instruction of the
+256 consumer threads covers 4 KiB of consecutive memory. (Scalar accesses made the last split's read-back
+the slowest part of a split tile: ~50 GB/s per SM.)
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+from cutlass._mlir import ir
 
 
 @cute.jit
@@ -23,6 +26,26 @@ def k_tile_range(k_tiles: Int32, splits: Int32, split: Int32):
     per = (k_tiles + splits - 1) // splits
     begin = split * per
     return begin, cutlass.min(per, k_tiles - begin)
+
+
+VEC = 4  # fp32 elements per workspace access (16 bytes)
+
+
+@cute.jit
+def _store_vec(acc: cute.Tensor, first: cutlass.Constexpr, ptr):
+    v = cute.make_rmem_tensor((VEC,), Float32)
+    for j in cutlass.range_constexpr(VEC):
+        v[j] = acc[first + j]
+    cute.arch.store(ptr, v.load().ir_value(), cop="cg")
+
+
+@cute.jit
+def _load_vec(ptr):
+    # .cg: read at L2, where the other SMs' partials are, never a stale L1 line.
+    raw = cute.arch.load(ptr, ir.VectorType.get([VEC], Float32.mlir_type), cop="cg")
+    v = cute.make_rmem_tensor((VEC,), Float32)
+    v.store(cute.TensorSSA(raw, (VEC,), Float32))
+    return v
 
 
 @cute.jit
@@ -41,10 +64,12 @@ def reduce_partials(
     """Leave the full sum of the tile's splits in ``acc`` of the last-arriving split; returns whether this
     CTA is that split (uniform across its consumer threads)."""
     n = cute.size(acc)
+    assert n % VEC == 0, "WGMMA fragments hold a multiple of 4 fp32 per thread"
     per_split = n * num_threads
-    mine = cutlass.Int64(tile * splits + split) * per_split + tid
-    for i in cutlass.range_constexpr(n):
-        workspace[mine + i * num_threads] = acc[i]
+    group = VEC * num_threads  # fp32 of one vector access by every consumer thread
+    mine = cutlass.Int64(tile * splits + split) * per_split + tid * VEC
+    for g in cutlass.range_constexpr(n // VEC):
+        _store_vec(acc, g * VEC, workspace.iterator + (mine + g * group))
     # Publish the partial before counting in (threadfence-reduction pattern).
     cute.arch.fence_acq_rel_gpu()
     barrier.arrive_and_wait()
@@ -54,14 +79,17 @@ def reduce_partials(
     last = flag[0] == splits - 1
     if last:
         cute.arch.fence_acq_rel_gpu()
-        first = cutlass.Int64(tile * splits) * per_split + tid
-        # .cg: read at L2, where the other SMs' partials are, never a stale L1 line.
-        for i in cutlass.range_constexpr(n):
-            acc[i] = cute.arch.load(workspace.iterator + (first + i * num_threads), Float32, cop="cg")
-        for j in cutlass.range(1, splits, unroll=1):
-            base = first + cutlass.Int64(j) * per_split
-            for i in cutlass.range_constexpr(n):
-                acc[i] = acc[i] + cute.arch.load(workspace.iterator + (base + i * num_threads), Float32, cop="cg")
+        first = cutlass.Int64(tile * splits) * per_split + tid * VEC
+        for g in cutlass.range_constexpr(n // VEC):
+            v = _load_vec(workspace.iterator + (first + g * group))
+            for j in cutlass.range_constexpr(VEC):
+                acc[g * VEC + j] = v[j]
+        for s in cutlass.range(1, splits, unroll=1):
+            base = first + cutlass.Int64(s) * per_split
+            for g in cutlass.range_constexpr(n // VEC):
+                v = _load_vec(workspace.iterator + (base + g * group))
+                for j in cutlass.range_constexpr(VEC):
+                    acc[g * VEC + j] = acc[g * VEC + j] + v[j]
         if tid == 0:
             counters[tile] = Int32(0)
     return last
