@@ -84,7 +84,7 @@ class Sm90Fp8Gemm:
     | warp group | role | registers |
     |---|---|---|
     | 0 (warp 0) | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec) |
-    | 1, 2 | MMA consumers: each owns 64 rows of the 128 x tile_n tile (cooperative), then the epilogue | 232 (setmaxnreg.inc) |
+    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc) |
 
     | pipeline | producer -> consumer | stages |
     |---|---|---|
@@ -99,6 +99,8 @@ class Sm90Fp8Gemm:
 
     ``swap_ab`` (the decode schedule) runs the same roles on D^T = W @ A^T: the tile's rows are W rows, its
     16..64 columns activation rows, the output a column-major view of D; scales and bias follow.
+    ``tile_m=64`` (one consumer warp group) halves the W rows per tile, so a decode GEMM has twice the tiles
+    to spread over the SMs without splitting K.
     """
 
     num_threads_per_warp_group = 128
@@ -109,7 +111,7 @@ class Sm90Fp8Gemm:
     # retires, and rely on the other warp group's MMAs to keep the tensor cores busy meanwhile.
     overlapped_promote_max_n = 128
     max_promoted_tile_n = 192
-    epi_stages = 2  # two 128x32 output buffers: enough to overlap one TMA store, leaves room for 4 A/W stages
+    epi_stages = 2  # two tile_m x 32 output buffers: enough to overlap one TMA store, leaves room for 4 A/W stages
 
     def __init__(self, cfg: Sm90GemmConfig):
         self.check_config(cfg)
@@ -121,10 +123,10 @@ class Sm90Fp8Gemm:
         self.bias_dtype = cutlass_dtype(cfg.bias_dtype) if cfg.bias_dtype else None
         self.acc_dtype = Float32
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
-        self.num_mma_warp_groups = 2
+        self.num_mma_warp_groups = cfg.tile_m // 64
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.num_threads_per_warp_group
         self.num_mma_threads = self.num_mma_warp_groups * self.num_threads_per_warp_group
-        self.epi_tile = (128, self.epi_n(cfg))
+        self.epi_tile = (cfg.tile_m, self.epi_n(cfg))
         self.block_scaled = is_block_scaled(cfg.recipe)
         # (kernel A, kernel B) scale granularity, or None; swapped operands swap their scales too.
         gran = BLOCK_RECIPES.get(cfg.recipe)
@@ -135,8 +137,11 @@ class Sm90Fp8Gemm:
     @classmethod
     def check_config(cls, cfg: Sm90GemmConfig) -> None:
         """Raise ValueError naming the broken rule (MMA shape, cluster, shared-memory budget)."""
-        if cfg.tile_m != 128:
-            raise ValueError(f"the cooperative schedule splits tile_m=128 over two warp groups, got tile_m={cfg.tile_m}")
+        if cfg.tile_m not in (64, 128):
+            raise ValueError(f"tile_m is 64 (one consumer warp group) or 128 (two, cooperative), got tile_m={cfg.tile_m}")
+        if cfg.tile_m == 64 and cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n:
+            raise ValueError(f"a 64-row tile has one consumer warp group, whose serial promotion nothing would "
+                             f"overlap: promoted tiles must be <= {cls.overlapped_promote_max_n} wide, got tile_n={cfg.tile_n}")
         if cfg.tile_n % 16 or not 16 <= cfg.tile_n <= 256:
             raise ValueError(f"WGMMA N per warp group must be a multiple of 16 in 16..256, got tile_n={cfg.tile_n}")
         if cfg.tile_k not in (128, 256):
@@ -185,7 +190,7 @@ class Sm90Fp8Gemm:
     @classmethod
     def epilogue_bytes(cls, cfg: Sm90GemmConfig) -> int:
         width = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.out_dtype]
-        return 128 * cls.epi_n(cfg) * width * cls.epi_stages
+        return cfg.tile_m * cls.epi_n(cfg) * width * cls.epi_stages
 
     reserved_bytes = 2048  # mbarriers and 1 KiB alignment of the buffers
 
@@ -228,7 +233,7 @@ class Sm90Fp8Gemm:
                 self.a_layout.sm90_mma_major_mode(),
                 self.b_layout.sm90_mma_major_mode(),
                 self.acc_dtype,
-                (2, 1, 1),
+                (bM // 64, 1, 1),
                 tiler_mn=(64, bN),
             )
 
@@ -687,7 +692,7 @@ class Sm90Fp8Gemm:
 
     @cute.jit
     def _store_tile(self, epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx):
-        """Registers -> shared memory (stmatrix) -> global memory (TMA store), one 128 x 32 slice at a time."""
+        """Registers -> shared memory (stmatrix) -> global memory (TMA store), one tile_m x 32 slice at a time."""
         tiled_copy_r2s, tRS_sD, rD_shape = epi
         tRS_rAcc = tiled_copy_r2s.retile(acc)
         tRS_rD = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, self.acc_dtype)
