@@ -25,12 +25,12 @@ bench)
   tail -n 2 "$out/e2e.txt"; tail -n 12 "$out/quant.txt"
   ;;
 decode)
-  # Decode tile/split sweep (swap-AB tiles vs the 128x128 one), L2 emptied by reads, plus the bandwidth floor.
-  t=128x128c1x1,128x16c1x1s,128x16c1x1sst12,128x32c1x1s,128x32c1x1sst10,128x64c1x1s,128x64c1x1sk256
-  python3 -m benchmarks.tune_tiles --ms 1,16,32,64,128 --nk 8192x8192 --recipes row --accums promoted --floor --tiles $t --splits 0,1,2,4 > "$out/decode_row.txt" 2>&1
-  python3 -m benchmarks.tune_tiles --ms 1,16,64 --nk 10240x8192,57344x8192,8192x28672 --recipes row --accums promoted --floor --tiles 128x16c1x1s,128x64c1x1s,128x64c1x1sk256 --splits 0,1,2,4 > "$out/decode_layers.txt" 2>&1
-  python3 -m benchmarks.tune_tiles --ms 16,64 --nk 8192x8192 --recipes 1x128_128x128,tensor --accums promoted --floor --tiles 128x128c1x1,128x16c1x1s,128x32c1x1s,128x64c1x1s --splits 0,1,2 > "$out/decode_block.txt" 2>&1
-  python3 -m benchmarks.tune_tiles --ms 16 --nk 8192x8192 --recipes row --accums promoted --floor --flush zero --tiles 128x16c1x1s --splits 1 > "$out/decode_zero.txt" 2>&1
+  # Decode tile/split sweep (128- and 64-row swap-AB tiles), L2 emptied by reads, plus the bandwidth floor.
+  t=128x16c1x1s,64x16c1x1s,64x16c1x1sst16,128x32c1x1s,64x32c1x1s,128x64c1x1s,64x64c1x1s
+  python3 -m benchmarks.tune_tiles --ms 1,16,32,64,128 --nk 8192x8192 --recipes row --accums promoted --floor --tiles $t --splits 0,1 > "$out/decode_row.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 64,128 --nk 8192x8192 --recipes row --accums fast --tiles 128x64c1x1sk256,64x64c1x1sk256,64x32c1x1sk256 --splits 0 > "$out/decode_fast.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 1,16,64 --nk 10240x8192,57344x8192,8192x28672 --recipes row --accums promoted --floor --tiles 128x16c1x1s,64x16c1x1s,128x64c1x1s,64x64c1x1s --splits 0 > "$out/decode_layers.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 16,64 --nk 8192x8192 --recipes 1x128_128x128,tensor --accums promoted --floor --tiles 128x16c1x1s,64x16c1x1s,128x64c1x1s,64x64c1x1s --splits 0 > "$out/decode_block.txt" 2>&1
   grep -v Warn "$out"/decode_*.txt | grep -v "^\s*$" | cut -c1-150
   ;;
 decode_bench)
@@ -41,6 +41,17 @@ decode_bench)
   python3 -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor > "$out/decode_chain.txt" 2>&1
   for f in decode_fast decode_block; do grep -A 12 "^geomeans" "$out/$f.txt"; done
   grep -v Warn "$out/decode_chain.txt"
+  ;;
+splits)
+  # Split-K beyond one wave of tiles on the DeepSeek-V3 shapes where we trail cuBLAS most (narrow N, long K).
+  python3 -m benchmarks.tune_tiles --ms 1024,6144 --nk 512x7168,576x7168,1536x7168,4608x7168,7168x2048,4096x512 --recipes tensor --accums promoted --tiles 128x192c2x1,128x128c2x1,128x96c2x1 --splits 0,1,2,3,4,6 > "$out/splits.txt" 2>&1
+  grep -v Warn "$out/splits.txt" | cut -c1-150
+  ;;
+splits_small)
+  # The split-K cases alone (fewer output tiles than SMs): the last split's read-back of the partials.
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 512x7168,576x7168,1536x7168 --recipes tensor --accums promoted --tiles 128x192c2x1,128x128c2x1 --splits 0,1,2,4 > "$out/splits_small.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 16 --nk 4096x8192,2048x8192 --recipes row --accums promoted --tiles 128x16c1x1s,64x16c1x1s --splits 0,1,2,4 >> "$out/splits_small.txt" 2>&1
+  grep -v Warn "$out/splits_small.txt" | cut -c1-150
   ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1

@@ -28,7 +28,8 @@ def wave_cost(inst: KernelInstance, m: int, n: int, sms: int) -> int:
     slots, times the tile's area. It captures wave quantisation, which decides between tile widths: at
     M=6144, N=512 the 128x192 tiles make 72 cluster tiles, two waves on 66 slots (the second nearly empty),
     where 128x128 tiles make 96 in two waves of two-thirds the work each."""
-    tiles_m, tiles_n = -(-m // inst.tile_m), -(-n // inst.tile_n)
+    rows, cols = (n, m) if inst.swap_ab else (m, n)  # a swapped (decode) kernel tiles N by tile_m
+    tiles_m, tiles_n = -(-rows // inst.tile_m), -(-cols // inst.tile_n)
     ctiles = -(-tiles_m // inst.cluster_m) * -(-tiles_n // inst.cluster_n)
     slots = max(1, sms // (inst.cluster_m * inst.cluster_n))
     return -(-ctiles // slots) * inst.tile_m * inst.tile_n

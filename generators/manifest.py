@@ -118,7 +118,7 @@ class TileConfig:
 # ------------------------------------------------------------------------------------------------
 TABLE: Tuple[TileConfig, ...] = (
     # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound. The kernels run
-    # swapped (D^T = W @ A^T): 128 W rows per tile on WGMMA's M side, the M activation rows on its N side,
+    # swapped (D^T = W @ A^T): 128 (or 64) W rows per tile on WGMMA's M side, the M activation rows on its N side,
     # as narrow as M allows. K is split only when there are far fewer tiles than SMs
     # (dispatch.choose_splits). From benchmarks/tune_tiles (BENCHMARKS.md, decode): 128x16 is best to M=16,
     # 128x32 to M=32, 128x64 above (with 256-deep stages where the accumulation is not promoted per 128);
@@ -134,6 +134,22 @@ TABLE: Tuple[TileConfig, ...] = (
         TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, tn,
                    accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
         for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
+    ),
+    # 64-row tiles (one consumer warp group): twice the tiles, so where the 128-row ones fill under a wave
+    # of SMs, dispatch.wave_cost picks these (ties go to the 128-row rows above, e.g. N=10240: 80 tiles in
+    # one wave beat 160 in two, 35.6 vs 43.3 us). N=K=8192 (benchmarks/tune_tiles, BENCHMARKS.md decode):
+    # DeepSeek recipe M=64 29.3 vs 32.8 us, M=16 28.9 vs 29.8; per-tensor M=16 29.1 vs 29.9; fast
+    # accumulation M=64 28.2 vs 29.5; N=57344, M=64 175 vs 180. At M=1 row-wise they tie (~30 us).
+    *(
+        TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 64, tn, accum=acc, m_min=lo, m_max=hi,
+                   swap_ab=True, tile_k=256 if acc == "fast" and tn == 64 else 128)
+        for acc in ("promoted", "fast")
+        for tn, lo, hi in ((16, 1, 16), (64, 33, 128))
+    ),
+    *(
+        TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, tn,
+                   accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
+        for tn, lo, hi in ((16, 1, 16), (64, 33, 128))
     ),
     # Hopper, epilogue-scaled FP8, W multicast over a 2x1 cluster. Promoted accumulation (the default, as
     # torch's use_fast_accum=False) keeps a K-tile fragment next to the accumulator, so its tiles are at

@@ -74,9 +74,12 @@ def test_split_k_instances():
 @pytest.mark.compile
 def test_split_k_reduction_in_the_ptx():
     rep = inspect_instance(_inst(16, schedule="small_m"))
-    # one acq_rel counter increment per tile, partials read back at L2, a device-scope fence
+    # one acq_rel counter increment per tile, partials written and read back at L2 16 bytes at a time, a
+    # device-scope fence
     assert re.search(r"atom\.global(\.gpu)?\.acq_rel(\.gpu)?\.add\.u32", rep.ptx)
-    assert re.search(r"ld\.global\.cg\.(f32|b32)", rep.ptx)
+    assert re.search(r"st\.global\.cg\.v4\.(f32|b32)", rep.ptx)
+    assert re.search(r"ld\.global\.cg\.v4\.(f32|b32)", rep.ptx)
+    assert not re.search(r"ld\.global\.cg\.(f32|b32)", rep.ptx)  # no scalar read-back left
     assert re.search(r"fence\.acq_rel\.gpu", rep.ptx)
     # swapped: the 16 activation rows are WGMMA's N
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3")
@@ -85,3 +88,19 @@ def test_split_k_reduction_in_the_ptx():
     # decode kernels use programmatic dependent launch; the producer waits before its first load
     assert "griddepcontrol.wait" in rep.ptx and "griddepcontrol.launch_dependents" in rep.ptx
     assert _inst(16, schedule="small_m").sm90_config().pdl and not _inst(4096).sm90_config().pdl
+
+
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
+def test_decode_rows_by_wave_cost(recipe):
+    """64-row decode tiles where 128-row ones fill under a wave of SMs; 128-row ones where both need the
+    same waves (the tie goes to the earlier row). The swapped kernels tile N by tile_m."""
+    pick = lambda m, n: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted",
+                                             n=n, sms=132)
+    assert (pick(16, 8192).tile_m, pick(16, 8192).tile_n) == (64, 16)  # 128 tiles, one wave (64 at 128 rows)
+    assert (pick(16, 10240).tile_m, pick(16, 10240).tile_n) == (128, 16)  # 80 tiles in one wave vs 160 in two
+    assert (pick(64, 8192).tile_m, pick(64, 8192).tile_n) == (64, 64)
+    assert (pick(128, 8192).tile_m, pick(128, 8192).tile_n) == (128, 64)  # 64 x 64 would need two waves
+    assert (pick(64, 57344).tile_m, pick(64, 57344).tile_n) == (64, 64)  # 6.8 vs 3.4 waves of half the area
+    wide, narrow = pick(16, 10240), pick(16, 8192)
+    assert dispatch.wave_cost(wide, 16, 10240, 132) == 128 * 16  # 80 tiles of 128 x 16: one wave
+    assert dispatch.wave_cost(narrow, 16, 10240, 132) == 2 * 64 * 16  # 160 tiles: two waves
