@@ -19,6 +19,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
+from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, scale_smem_bytes_per_stage, stage_scales
@@ -50,6 +51,9 @@ class Sm90GemmConfig:
     # Split-K (for problems with fewer output tiles than SMs, e.g. decode): the number of K splits is a
     # run-time argument; the splits' partial sums are reduced deterministically (kernels/sm90/split_k.py).
     split_k: bool = False
+    # With split_k: split only the last, partial wave of tiles (kernels/common/last_wave_split.py) -- for
+    # outputs a little over a whole number of waves; the host picks this variant per call.
+    split_tail: bool = False
     # Decode schedule: compute D^T = W @ A^T, so tile_m runs over N and tile_n over M (see module docstring).
     swap_ab: bool = False
     # K depth of one pipeline stage. 256 (fast accumulation only) halves the TMA requests per byte; promoted
@@ -151,6 +155,8 @@ class Sm90Fp8Gemm:
         if cfg.tile_k != 128 and cfg.accum == "promoted":
             raise ValueError(f"promoted accumulation adds each 128-deep K tile into fp32 (torch's use_fast_accum=False): "
                              f"it needs tile_k=128, got {cfg.tile_k}")
+        if cfg.split_tail and (not cfg.split_k or cfg.swap_ab):
+            raise ValueError("split_tail (split only the last wave in K) needs split_k and the unswapped schedule")
         if cfg.accum not in ("fast", "promoted"):
             raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
         if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
@@ -213,8 +219,8 @@ class Sm90Fp8Gemm:
         mSA: cute.Tensor,  # per-tensor: (1,); row-wise: (M, 1); block-scaled: (M or ceil(M/128), Kb)
         mSB: cute.Tensor,  # per-tensor: (1,); row-wise: (1, N); block-scaled: (N or ceil(N/128), Kb)
         mBias: cute.Tensor,  # (N,) or a 1-element dummy when there is no bias
-        mWorkspace: cute.Tensor,  # split-K: fp32 partials, >= tiles * splits * tile_m * tile_n (else a dummy)
-        mCounters: cute.Tensor,  # split-K: int32 per output tile, zero between launches (else a dummy)
+        mWorkspace: cute.Tensor,  # split-K: fp32 partials, >= split tiles * splits * tile_m * tile_n (else a dummy)
+        mCounters: cute.Tensor,  # split-K: int32 per split tile, zero between launches (else a dummy)
         splits: Int32,  # K splits (1 unless split_k)
         max_clusters: Int32,
         stream,
@@ -420,7 +426,7 @@ class Sm90Fp8Gemm:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
+                sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 lane = cute.arch.lane_idx()
                 unit = cluster_id
@@ -432,10 +438,10 @@ class Sm90Fp8Gemm:
                     # training quantizes W right before its GEMM.)
                     cute.arch.griddepcontrol_wait()
                 while unit < sched.num_units:
-                    tm, tn, split = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+                    tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
                     tAgA_t = tAgA[(None, tm, None)]
                     tBgB_t = tBgB[(None, tn, None)]
-                    k_begin, k_count = k_tile_range(k_tiles, splits, split)
+                    k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
                     for i in cutlass.range(k_count, unroll=1):
                         kt = k_begin + i
                         mainloop.producer_acquire(state)
@@ -452,7 +458,7 @@ class Sm90Fp8Gemm:
                 mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            sched = PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
+            sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
             mma_tidx = tidx - self.num_threads_per_warp_group
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCsA = thr_mma.partition_A(sA)
@@ -489,8 +495,8 @@ class Sm90Fp8Gemm:
             tiles_done = Int32(0)
             unit = cluster_id
             while unit < sched.num_units:
-                tm, tn, split = sched.coords(unit, cluster_coord[0], cluster_coord[1])
-                _, k_count = k_tile_range(k_tiles, splits, split)
+                tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
+                _, k_count = k_tile_range(k_tiles, nsplit, split)
                 if cutlass.const_expr(self.cfg.accum == "fast"):
                     read_state, release_state = self._mainloop(
                         tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_count
@@ -510,7 +516,13 @@ class Sm90Fp8Gemm:
                 owns_epilogue = True
                 if cutlass.const_expr(self.cfg.split_k):
                     # Tiles past the edge (cluster padding) have nothing to reduce or store.
-                    if splits > 1 and tm < tiles_m and tn < tiles_n:
+                    if cutlass.const_expr(self.cfg.split_tail):
+                        if sched.is_split(unit) and tm < tiles_m and tn < tiles_n:
+                            owns_epilogue = reduce_partials(
+                                acc, mWorkspace, mCounters, sched.split_slot(unit, cluster_coord[0], cluster_coord[1]),
+                                split, splits, mma_tidx, self.num_mma_threads, epi_barrier, split_flag,
+                            )
+                    elif splits > 1 and tm < tiles_m and tn < tiles_n:
                         owns_epilogue = reduce_partials(
                             acc, mWorkspace, mCounters, tm * tiles_n + tn, split, splits, mma_tidx,
                             self.num_mma_threads, epi_barrier, split_flag,
@@ -521,6 +533,19 @@ class Sm90Fp8Gemm:
                     tiles_done += 1
                 unit += num_clusters
             store_pipe.producer_tail()
+
+    def _scheduler(self, tiles_m, tiles_n, splits, num_clusters):
+        cm, cn = self.cfg.cluster_shape_mn
+        if cutlass.const_expr(self.cfg.split_tail):
+            return LastWaveSplitScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits, num_clusters)
+        return PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
+
+    def _unit(self, sched, unit, cluster_coord, splits):
+        """(tile_m, tile_n, k split, k splits of this tile) of a work unit."""
+        if cutlass.const_expr(self.cfg.split_tail):
+            return sched.coords(unit, cluster_coord[0], cluster_coord[1])
+        tm, tn, split = sched.coords(unit, cluster_coord[0], cluster_coord[1])
+        return tm, tn, split, splits
 
     # ---- consumer pieces -------------------------------------------------------------------------
     @cute.jit
