@@ -64,21 +64,22 @@ def _workspace(index: int) -> _SplitKWorkspace:
     return _SplitKWorkspace(torch.device("cuda", index))
 
 
-def _workspace_need(inst, m: int, n: int, splits: int):
-    """(fp32 partials, int32 counters) a launch with ``splits`` K splits needs: one partial tile per output
-    tile and split, one counter per output tile; (1, 1) when K is not split."""
-    if splits <= 1:
+def _workspace_need(inst, m: int, n: int, splits: int, max_clusters: int):
+    """(fp32 partials, int32 counters) a launch with ``splits`` K splits needs: one partial tile per split
+    tile (``dispatch.split_tiles``) and split, one counter per split tile; (1, 1) when K is not split."""
+    tiles = dispatch.split_tiles(inst, m, n, splits, max_clusters)
+    if tiles == 0:
         return 1, 1
-    tiles = inst.output_tiles(m, n)
     return tiles * splits * inst.tile_m * inst.tile_n, tiles
 
 
 def _split_buffers(inst, m: int, n: int, splits: int, index: int):
-    """The split-K buffers to pass a kernel of ``inst`` launched directly (benchmarks): the device's
-    workspace, grown to fit, or the stand-ins when K is not split."""
+    """The split-K buffers to pass a kernel of ``inst`` launched directly (benchmarks, with this device's
+    cluster limit as the grid): the device's workspace, grown to fit, or the stand-ins when K is not split."""
     if splits <= 1:
         return _idle_workspace(index)
-    return _workspace(index).get(*_workspace_need(inst, m, n, splits))
+    clusters = _max_active_clusters(index, inst.cluster_m * inst.cluster_n)
+    return _workspace(index).get(*_workspace_need(inst, m, n, splits, clusters))
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,8 +169,9 @@ def scaled_mm(
     (strings or ``torch.nn.functional.ScalingType``, as in ``F.scaled_mm``) name it explicitly.
 
     ``schedule`` overrides the manifest's choice by M ("small_m" for M <= 128, else "cooperative");
-    ``split_k`` overrides the K-split heuristic (``dispatch.choose_splits``: split K only when there are
-    fewer output tiles than SMs).
+    ``split_k`` overrides the K-split heuristic (``dispatch.choose_splits``: split K when there are fewer
+    output tiles than SMs; ``dispatch.last_wave_splits``: split the last, partial wave of a long-K problem
+    with a little more than whole waves, in the instance's last-wave variant).
     ``bias`` is (N,) in ``out_dtype`` or fp32.
 
     ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
@@ -268,8 +270,15 @@ def scaled_mm(
         splits = dispatch.normalize_splits(split_k, inst.k_tiles(k))
     else:
         # A wave is as many CTAs as can be resident at once.
-        splits = dispatch.choose_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
-    ws_need = _workspace_need(inst, m, n, splits)
+        slots = max_clusters * inst.cluster_m * inst.cluster_n
+        splits = dispatch.choose_splits(inst, m, n, k, slots)
+        if splits == 1 and (tail := dispatch.last_wave_splits(inst, m, n, k, slots)) > 1:
+            inst, splits = dispatch.last_wave_variant(inst), tail  # same tiles and clusters: same max_clusters
+            hit = _LAUNCH_CACHE.get(inst)
+            if hit is None:
+                hit = _LAUNCH_CACHE[inst] = (_compiled(inst), max_clusters)
+            fn = hit[0]
+    ws_need = _workspace_need(inst, m, n, splits, max_clusters)
     plan = _Plan(fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need, device.index,
                  _idle_workspace(device.index))
     if sig is not None:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 from cutedsl_gemm.generators.manifest import INSTANCES, KernelInstance
+from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
 
 
 class NoKernelError(ValueError):
@@ -56,6 +58,7 @@ def select_gemm(
     its row for the largest M it covers (every instance computes any M; the ranges are for speed).
     """
     rows = _candidates(arch, "gemm", recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule)
+    rows = tuple(i for i in rows if not i.split_tail)  # picked per call instead: last_wave_variant
     holding = [i for i in rows if i.m_min <= m <= i.m_max]
     if holding:
         if n > 0 and sms > 0:
@@ -107,3 +110,52 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
     k_tiles = inst.k_tiles(k)
     splits = max(1, min(slots // tiles, MAX_SPLITS, k_tiles // MIN_K_TILES_PER_SPLIT))
     return normalize_splits(splits, k_tiles)
+
+
+# Splitting the last, partial wave of a larger problem saves (1 - 1/splits) of a tile's time and costs a
+# reduction whose time measured nearly fixed, 7-10 us on the H100 (tune_tiles, 128x192 tiles, BENCHMARKS.md):
+# worth it only for long K. M=6144, N=512, K=7168: 65.2 us whole, 56.3 / 52.5 / 53.2 / 52.4 / 54.9 us with
+# 2 / 3 / 4 / 6 / 10 last-wave splits; M=1024, N=4608, K=7168: 65.4 -> 58.8 us (2); but M=1024, N=7168,
+# K=2048: 35.3 -> 37.4 us (2), 4096^3: 118.0 -> 115.1 us (2), 117.9 us (3).
+MIN_K_TILES_FOR_LAST_WAVE_SPLIT = 48
+MAX_LAST_WAVE_SPLITS = 4
+
+
+def _cluster_tiles(inst: KernelInstance, m: int, n: int) -> int:
+    rows, cols = (n, m) if inst.swap_ab else (m, n)
+    return -(-(-(-rows // inst.tile_m)) // inst.cluster_m) * -(-(-(-cols // inst.tile_n)) // inst.cluster_n)
+
+
+def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> int:
+    """K splits for the last, partial wave of a problem larger than one wave (1: run it whole). With R
+    cluster tiles in that wave: min(cluster slots // R, 4), when K has >= 48 K tiles and the instance has a
+    last-wave split variant. M=6144, N=512, K=7168 at 128x192 c2x1: 72 cluster tiles on 66 slots, the
+    last 6 in 4 splits."""
+    if inst.swap_ab or not inst.can_split_k or inst.output_tiles(m, n) <= slots:
+        return 1
+    cslots = max(1, slots // (inst.cluster_m * inst.cluster_n))
+    tail = _cluster_tiles(inst, m, n) % cslots
+    k_tiles = inst.k_tiles(k)
+    if tail == 0 or k_tiles < MIN_K_TILES_FOR_LAST_WAVE_SPLIT or last_wave_variant(inst) is None:
+        return 1
+    return normalize_splits(max(1, min(cslots // tail, MAX_LAST_WAVE_SPLITS)), k_tiles)
+
+
+@functools.lru_cache(maxsize=None)
+def last_wave_variant(inst: KernelInstance):
+    """The manifest's last-wave split sibling of ``inst`` (same everything, ``split_tail``), or None."""
+    want = replace(inst, split_tail=True)
+    return next((i for i in INSTANCES if i == want), None)
+
+
+def split_tiles(inst: KernelInstance, m: int, n: int, splits: int, max_clusters: int) -> int:
+    """CTA tiles whose K a launch with ``splits`` splits (partial sums and counters to hold): every output
+    tile, or for a last-wave split instance the cluster tiles past the grid's last full wave
+    (kernels/common/last_wave_split.py; ``max_clusters`` caps the grid)."""
+    if splits <= 1:
+        return 0
+    if not inst.split_tail:
+        return inst.output_tiles(m, n)
+    ctiles = _cluster_tiles(inst, m, n)
+    grid = min(ctiles * splits, max_clusters)
+    return (ctiles - unsplit_cluster_tiles(ctiles, grid)) * inst.cluster_m * inst.cluster_n

@@ -82,7 +82,8 @@ def _c_plan(kernel: dict, inst: KernelInstance, max_splits: int) -> dict:
     return {**kernel, "idx": idx, "scalars": scalars, "scalar_names": names, "call_args": call,
             "splits": "splits" in names and {"workspace", "counters"} <= set(idx), "max_splits": max_splits,
             "has_bias": inst.bias_dtype is not None, "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n,
-            "tile_m": inst.tile_m, "tile_n": inst.tile_n, "swap_ab": inst.swap_ab}
+            "tile_m": inst.tile_m, "tile_n": inst.tile_n, "swap_ab": inst.swap_ab,
+            "split_tail": inst.split_tail}
 
 
 def _arg_fields(params) -> List[dict]:

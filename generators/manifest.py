@@ -40,14 +40,19 @@ class KernelInstance:
     # D^T = W @ A^T: tile_m runs over the user's N and tile_n over M (the decode kernels).
     swap_ab: bool = False
     tile_k: int = 128
+    # Split only the last, partial wave of tiles in K: never picked by M range, but by the call when
+    # dispatch.last_wave_splits says so (the sibling of a cooperative row).
+    split_tail: bool = False
 
     @property
     def name(self) -> str:
         bias = f"_bias{self.bias_dtype}" if self.bias_dtype else ""
         extra = ("_swapab" if self.swap_ab else "") + (f"_k{self.tile_k}" if self.tile_k != 128 else "")
+        # (before the tile, so that no instance's name is a substring of another's: name filters stay exact)
+        wave = "_lastwave" if self.split_tail else ""
         return (
             f"{self.arch}_{self.op}_{self.schedule}_{self.recipe}_{self.a_dtype}x{self.b_dtype}_{self.out_dtype}{bias}"
-            f"_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}{extra}"
+            f"{wave}_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}{extra}"
         )
 
     def output_tiles(self, m: int, n: int) -> int:
@@ -83,6 +88,7 @@ class KernelInstance:
             split_k=self.can_split_k,
             swap_ab=self.swap_ab,
             tile_k=self.tile_k,
+            split_tail=self.split_tail,
             # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and
             # set-up overlap the previous kernel's tail (programmatic dependent launch).
             pdl=self.swap_ab,
@@ -107,6 +113,7 @@ class TileConfig:
     m_max: int = 1 << 31
     swap_ab: bool = False
     tile_k: int = 128
+    split_tail: bool = False
     ab_dtypes: Tuple[Tuple[str, str], ...] = (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2"))
     out_dtypes: Tuple[str, ...] = ("bf16", "fp16", "fp32")
     # None = no bias; "out" = same dtype as the output; "fp32".
@@ -173,6 +180,17 @@ TABLE: Tuple[TileConfig, ...] = (
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 192,
         cluster_m=2, cluster_n=1, accum="promoted",
     ),
+    # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py):
+    # chosen per call, in place of their sibling, when a little more than a whole number of waves would
+    # leave the last one nearly empty and K is long (dispatch.last_wave_splits). M=6144, N=512, K=7168:
+    # 63.2 -> 54.4 us row-wise; M=1024, N=4608, K=7168: 65.4 -> 58.8 us (BENCHMARKS.md).
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1,
+               accum="promoted", split_tail=True),
+    *(
+        TileConfig("sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128,
+                   tn, cluster_m=2, cluster_n=1, accum="promoted", split_tail=True)
+        for tn in (128, 192)
+    ),
 )
 
 
@@ -220,6 +238,7 @@ def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
                     m_max=row.m_max,
                     swap_ab=row.swap_ab,
                     tile_k=row.tile_k,
+                    split_tail=row.split_tail,
                 )
             )
     for inst in out:

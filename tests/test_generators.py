@@ -103,7 +103,7 @@ class Tensor(ctypes.Structure):
 class Kernel(ctypes.Structure):
     _fields_ = ([(f, ctypes.c_char_p) for f in ("name", "arch", "op", "schedule", "recipe", "a_dtype", "b_dtype",
                                                 "out_dtype", "bias_dtype", "accum")]
-                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k", "swap_ab")]
+                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k", "swap_ab", "split_tail")]
                 + [("m_min", ctypes.c_int64), ("m_max", ctypes.c_int64), ("launch", ctypes.c_void_p)])
 
 
