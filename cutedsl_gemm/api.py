@@ -134,6 +134,14 @@ def _launch(plan: _Plan, a, b, out, sa, sb, bias) -> torch.Tensor:
     return out
 
 
+def _launchable(inst, device_index: int):
+    """(compiled function, clusters to launch on this GPU) for a manifest instance, kept per instance."""
+    hit = _LAUNCH_CACHE.get(inst)
+    if hit is None:
+        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), _max_active_clusters(device_index, inst.cluster_m * inst.cluster_n))
+    return hit
+
+
 def _compiled(inst):
     """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
     from cutedsl_gemm.sm90_compile import compile_gemm
@@ -257,10 +265,7 @@ def scaled_mm(
         raise ValueError(f"schedule must be None, 'cooperative' or 'small_m', got {schedule!r}")
     inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum, schedule,
                                 n=n, sms=_device_info(device.index)[1])
-    hit = _LAUNCH_CACHE.get(inst)
-    if hit is None:
-        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), _max_active_clusters(device.index, inst.cluster_m * inst.cluster_n))
-    fn, max_clusters = hit
+    fn, max_clusters = _launchable(inst, device.index)
     if split_k is not None:
         if not inst.can_split_k:
             raise ValueError(f"split_k: {inst.name} is built without the split-K reduction (use_fast_accum=False "
@@ -274,10 +279,7 @@ def scaled_mm(
         splits = dispatch.choose_splits(inst, m, n, k, slots)
         if splits == 1 and (tail := dispatch.last_wave_splits(inst, m, n, k, slots)) > 1:
             inst, splits = dispatch.last_wave_variant(inst), tail  # same tiles and clusters: same max_clusters
-            hit = _LAUNCH_CACHE.get(inst)
-            if hit is None:
-                hit = _LAUNCH_CACHE[inst] = (_compiled(inst), max_clusters)
-            fn = hit[0]
+            fn, _ = _launchable(inst, device.index)
     ws_need = _workspace_need(inst, m, n, splits, max_clusters)
     plan = _Plan(fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need, device.index,
                  _idle_workspace(device.index))

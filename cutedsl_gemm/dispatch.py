@@ -21,6 +21,7 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
         if (i.arch, i.op, i.recipe, i.a_dtype, i.b_dtype, i.out_dtype, i.bias_dtype, i.accum)
         == (arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum)
         and (schedule is None or i.schedule == schedule)
+        and not i.split_tail  # picked per call instead: last_wave_variant
     ]
     return tuple(rows)
 
@@ -30,11 +31,8 @@ def wave_cost(inst: KernelInstance, m: int, n: int, sms: int) -> int:
     slots, times the tile's area. It captures wave quantisation, which decides between tile widths: at
     M=6144, N=512 the 128x192 tiles make 72 cluster tiles, two waves on 66 slots (the second nearly empty),
     where 128x128 tiles make 96 in two waves of two-thirds the work each."""
-    rows, cols = (n, m) if inst.swap_ab else (m, n)  # a swapped (decode) kernel tiles N by tile_m
-    tiles_m, tiles_n = -(-rows // inst.tile_m), -(-cols // inst.tile_n)
-    ctiles = -(-tiles_m // inst.cluster_m) * -(-tiles_n // inst.cluster_n)
     slots = max(1, sms // (inst.cluster_m * inst.cluster_n))
-    return -(-ctiles // slots) * inst.tile_m * inst.tile_n
+    return -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n
 
 
 def select_gemm(
@@ -58,7 +56,6 @@ def select_gemm(
     its row for the largest M it covers (every instance computes any M; the ranges are for speed).
     """
     rows = _candidates(arch, "gemm", recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule)
-    rows = tuple(i for i in rows if not i.split_tail)  # picked per call instead: last_wave_variant
     holding = [i for i in rows if i.m_min <= m <= i.m_max]
     if holding:
         if n > 0 and sms > 0:
@@ -121,11 +118,6 @@ MIN_K_TILES_FOR_LAST_WAVE_SPLIT = 48
 MAX_LAST_WAVE_SPLITS = 4
 
 
-def _cluster_tiles(inst: KernelInstance, m: int, n: int) -> int:
-    rows, cols = (n, m) if inst.swap_ab else (m, n)
-    return -(-(-(-rows // inst.tile_m)) // inst.cluster_m) * -(-(-(-cols // inst.tile_n)) // inst.cluster_n)
-
-
 def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> int:
     """K splits for the last, partial wave of a problem larger than one wave (1: run it whole). With R
     cluster tiles in that wave: min(cluster slots // R, 4), when K has >= 48 K tiles and the instance has a
@@ -134,7 +126,7 @@ def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -
     if inst.swap_ab or not inst.can_split_k or inst.output_tiles(m, n) <= slots:
         return 1
     cslots = max(1, slots // (inst.cluster_m * inst.cluster_n))
-    tail = _cluster_tiles(inst, m, n) % cslots
+    tail = inst.cluster_tiles(m, n) % cslots
     k_tiles = inst.k_tiles(k)
     if tail == 0 or k_tiles < MIN_K_TILES_FOR_LAST_WAVE_SPLIT or last_wave_variant(inst) is None:
         return 1
@@ -156,6 +148,6 @@ def split_tiles(inst: KernelInstance, m: int, n: int, splits: int, max_clusters:
         return 0
     if not inst.split_tail:
         return inst.output_tiles(m, n)
-    ctiles = _cluster_tiles(inst, m, n)
+    ctiles = inst.cluster_tiles(m, n)
     grid = min(ctiles * splits, max_clusters)
     return (ctiles - unsplit_cluster_tiles(ctiles, grid)) * inst.cluster_m * inst.cluster_n

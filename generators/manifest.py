@@ -60,6 +60,12 @@ class KernelInstance:
         rows, cols = (n, m) if self.swap_ab else (m, n)
         return -(-rows // self.tile_m) * -(-cols // self.tile_n)
 
+    def cluster_tiles(self, m: int, n: int) -> int:
+        """Cluster tiles (cluster_m x cluster_n blocks of output tiles) of an M x N problem, as the kernel's
+        scheduler walks them."""
+        rows, cols = (n, m) if self.swap_ab else (m, n)
+        return -(-(-(-rows // self.tile_m)) // self.cluster_m) * -(-(-(-cols // self.tile_n)) // self.cluster_n)
+
     def k_tiles(self, k: int) -> int:
         return -(-k // self.tile_k)
 
