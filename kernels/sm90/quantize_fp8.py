@@ -239,6 +239,15 @@ class TileQuant:
         cv = cb * (self.BC // VEC) + pc * self.TPR + tidx % self.TPR
         return row, cv
 
+    def _read_batch(self, srcs, first: int):
+        """Issue the loads of vectors first .. first + batch - 1 (all in flight at once); their fragments."""
+        batch = []
+        for p in range(first, min(first + self.batch, self.P)):
+            f = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+            cute.autovec_copy(srcs[p], f)
+            batch.append(f)
+        return batch
+
     def _emit(self, frag, scale, rcp, fast, dst, ok):
         """Quantize one vector and store it where ``ok``; the reciprocal path where ``fast``."""
         def store(cast):
@@ -301,12 +310,7 @@ class TileQuant:
                         amax = _finite_amax(frags[p], amax)
                 else:  # first read: a batch of loads in flight, reduce, next batch
                     for b in cutlass.range_constexpr(0, self.P, self.batch):
-                        batch = []
-                        for p in cutlass.range_constexpr(b, min(b + self.batch, self.P)):
-                            f = cute.make_rmem_tensor((1, VEC), self.in_dtype)
-                            cute.autovec_copy(srcs[p], f)
-                            batch.append(f)
-                        for f in batch:
+                        for f in self._read_batch(srcs, b):
                             amax = _finite_amax(f, amax)
             else:
                 # per-tensor: fold the amax kernel's per-CTA partial maxima
@@ -321,11 +325,7 @@ class TileQuant:
                     self._emit(frags[p], scale, rcp, fast, gQ[(None, (rows[p], cvs[p]))], oks[p])
             else:  # second read (L2), same batches
                 for b in cutlass.range_constexpr(0, self.P, self.batch):
-                    batch = []
-                    for p in cutlass.range_constexpr(b, min(b + self.batch, self.P)):
-                        f = cute.make_rmem_tensor((1, VEC), self.in_dtype)
-                        cute.autovec_copy(srcs[p], f)
-                        batch.append(f)
+                    batch = self._read_batch(srcs, b)
                     for j in cutlass.range_constexpr(len(batch)):
                         p = b + j
                         self._emit(batch[j], scale, rcp, fast, gQ[(None, (rows[p], cvs[p]))], oks[p])
