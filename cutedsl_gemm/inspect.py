@@ -8,9 +8,13 @@ tier and ``cutedsl-gemm demo`` can check that the instructions we meant are ther
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import re
+import shutil
 import struct
+import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from typing import Dict, List
 
@@ -101,8 +105,6 @@ def keep_artifacts(arch: str):
     from cutlass.base_dsl.env_manager import _parse_keep_tokens  # noqa: F401  (fails loudly if the DSL moved it)
     from cutlass.cutlass_dsl import CuTeDSL
 
-    import tempfile
-
     envar = CuTeDSL._get_dsl().envar
     saved = {k: getattr(envar, k) for k in ("keep_ptx", "keep_cubin", "dump_dir")}
     envar.keep_ptx, envar.keep_cubin = True, True
@@ -111,8 +113,32 @@ def keep_artifacts(arch: str):
     try:
         yield
     finally:
+        shutil.rmtree(envar.dump_dir, ignore_errors=True)  # the compiled object already holds PTX and cubin
         for k, v in saved.items():
             setattr(envar, k, v)
+
+
+def find_ptxas():
+    """The CUDA toolkit's ptxas (PATH, $CUDA_HOME, /usr/local/cuda*), or None."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME", ""), "/usr/local/cuda", *sorted(glob.glob("/usr/local/cuda-*"), reverse=True)]
+    return next((p for p in (os.path.join(r, "bin", "ptxas") for r in roots if r) if os.access(p, os.X_OK)), None)
+
+
+def ptxas_performance_notes(ptx: str, arch: str, ptxas: str) -> List[str]:
+    """ptxas's "Potential Performance Loss" notes for a kernel's PTX (e.g. C7514: WGMMAs serialized because
+    other instructions touch in-flight accumulators). The DSL's own PTX compiler stays silent about these."""
+    with tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptxas_") as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        run = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True)
+    if run.returncode != 0:
+        raise RuntimeError(f"ptxas failed on the kernel's PTX: {run.stderr.strip()[:500]}")
+    return [line for line in (run.stdout + run.stderr).splitlines() if "Performance Loss" in line]
 
 
 def inspect_compiled(name: str, compiled, smem_bytes: int = -1) -> KernelReport:

@@ -4,7 +4,7 @@ import pytest
 
 from cutedsl_gemm import dispatch
 from cutedsl_gemm.generators import manifest
-from cutedsl_gemm.inspect import inspect_instance
+from cutedsl_gemm.inspect import find_ptxas, inspect_instance, ptxas_performance_notes
 
 pytestmark = pytest.mark.compile
 
@@ -54,6 +54,26 @@ def test_block_scales_ride_the_mainloop_pipeline(reports):
 def test_stmatrix_only_for_16_bit_outputs(reports):
     for (recipe, a, b, out, bias, accum), rep in reports.items():
         assert rep.has(r"stmatrix") == (out != "fp32"), rep.name
+
+
+def test_wgmma_never_serialized():
+    """ptxas serializes every WGMMA of a kernel when other instructions may touch in-flight accumulators
+    (note C7514); it happened to the promoted tiles <= 128 wide until their fragments were fenced
+    (kernels/common/register_fence.py), costing them ~1.4x per K tile. One instance per promoted main loop
+    (two alternating fragments: 128x128, 64x64, swapped 128x16 and 64x16; one: 128x192; block scales), and
+    the fast one."""
+    ptxas = find_ptxas()
+    if ptxas is None:
+        pytest.skip("no CUDA toolkit ptxas on this machine (PATH, CUDA_HOME, /usr/local/cuda*)")
+    pick = lambda recipe, m, n, accum="promoted": dispatch.select_gemm(
+        "sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum, n=n, sms=132)
+    insts = {pick("tensor", 6144, 512), pick("row", 1024, 512), pick("row", 16, 8192), pick("tensor", 8192, 8192),
+             pick("1x128_128x128", 6144, 512), pick("1x128_1x128", 16, 8192), pick("row", 8192, 8192, "fast")}
+    tiles = {(i.tile_m, i.tile_n, i.swap_ab) for i in insts}
+    assert {(128, 128, False), (64, 64, False), (128, 192, False), (128, 256, False)} <= tiles and len(tiles) >= 5
+    for inst in insts:
+        notes = ptxas_performance_notes(inspect_instance(inst).ptx, inst.arch, ptxas)
+        assert not notes, f"{inst.name}: {notes}"
 
 
 def test_manifest_rejects_oversize_tiles_with_reason():

@@ -20,6 +20,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from ..common.last_wave_split import LastWaveSplitScheduler
+from ..common.register_fence import fence_registers
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, scale_smem_bytes_per_stage, stage_scales
@@ -639,12 +640,16 @@ class Sm90Fp8Gemm:
     @cute.jit
     def _retire(self, acc, frag, mainloop, release_state, scales):
         """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer."""
+        # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
+        # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
+        fence_registers(frag)
         # Promote first, then release: block scales live in the stage (and measured on the H100, the
         # epilogue-scaled recipes run faster in this order too).
         if cutlass.const_expr(self.block_scaled):
             self._promote_scaled(acc, frag, scales, release_state.index)
         else:
             self._promote(acc, frag)
+        fence_registers(acc)
         mainloop.consumer_release(release_state)
         release_state.advance()
         return release_state
