@@ -26,13 +26,27 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
     return tuple(rows)
 
 
+# Relative MMA throughput (per mille of the 128x192 tile's) of each unswapped promoted tile shape, measured
+# over several waves on the H100 (benchmarks/tune_tiles, per-tensor, K = 2048 and 7168; BENCHMARKS.md "Tile
+# rates"): smaller tiles move more bytes per MMA, and one consumer warp group (64-row tiles) cannot hide its
+# own promotion behind the other's MMAs. Swapped (decode) tiles are memory-bound: waves decide, rate 1000.
+TILE_RATES = {(128, 192): 1000, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 64): 500}
+
+
+def tile_rate(inst: KernelInstance) -> int:
+    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (1000 where not measured, and swapped)."""
+    return 1000 if inst.swap_ab else TILE_RATES.get((inst.tile_m, inst.tile_n), 1000)
+
+
 def wave_cost(inst: KernelInstance, m: int, n: int, sms: int) -> int:
     """Relative time of an M x N problem on ``inst``'s tiles: waves of cluster tiles over the GPU's cluster
-    slots, times the tile's area. It captures wave quantisation, which decides between tile widths: at
-    M=6144, N=512 the 128x192 tiles make 72 cluster tiles, two waves on 66 slots (the second nearly empty),
-    where 128x128 tiles make 96 in two waves of two-thirds the work each."""
+    slots, times the tile's area over its throughput (``tile_rate``). Wave quantisation decides between
+    tile widths: at M=6144, N=512 the 128x192 tiles make 72 cluster tiles, two waves on 66 slots (the second
+    nearly empty), where 128x128 tiles make 96 in two waves of two-thirds the work each (48.5 vs 62.0 us);
+    where outputs fill under a wave, smaller tiles put more SMs to work (M=1024, N=512, K=7168: 128 64x64
+    tiles 15.5 us, 24 128x192 tiles in 5 K splits 22.0 us)."""
     slots = max(1, sms // (inst.cluster_m * inst.cluster_n))
-    return -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n
+    return -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst)
 
 
 def select_gemm(

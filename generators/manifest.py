@@ -164,14 +164,18 @@ TABLE: Tuple[TileConfig, ...] = (
                    accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
         for tn, lo, hi in ((16, 1, 16), (64, 33, 128))
     ),
-    # Hopper, epilogue-scaled FP8, W multicast over a 2x1 cluster. Promoted accumulation (the default, as
-    # torch's use_fast_accum=False) keeps a K-tile fragment next to the accumulator, so its tiles are at
-    # most 192 wide (128x192 ran 1247 TFLOPS at 8192^3 against 970 for 128x128: benchmarks/tune_tiles);
-    # fast accumulation affords 128x256 tiles.
-    # (A 128x128 row next to it, chosen by dispatch.wave_cost, measured 6-8% faster at N = 512, 576 but up to
-    # 20% slower at 4096^3 and M = 1024, N = 7168: its promoted tiles run at ~0.78x the 128x192 rate, which
-    # the wave model does not know. Not in the table.)
+    # Hopper, epilogue-scaled FP8. Promoted accumulation (the default, as torch's use_fast_accum=False) keeps
+    # K-tile fragments next to the accumulator, so its tiles are at most 192 wide; fast accumulation affords
+    # 128x256 tiles. The promoted rows compete by dispatch.wave_cost (waves x area / measured tile rate):
+    # 128x192 for large outputs, 128x128 / 128x96 where they make fewer or fuller waves (M=6144, N=512: 48.5
+    # vs 62.0 us; M=1024, N=1536: 24.1 vs 33.2 unsplit), and 64-row tiles (one consumer warp group, A
+    # multicast over a 1x2 cluster) where an output fills under a wave of SMs (M=1024, N=512: 15.5 us against
+    # 22.0 for 128x192 split 5 ways). BENCHMARKS.md "Tile rates".
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1, accum="promoted"),
+    *(
+        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum="promoted")
+        for tm, tn, cm, cn in ((128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2))
+    ),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
     # promoted-accumulation kernels. Two rows hold every M and compete by dispatch.wave_cost (N-aware):

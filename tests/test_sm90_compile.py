@@ -76,6 +76,21 @@ def test_wgmma_never_serialized():
         assert not notes, f"{inst.name}: {notes}"
 
 
+def test_dispatch_weighs_waves_by_tile_rate():
+    """Tensor/row promoted tiles compete by waves x area / measured rate (BENCHMARKS.md, tile rates)."""
+    pick = lambda m, n: dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
+    shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    assert shape(pick(1024, 512)) == (64, 64, 1, 2)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
+    assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 128 tiles in one wave
+    assert shape(pick(6144, 512)) == (128, 128, 2, 1)  # two full waves, not one and a sliver
+    assert shape(pick(8192, 8192)) == (128, 192, 2, 1) and shape(pick(6144, 7168)) == (128, 192, 2, 1)
+    assert pick(16, 8192).swap_ab  # decode keeps the swapped rows: their rate is 1000, waves decide
+    i64, i192 = pick(1024, 512), pick(8192, 8192)
+    # one wave each: 64x64 costs its area over its rate, still under a 128x192 tile
+    assert dispatch.wave_cost(i64, 1024, 512, 132) == 64 * 64 * 1000 // dispatch.TILE_RATES[(64, 64)]
+    assert dispatch.wave_cost(i64, 1024, 512, 132) < dispatch.wave_cost(i192, 1024, 512, 132)
+
+
 def test_manifest_rejects_oversize_tiles_with_reason():
     bad = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
     with pytest.raises(manifest.ManifestError, match="does not fit"):
