@@ -123,12 +123,12 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(recipe, n):
         assert err <= 2e-3, f"replay {seed}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("recipe,n", [("tensor", 2880), ("row", 2880), ("1x128_128x128", 3392)])
-def test_last_wave_split_matches_reference_and_is_deterministic(recipe, n):
-    """A little more than a wave of tiles: scaled_mm takes the instance's last-wave split variant, which
-    runs the full wave whole and splits the rest in K (M=1152 leaves the 2x1 clusters' last row half empty;
-    N=3392 is no multiple of the tile)."""
-    m, k = 1152, 6144
+@pytest.mark.parametrize("recipe,m,n", [("tensor", 1408, 7104), ("row", 1408, 7104), ("1x128_128x128", 1152, 3392)])
+def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
+    """A little more than whole waves of tiles: scaled_mm takes the instance's last-wave split variant,
+    which runs the full waves whole and splits the rest in K (M=1152 and 1408 leave the 2x1 clusters' last
+    row half empty; N=3392 and 7104 are no multiples of the 128 / 192-wide tiles)."""
+    k = 6144
     torch.manual_seed(5)
     args, plain = _call_args(m, n, k, recipe)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
