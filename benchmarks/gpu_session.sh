@@ -53,6 +53,62 @@ splits_small)
   python3 -m benchmarks.tune_tiles --ms 16 --nk 4096x8192,2048x8192 --recipes row --accums promoted --tiles 128x16c1x1s,64x16c1x1s --splits 0,1,2,4 >> "$out/splits_small.txt" 2>&1
   grep -v Warn "$out/splits_small.txt" | cut -c1-150
   ;;
+narrow)
+  # The narrow-N DeepSeek-V3 shapes where we trail cuBLAS most: tile / split sweep, then ncu on the dispatched
+  # kernel, the same tile unsplit, and cuBLAS (full section set, text in ncu_*.txt).
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 512x7168,1536x7168 --recipes tensor --accums promoted --tiles 128x192c2x1,128x128c2x1,128x128c1x1,64x128c2x1,64x128c1x1,128x64c2x1 --splits 0,1,2,4 > "$out/narrow.txt" 2>&1
+  grep -v Warn "$out/narrow.txt" | cut -c1-150
+  for s in 0 1; do
+    ncu --clock-control none --set full --nvtx --nvtx-include profile/ python3 -m benchmarks.profile_shape --m 1024 --n 512 --k 7168 --recipe tensor --tile 128x192c2x1 --splits $s > "$out/ncu_1024x512_split$s.txt" 2>&1
+    grep -E "^  [a-z_0-9]+.*\(|Duration|Elapsed Cycles|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Registers Per|Stall|Issue Slot" "$out/ncu_1024x512_split$s.txt" | head -40
+  done
+  ;;
+narrow2)
+  # Small tiles without split (cuBLAS runs M=1024, N=512, K=7168 as 128 64x64 tiles, 1x2 clusters, no split),
+  # and which cuBLAS kernel each DeepSeek-V3 / square shape gets.
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 512x7168,1536x7168 --recipes tensor --accums promoted --tiles 64x64c1x1,64x64c2x1,64x64c1x2,128x64c1x2,64x128c1x2,128x128c1x2 --splits 1,2 > "$out/narrow2.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 6144 --nk 512x7168,576x7168 --recipes tensor --accums promoted --tiles 128x192c2x1,128x128c2x1,128x64c1x2,128x64c2x1,64x128c1x2 --splits 1 >> "$out/narrow2.txt" 2>&1
+  grep -v Warn "$out/narrow2.txt" | cut -c1-150
+  python3 -m benchmarks.cublas_kernels --sets dsv3,square --recipes tensor,row,1x128_128x128 > "$out/cublas_kernels.txt" 2>&1
+  cut -c1-140 "$out/cublas_kernels.txt"
+  ;;
+narrow3)
+  # Deeper pipelines for small tiles (the stage cap was 8), tiles that make ~one wave (128x96 at N=1536,
+  # 64x96 at N=576), and ncu stall reasons for the 128x128 promoted tile against cuBLAS's 128x128 on 6144x576.
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 512x7168 --recipes tensor --accums promoted --tiles 64x64c1x2,64x64c1x2st13,64x64c1x1st13,128x64c1x2st9,128x64c2x1st9 --splits 1,2 > "$out/narrow3.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 1536x7168,576x7168 --recipes tensor --accums promoted --tiles 128x96c2x1,128x96c1x2,64x96c1x2,64x96c1x2st12 --splits 1,2 >> "$out/narrow3.txt" 2>&1
+  grep -v Warn "$out/narrow3.txt" | cut -c1-150
+  ncu --clock-control none --set full --print-details all --nvtx --nvtx-include profile/ python3 -m benchmarks.profile_shape --m 6144 --n 576 --k 7168 --recipe tensor --tile 128x128c2x1 --splits 1 > "$out/ncu_6144x576.txt" 2>&1
+  grep -E "^  [a-z_0-9]+.*\(|Duration|SM Active Cycles|Stall|stall|Issue Slots Busy|Registers Per" "$out/ncu_6144x576.txt" | cut -c1-160 | head -60
+  ;;
+hotspots)
+  # Where the warps of our small/medium tiles wait, per SASS instruction (ncu source page), next to cuBLAS.
+  ncu --clock-control none --section SourceCounters --section WarpStateStats --nvtx --nvtx-include profile/ -o "$out/rep64" -f python3 -m benchmarks.profile_shape --m 1024 --n 512 --k 7168 --recipe tensor --tile 64x64c1x2 --splits 1 > /dev/null 2>&1
+  ncu --clock-control none --section SourceCounters --section WarpStateStats --nvtx --nvtx-include profile/ -o "$out/rep128" -f python3 -m benchmarks.profile_shape --m 6144 --n 576 --k 7168 --recipe tensor --tile 128x128c2x1 --splits 1 > /dev/null 2>&1
+  for r in rep64 rep128; do
+    ncu --import "$out/$r.ncu-rep" --page source --csv --print-source sass > "$out/$r.csv" 2>&1
+    python3 -m benchmarks.ncu_hotspots "$out/$r.csv" --top 22 | cut -c1-140 | tee "$out/$r.hot.txt"
+  done
+  ;;
+tiles)
+  # Tile sweep after the register fences (WGMMA no longer serialized for promoted tiles <= 128 wide):
+  # narrow-N and one-wave shapes, two-wave 128x128 shapes, squares, decode, block-scaled.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted"
+  $tt --ms 1024 --nk 512x7168,1536x7168,576x7168 --recipes tensor --tiles 128x192c2x1,128x128c2x1,128x96c2x1,128x64c1x2,64x128c1x2,64x64c1x2 --splits 0,1 > "$out/tiles.txt" 2>&1
+  $tt --ms 6144 --nk 512x7168,576x7168,1536x7168 --recipes tensor --tiles 128x192c2x1,128x128c2x1 --splits 1 >> "$out/tiles.txt" 2>&1
+  $tt --ms 4096 --nk 4096x4096 --recipes tensor --tiles 128x192c2x1,128x128c2x1 --splits 1 >> "$out/tiles.txt" 2>&1
+  $tt --ms 8192 --nk 8192x8192 --recipes tensor,1x128_128x128 --tiles 128x192c2x1,128x128c2x1 --splits 1 >> "$out/tiles.txt" 2>&1
+  $tt --ms 1024 --nk 1536x7168 --recipes 1x128_128x128 --tiles 128x192c2x1,128x128c2x1 --splits 0 >> "$out/tiles.txt" 2>&1
+  $tt --ms 16,64 --nk 8192x8192 --recipes row --floor --tiles 128x16c1x1s,64x16c1x1s,128x64c1x1s,64x64c1x1s --splits 0 >> "$out/tiles.txt" 2>&1
+  grep -v Warn "$out/tiles.txt" | cut -c1-150
+  ;;
+rates)
+  # Throughput of each promoted tile shape over several waves (the dispatch rate table), per-tensor.
+  python3 -m benchmarks.tune_tiles --accums promoted --ms 6144 --nk 512x7168,1536x7168,7168x2048,576x7168 --recipes tensor --tiles 128x192c2x1,128x128c2x1,128x96c2x1,64x128c1x2,64x64c1x2 --splits 0 > "$out/rates.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --accums promoted --ms 1024 --nk 7168x2048,4608x7168,3072x1536,4096x512 --recipes tensor --tiles 128x192c2x1,128x128c2x1,128x96c2x1,64x128c1x2,64x64c1x2 --splits 0 >> "$out/rates.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --accums promoted --ms 4096 --nk 4096x4096 --recipes tensor --tiles 128x96c2x1,64x128c1x2 --splits 0 >> "$out/rates.txt" 2>&1
+  grep -v Warn "$out/rates.txt" | cut -c1-120
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

@@ -1,7 +1,10 @@
-"""One decode GEMM of ours and cuBLAS's, a few calls each, for a profiler (ncu) to look at.
+"""One GEMM shape, ours (as dispatched, or a forced tile / split count) and cuBLAS's, a few calls each,
+for a profiler (ncu) to look at. The last round of calls runs inside an NVTX range named ``profile``
+(``ncu --nvtx --nvtx-include profile/`` profiles just those).
 
-    ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed \
-        python -m benchmarks.profile_decode --m 16 --n 8192 --k 8192
+    ncu --metrics gpu__time_duration.sum,dram__bytes_read.sum python -m benchmarks.profile_shape --m 16 --n 8192 --k 8192
+    ncu --set full --nvtx --nvtx-include profile/ python -m benchmarks.profile_shape \
+        --m 1024 --n 512 --k 7168 --recipe tensor --tile 128x192c2x1 --splits 4
 """
 
 import argparse
@@ -9,7 +12,9 @@ import argparse
 import torch
 
 import cutedsl_gemm
-from .common import make_operands
+from cutedsl_gemm import api, dispatch
+from .common import cublas_call, make_operands
+from .tune_tiles import candidates
 
 
 def main():
@@ -18,12 +23,35 @@ def main():
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--k", type=int, default=8192)
     p.add_argument("--recipe", default="row")
-    p.add_argument("--split-k", type=int, default=None)
+    p.add_argument("--tile", default=None, help="force a tile (benchmarks.tune_tiles spec, e.g. 128x192c2x1)")
+    p.add_argument("--accum", default="promoted")
+    p.add_argument("--splits", type=int, default=None, help="K splits (default: the dispatch heuristic)")
+    p.add_argument("--calls", type=int, default=3)
     args = p.parse_args()
-    qa, qw, sa, sb, _ = make_operands(args.m, args.n, args.k, args.recipe)
-    for _ in range(3):
-        cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, split_k=args.split_k)
-        torch._scaled_mm(qa, qw.t(), sa, sb, out_dtype=torch.bfloat16)
+    m, n, k = args.m, args.n, args.k
+    qa, qw, sa, sb, _ = make_operands(m, n, k, args.recipe)
+    b = qw.t()
+    if args.tile is None:
+        ours = lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, split_k=args.splits)
+    else:
+        inst = next(candidates(args.recipe, [args.tile], [args.accum]))
+        fn = api._compiled(inst)
+        clusters = api._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
+        splits = args.splits or dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
+        splits = dispatch.normalize_splits(splits, inst.k_tiles(k)) if inst.can_split_k else 1
+        _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
+        out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+        ws = api._split_buffers(inst, m, n, splits, 0)
+        ours = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)
+        print(f"{inst.name}: {splits} splits, grid of {clusters} clusters at most")
+    theirs = cublas_call(args.recipe, qa, b, sa, sb)
+    for i in range(args.calls):
+        if i == args.calls - 1:
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("profile")
+        ours()
+        theirs()
+    torch.cuda.nvtx.range_pop()
     torch.cuda.synchronize()
 
 
