@@ -12,9 +12,9 @@ import argparse
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api, dispatch
+from cutedsl_gemm import api
 from .common import cublas_call, make_operands
-from .tune_tiles import candidates
+from .tune_tiles import candidates, direct_call
 
 
 def main():
@@ -35,14 +35,9 @@ def main():
         ours = lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, split_k=args.splits)
     else:
         inst = next(candidates(args.recipe, [args.tile], [args.accum]))
-        fn = api._compiled(inst)
-        clusters = api._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
-        splits = args.splits or dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
-        splits = dispatch.normalize_splits(splits, inst.k_tiles(k)) if inst.can_split_k else 1
         _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
         out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-        ws = api._split_buffers(inst, m, n, splits, 0)
-        ours = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)
+        ours, splits, clusters = direct_call(inst, qa, b, sa_k, sb_k, out, (m, n, k), args.splits or 0)
         print(f"{inst.name}: {splits} splits, grid of {clusters} clusters at most")
     theirs = cublas_call(args.recipe, qa, b, sa, sb)
     for i in range(args.calls):

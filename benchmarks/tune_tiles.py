@@ -49,6 +49,23 @@ def candidates(recipe, tiles, accums, split_variants=(True,)):
                   tile_m, tile_n, cm, cn, stages, accum, swap_ab=swap, tile_k=tile_k)
 
 
+def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
+    """A call of ``inst``'s compiled kernel that bypasses dispatch, on this device's cluster limit, with
+    ``want_splits`` K splits (0: dispatch.choose_splits; 1 where the instance has no split-K):
+    (call, splits, max clusters). ``sa_k``/``sb_k`` are the kernel's scale views."""
+    m, n, k = mnk
+    fn = api._compiled(inst)
+    clusters = api._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
+    if not inst.can_split_k:
+        splits = 1
+    elif want_splits == 0:
+        splits = dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
+    else:
+        splits = dispatch.normalize_splits(want_splits, inst.k_tiles(k))
+    ws = api._split_buffers(inst, m, n, splits, 0)
+    return (lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)), splits, clusters
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--ms", default="1,16,64,128")
@@ -86,17 +103,8 @@ def main(argv=None):
                 for inst, want in itertools.product(
                         candidates(recipe, args.tiles.split(","), args.accums.split(","), variants),
                         map(int, args.splits.split(","))):
-                    fn = api._compiled(inst)
                     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    clusters = api._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
-                    if not inst.can_split_k:
-                        splits = 1
-                    elif want == 0:
-                        splits = dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
-                    else:
-                        splits = dispatch.normalize_splits(want, inst.k_tiles(k))
-                    ws = api._split_buffers(inst, m, n, splits, 0)
-                    call = lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)
+                    call, splits, _ = direct_call(inst, qa, b, sa_k, sb_k, out, (m, n, k), want)
                     call()
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3
