@@ -109,6 +109,18 @@ rates)
   python3 -m benchmarks.tune_tiles --accums promoted --ms 4096 --nk 4096x4096 --recipes tensor --tiles 128x96c2x1,64x128c1x2 --splits 0 >> "$out/rates.txt" 2>&1
   grep -v Warn "$out/rates.txt" | cut -c1-120
   ;;
+wide)
+  # Tiles whose N divides the narrow DeepSeek-V3 outputs into whole waves (session 6: 80 and 144 wide,
+  # 16-column output slices): N=576 as 8 x 80 (64-row: 128 CTAs), N=4608 as 32 x 144, and their rates.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted"
+  $tt --ms 1024 --nk 576x7168 --recipes tensor,row --tiles 64x64c1x2,64x80c1x2,64x96c1x2,64x128c1x2,128x80c2x1,128x96c2x1 --splits 0,1 > "$out/wide.txt" 2>&1
+  $tt --ms 1024 --nk 4608x7168 --recipes tensor --tiles 128x144c2x1,128x192c2x1,128x128c2x1 --splits 0,1 >> "$out/wide.txt" 2>&1
+  $tt --ms 6144 --nk 576x7168,512x7168 --recipes tensor --tiles 128x144c2x1,128x96c2x1,128x80c2x1,128x128c2x1,64x128c1x2 --splits 1 >> "$out/wide.txt" 2>&1
+  $tt --ms 6144 --nk 1536x7168,7168x2048 --recipes tensor --tiles 128x144c2x1,128x80c2x1,64x80c1x2,64x96c1x2 --splits 0 >> "$out/wide.txt" 2>&1
+  grep -v Warn "$out/wide.txt" | cut -c1-150
+  python3 -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row --out "$out/dsv3_before.json" > "$out/dsv3_before.txt" 2>&1
+  grep -A 6 "^geomeans" "$out/dsv3_before.txt"; grep -E "576|1536|4608" "$out/dsv3_before.txt" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

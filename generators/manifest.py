@@ -170,11 +170,14 @@ TABLE: Tuple[TileConfig, ...] = (
     # 128x192 for large outputs, 128x128 / 128x96 where they make fewer or fuller waves (M=6144, N=512: 48.5
     # vs 62.0 us; M=1024, N=1536: 24.1 vs 33.2 unsplit), and 64-row tiles (one consumer warp group, A
     # multicast over a 1x2 cluster) where an output fills under a wave of SMs (M=1024, N=512: 15.5 us against
-    # 22.0 for 128x192 split 5 ways). BENCHMARKS.md "Tile rates".
+    # 22.0 for 128x192 split 5 ways). Tiles whose width divides narrow outputs evenly: 128x144 (M=1024,
+    # N=4608: 256 tiles in two waves, 56.0 vs 63.0 us for 128x192) and 64x96 (M=1024, N=576: 96 tiles, 15.7 us
+    # against 21.9 for 64x128 and 25.8 for 64x64 in two waves). BENCHMARKS.md "Tile rates".
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1, accum="promoted"),
     *(
         TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum="promoted")
-        for tm, tn, cm, cn in ((128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2))
+        for tm, tn, cm, cn in ((128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2),
+                               (128, 144, 2, 1), (64, 96, 1, 2))
     ),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are

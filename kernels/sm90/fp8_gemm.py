@@ -192,7 +192,8 @@ class Sm90Fp8Gemm:
 
     @staticmethod
     def epi_n(cfg: Sm90GemmConfig) -> int:
-        return min(32, cfg.tile_n)
+        # Output slices must tile tile_n exactly (80- and 144-wide tiles store in 16-column slices).
+        return 32 if cfg.tile_n % 32 == 0 else 16
 
     @classmethod
     def epilogue_bytes(cls, cfg: Sm90GemmConfig) -> int:
