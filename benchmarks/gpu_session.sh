@@ -121,6 +121,18 @@ wide)
   python3 -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row --out "$out/dsv3_before.json" > "$out/dsv3_before.txt" 2>&1
   grep -A 6 "^geomeans" "$out/dsv3_before.txt"; grep -E "576|1536|4608" "$out/dsv3_before.txt" | cut -c1-150
   ;;
+persm)
+  # Two 64-row CTAs per SM (session 6, tune spec suffix o2): one-wave and few-wave DeepSeek-V3 shapes, the
+  # multi-wave rates, 8192^3, and the swapped decode tiles.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted"
+  $tt --ms 1024 --nk 576x7168,1536x7168 --recipes tensor --tiles 64x96c1x2,64x96c1x2o2,64x64c1x2o2,64x128c1x2o2,64x192c1x2o2,128x96c2x1 --splits 0 > "$out/persm.txt" 2>&1
+  $tt --ms 1024 --nk 4608x7168 --recipes tensor --tiles 128x144c2x1,64x144c1x2o2,64x192c1x2o2,64x128c1x2o2 --splits 0 >> "$out/persm.txt" 2>&1
+  $tt --ms 6144 --nk 512x7168,576x7168 --recipes tensor --tiles 128x128c2x1,64x96c1x2o2,64x128c1x2o2,64x144c1x2o2,64x192c1x2o2,64x192c1x1so2,64x192c2x1so2 --splits 1 >> "$out/persm.txt" 2>&1
+  $tt --ms 6144 --nk 1536x7168,7168x2048 --recipes tensor --tiles 64x96c1x2o2,64x128c1x2o2,64x144c1x2o2,64x192c1x2o2 --splits 1 >> "$out/persm.txt" 2>&1
+  $tt --ms 8192 --nk 8192x8192 --recipes tensor,row --tiles 128x192c2x1,64x192c1x2o2,64x192c2x1o2 --splits 1 >> "$out/persm.txt" 2>&1
+  $tt --ms 16,64 --nk 8192x8192 --recipes row --floor --tiles 64x16c1x1s,64x16c1x1so2,64x64c1x1s,64x64c1x1so2 --splits 0 >> "$out/persm.txt" 2>&1
+  grep -v Warn "$out/persm.txt" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

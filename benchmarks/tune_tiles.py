@@ -6,7 +6,7 @@ same data, next to cuBLAS for the same recipe. The manifest's rows are chosen fr
     python -m benchmarks.tune_tiles --ms 16 --tiles 128x16c1x1s,128x16c1x1sk256 --splits 0,1,2,4
 
 A tile spec is TMxTN c CMxCN, then optional ``s`` (swap A and W: tile_m runs over N), ``k256`` (K depth
-per stage) and ``st<stages>``. ``--splits``: K splits to force (0 = the dispatch heuristic).
+per stage) ``st<stages>`` and ``o2`` (two CTAs per SM, 64-row tiles). ``--splits``: K splits to force (0 = the dispatch heuristic).
 """
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ class _NoSplit(KernelInstance):
 def candidates(recipe, tiles, accums, split_variants=(True,)):
     accs = [a for a in accums if a == "promoted" or "x128" not in recipe]
     for tile, accum, split in itertools.product(tiles, accs, split_variants):
-        got = re.fullmatch(r"(\d+)x(\d+)c(\d+)x(\d+)(s?)(?:k(\d+))?(?:st(\d+))?", tile)
+        got = re.fullmatch(r"(\d+)x(\d+)c(\d+)x(\d+)(s?)(?:k(\d+))?(?:st(\d+))?(?:o(\d))?", tile)
         if not got:
-            raise SystemExit(f"bad tile spec {tile!r} (expected e.g. 128x128c2x1 or 128x16c1x1sk256st10)")
+            raise SystemExit(f"bad tile spec {tile!r} (expected e.g. 128x128c2x1 or 128x16c1x1sk256st10 or 64x128c1x2o2)")
         tile_m, tile_n, cm, cn = map(int, got.groups()[:4])
-        swap, tile_k, stages = bool(got[5]), int(got[6] or 128), int(got[7] or 0)
+        swap, tile_k, stages, per_sm = bool(got[5]), int(got[6] or 128), int(got[7] or 0), int(got[8] or 1)
         if tile_k != 128 and "x128" in recipe:
             continue
         cls = KernelInstance if split else _NoSplit
         yield cls("sm_90a", "gemm", "tune" if split else "tune_nosplit", recipe, "e4m3", "e4m3", "bf16", None,
-                  tile_m, tile_n, cm, cn, stages, accum, swap_ab=swap, tile_k=tile_k)
+                  tile_m, tile_n, cm, cn, stages, accum, swap_ab=swap, tile_k=tile_k, ctas_per_sm=per_sm)
 
 
 def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
@@ -55,7 +55,7 @@ def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
     (call, splits, max clusters). ``sa_k``/``sb_k`` are the kernel's scale views."""
     m, n, k = mnk
     fn = api._compiled(inst)
-    clusters = api._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
+    clusters = api._launch_clusters(0, inst)
     if not inst.can_split_k:
         splits = 1
     elif want_splits == 0:

@@ -35,6 +35,12 @@ def _max_active_clusters(index: int, cluster_size: int) -> int:
             return _device_info(index)[1] // cluster_size
 
 
+def _launch_clusters(index: int, inst) -> int:
+    """The persistent grid's cluster count for ``inst`` on this GPU: the resident clusters of one CTA per
+    SM, times the CTAs an instance fits per SM."""
+    return _max_active_clusters(index, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
+
+
 @functools.lru_cache(maxsize=None)
 def _dummy_bias(index: int) -> torch.Tensor:
     # Stands in for the bias argument of instances built without one; never read.
@@ -78,7 +84,7 @@ def _split_buffers(inst, m: int, n: int, splits: int, index: int):
     cluster limit as the grid): the device's workspace, grown to fit, or the stand-ins when K is not split."""
     if splits <= 1:
         return _idle_workspace(index)
-    clusters = _max_active_clusters(index, inst.cluster_m * inst.cluster_n)
+    clusters = _launch_clusters(index, inst)
     return _workspace(index).get(*_workspace_need(inst, m, n, splits, clusters))
 
 
@@ -138,7 +144,7 @@ def _launchable(inst, device_index: int):
     """(compiled function, clusters to launch on this GPU) for a manifest instance, kept per instance."""
     hit = _LAUNCH_CACHE.get(inst)
     if hit is None:
-        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), _max_active_clusters(device_index, inst.cluster_m * inst.cluster_n))
+        hit = _LAUNCH_CACHE[inst] = (_compiled(inst), _launch_clusters(device_index, inst))
     return hit
 
 

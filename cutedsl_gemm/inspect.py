@@ -16,7 +16,7 @@ import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 # PTX instruction families worth reporting, most specific first.
 _PTX_PATTERNS = (
@@ -127,9 +127,9 @@ def find_ptxas():
     return next((p for p in (os.path.join(r, "bin", "ptxas") for r in roots if r) if os.access(p, os.X_OK)), None)
 
 
-def ptxas_performance_notes(ptx: str, arch: str, ptxas: str) -> List[str]:
-    """ptxas's "Potential Performance Loss" notes for a kernel's PTX (e.g. C7514: WGMMAs serialized because
-    other instructions touch in-flight accumulators). The DSL's own PTX compiler stays silent about these."""
+def ptxas_report(ptx: str, arch: str, ptxas: str) -> str:
+    """What the toolkit's ``ptxas -v`` prints for a kernel's PTX text (registers, spills, performance notes);
+    RuntimeError if it fails."""
     with tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptxas_") as tmp:
         src = os.path.join(tmp, "kernel.ptx")
         with open(src, "w") as f:
@@ -138,7 +138,22 @@ def ptxas_performance_notes(ptx: str, arch: str, ptxas: str) -> List[str]:
                              capture_output=True, text=True)
     if run.returncode != 0:
         raise RuntimeError(f"ptxas failed on the kernel's PTX: {run.stderr.strip()[:500]}")
-    return [line for line in (run.stdout + run.stderr).splitlines() if "Performance Loss" in line]
+    return run.stdout + run.stderr
+
+
+def ptxas_registers_and_spills(report: str) -> Tuple[int, int]:
+    """(registers per thread, spilled bytes stored + loaded) from a one-kernel ``ptxas_report``."""
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", report)
+    if regs is None or len(spills) != 2:
+        raise ValueError(f"no register/spill line in the ptxas report: {report[:300]}")
+    return int(regs[1]), sum(map(int, spills))
+
+
+def ptxas_performance_notes(ptx: str, arch: str, ptxas: str) -> List[str]:
+    """ptxas's "Potential Performance Loss" notes for a kernel's PTX (e.g. C7514: WGMMAs serialized because
+    other instructions touch in-flight accumulators). The DSL's own PTX compiler stays silent about these."""
+    return [line for line in ptxas_report(ptx, arch, ptxas).splitlines() if "Performance Loss" in line]
 
 
 def inspect_compiled(name: str, compiled, smem_bytes: int = -1) -> KernelReport:

@@ -84,7 +84,7 @@ def _c_plan(kernel: dict, inst: KernelInstance, max_splits: int) -> dict:
             "splits": "splits" in names and {"workspace", "counters"} <= set(idx), "max_splits": max_splits,
             "has_bias": inst.bias_dtype is not None, "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n,
             "tile_m": inst.tile_m, "tile_n": inst.tile_n, "swap_ab": inst.swap_ab,
-            "split_tail": inst.split_tail}
+            "split_tail": inst.split_tail, "ctas_per_sm": inst.ctas_per_sm}
 
 
 def _arg_fields(params) -> List[dict]:

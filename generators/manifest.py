@@ -43,11 +43,14 @@ class KernelInstance:
     # Split only the last, partial wave of tiles in K: never picked by M range, but by the call when
     # dispatch.last_wave_splits says so (the sibling of a cooperative row).
     split_tail: bool = False
+    # Resident CTAs per SM (2: two 64-row CTAs share an SM, Sm90GemmConfig.ctas_per_sm).
+    ctas_per_sm: int = 1
 
     @property
     def name(self) -> str:
         bias = f"_bias{self.bias_dtype}" if self.bias_dtype else ""
         extra = ("_swapab" if self.swap_ab else "") + (f"_k{self.tile_k}" if self.tile_k != 128 else "")
+        extra += f"_{self.ctas_per_sm}persm" if self.ctas_per_sm != 1 else ""
         # (before the tile, so that no instance's name is a substring of another's: name filters stay exact)
         wave = "_lastwave" if self.split_tail else ""
         return (
@@ -95,6 +98,7 @@ class KernelInstance:
             swap_ab=self.swap_ab,
             tile_k=self.tile_k,
             split_tail=self.split_tail,
+            ctas_per_sm=self.ctas_per_sm,
             # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and
             # set-up overlap the previous kernel's tail (programmatic dependent launch).
             pdl=self.swap_ab,
@@ -120,6 +124,7 @@ class TileConfig:
     swap_ab: bool = False
     tile_k: int = 128
     split_tail: bool = False
+    ctas_per_sm: int = 1
     ab_dtypes: Tuple[Tuple[str, str], ...] = (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2"))
     out_dtypes: Tuple[str, ...] = ("bf16", "fp16", "fp32")
     # None = no bias; "out" = same dtype as the output; "fp32".
@@ -179,6 +184,11 @@ TABLE: Tuple[TileConfig, ...] = (
         for tm, tn, cm, cn in ((128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2),
                                (128, 144, 2, 1), (64, 96, 1, 2))
     ),
+    # Two CTAs per SM, swapped (W rows on WGMMA's M side, 192 activation rows on its N side), as cuBLAS runs
+    # M=6144, N=512: 256 tiles fill one wave of 264 CTA slots (43.6 us against 48.0 for 128x128 tiles,
+    # cuBLAS 41.9). Its low rate (dispatch.PAIRED_TILE_RATES) keeps it to such shapes.
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
+               accum="promoted", swap_ab=True, ctas_per_sm=2),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
     # promoted-accumulation kernels. Two rows hold every M and compete by dispatch.wave_cost (N-aware):
@@ -252,6 +262,7 @@ def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
                     swap_ab=row.swap_ab,
                     tile_k=row.tile_k,
                     split_tail=row.split_tail,
+                    ctas_per_sm=row.ctas_per_sm,
                 )
             )
     for inst in out:

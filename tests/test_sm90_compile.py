@@ -67,10 +67,12 @@ def test_wgmma_never_serialized():
         pytest.skip("no CUDA toolkit ptxas on this machine (PATH, CUDA_HOME, /usr/local/cuda*)")
     pick = lambda recipe, m, n, accum="promoted": dispatch.select_gemm(
         "sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum, n=n, sms=132)
-    insts = {pick("tensor", 6144, 512), pick("row", 1024, 512), pick("row", 16, 8192), pick("tensor", 8192, 8192),
-             pick("1x128_128x128", 6144, 512), pick("1x128_1x128", 16, 8192), pick("row", 8192, 8192, "fast")}
+    insts = {pick("tensor", 6144, 576), pick("row", 1024, 512), pick("row", 16, 8192), pick("tensor", 8192, 8192),
+             pick("1x128_128x128", 6144, 512), pick("1x128_1x128", 16, 8192), pick("row", 8192, 8192, "fast"),
+             pick("row", 1024, 576), pick("tensor", 1024, 4608), pick("row", 6144, 512)}
     tiles = {(i.tile_m, i.tile_n, i.swap_ab) for i in insts}
-    assert {(128, 128, False), (64, 64, False), (128, 192, False), (128, 256, False)} <= tiles and len(tiles) >= 5
+    assert {(128, 128, False), (64, 64, False), (128, 192, False), (128, 256, False), (64, 96, False),
+            (128, 144, False), (64, 192, True)} <= tiles
     for inst in insts:
         notes = ptxas_performance_notes(inspect_instance(inst).ptx, inst.arch, ptxas)
         assert not notes, f"{inst.name}: {notes}"
@@ -82,7 +84,12 @@ def test_dispatch_weighs_waves_by_tile_rate():
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     assert shape(pick(1024, 512)) == (64, 64, 1, 2)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
     assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 128 tiles in one wave
-    assert shape(pick(6144, 512)) == (128, 128, 2, 1)  # two full waves, not one and a sliver
+    assert shape(pick(6144, 576)) == (128, 128, 2, 1)  # two full waves, not one and a sliver
+    assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 96 tiles: one wave, 15.7 us vs 21.9 (64x128)
+    assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 256 tiles in two full waves
+    # 256 swapped 64x192 tiles, two CTAs per SM: one wave of 264 slots (43.6 vs 48.0 us for 128x128)
+    paired = pick(6144, 512)
+    assert shape(paired) == (64, 192, 2, 1) and paired.swap_ab and paired.ctas_per_sm == 2
     assert shape(pick(8192, 8192)) == (128, 192, 2, 1) and shape(pick(6144, 7168)) == (128, 192, 2, 1)
     assert pick(16, 8192).swap_ab  # decode keeps the swapped rows: their rate is 1000, waves decide
     i64, i192 = pick(1024, 512), pick(8192, 8192)
@@ -127,3 +134,18 @@ def test_dispatch_reads_the_manifest():
     assert inst in manifest.INSTANCES and inst.accum == "promoted"
     with pytest.raises(dispatch.NoKernelError, match="no kernel instance"):
         dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "int8", None, 10)
+
+
+def test_two_ctas_per_sm_compile_for_half_an_sm():
+    """ctas_per_sm=2: launched at <= 128 registers per thread with .minnctapersm 2 so two CTAs fit, the
+    consumer warp group raised to 216 (the pair's 64K registers), half the shared memory each."""
+    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, smem_capacity
+
+    inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, n=512, sms=132)
+    assert inst.ctas_per_sm == 2
+    rep = inspect_instance(inst)
+    assert rep.has(r"\.minnctapersm\s+2") and rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+216\b")
+    assert 0 < rep.registers <= 128 and rep.frame_bytes == 0
+    assert 2 * (Sm90Fp8Gemm(inst.sm90_config()).smem_bytes + 1024) <= 233472 == smem_capacity(1) + 1024
+    with pytest.raises(manifest.ManifestError, match="tile_m=64"):
+        manifest.expand([manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128, ctas_per_sm=2)])

@@ -26,6 +26,13 @@ from .split_k import k_tile_range, reduce_partials
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, scale_smem_bytes_per_stage, stage_scales
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
+SM90_SMEM_PER_SM = 233472  # per SM (228 KiB), of which the driver reserves 1 KiB per resident CTA
+SM90_REGISTERS_PER_SM = 65536
+
+
+def smem_capacity(ctas_per_sm: int) -> int:
+    """Dynamic shared memory one CTA may use when ``ctas_per_sm`` of them share an SM."""
+    return SM90_SMEM_CAPACITY if ctas_per_sm == 1 else SM90_SMEM_PER_SM // ctas_per_sm - 1024
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,10 @@ class Sm90GemmConfig:
     # previous kernel in the stream finishes; its TMA producer waits for that kernel (griddepcontrol.wait)
     # before its first load, and each CTA lets the next PDL kernel launch as soon as it starts.
     pdl: bool = False
+    # Resident CTAs per SM. 2 (64-row tiles only): two one-warp-group CTAs share each SM, with half the shared
+    # memory and 128 registers per thread each, so one CTA's MMAs run while the other promotes, stores its
+    # epilogue or waits for loads -- the overlap a ping-pong schedule gets from two consumer warp groups.
+    ctas_per_sm: int = 1
 
     @property
     def cluster_shape_mn(self):
@@ -89,7 +100,7 @@ class Sm90Fp8Gemm:
     | warp group | role | registers |
     |---|---|---|
     | 0 (warp 0) | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec) |
-    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc) |
+    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 216 with two CTAs per SM |
 
     | pipeline | producer -> consumer | stages |
     |---|---|---|
@@ -101,6 +112,10 @@ class Sm90Fp8Gemm:
     scales in fp32 (per-tensor: one scalar product; row-wise: per-row A scale x per-column W scale), adds
     the bias, converts, stages the tile in shared memory and writes it with TMA stores (which clip at the
     M/N edges, so partial tiles need no predication).
+
+    ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
+    128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
+    turns on the tensor cores the way a ping-pong schedule's two consumers do, without ordering barriers.
 
     ``swap_ab`` (the decode schedule) runs the same roles on D^T = W @ A^T: the tile's rows are W rows, its
     16..64 columns activation rows, the output a column-major view of D; scales and bias follow.
@@ -137,6 +152,10 @@ class Sm90Fp8Gemm:
         gran = BLOCK_RECIPES.get(cfg.recipe)
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
         self.ab_stages = cfg.stages or self.max_stages(cfg)
+        if cfg.ctas_per_sm > 1:
+            # The registers one CTA is launched with, moved from the producer to the consumer warp group.
+            launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * self.threads_per_cta)
+            self.consumer_regs = 2 * launched - self.producer_regs
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages)
 
     @classmethod
@@ -144,7 +163,11 @@ class Sm90Fp8Gemm:
         """Raise ValueError naming the broken rule (MMA shape, cluster, shared-memory budget)."""
         if cfg.tile_m not in (64, 128):
             raise ValueError(f"tile_m is 64 (one consumer warp group) or 128 (two, cooperative), got tile_m={cfg.tile_m}")
-        if cfg.tile_m == 64 and cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n:
+        if cfg.ctas_per_sm not in (1, 2):
+            raise ValueError(f"ctas_per_sm is 1 or 2, got {cfg.ctas_per_sm}")
+        if cfg.ctas_per_sm == 2 and cfg.tile_m != 64:
+            raise ValueError(f"two CTAs per SM fit only with one consumer warp group (tile_m=64), got tile_m={cfg.tile_m}")
+        if cfg.tile_m == 64 and cfg.ctas_per_sm == 1 and cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n:
             raise ValueError(f"a 64-row tile has one consumer warp group, whose serial promotion nothing would "
                              f"overlap: promoted tiles must be <= {cls.overlapped_promote_max_n} wide, got tile_n={cfg.tile_n}")
         if cfg.tile_n % 16 or not 16 <= cfg.tile_n <= 256:
@@ -177,10 +200,11 @@ class Sm90Fp8Gemm:
             raise ValueError(f"cluster shape must be powers of two with at most 4 CTAs, got {cfg.cluster_shape_mn}")
         stages = cfg.stages or cls.max_stages(cfg)
         need = cls.smem_usage(cfg, stages)
-        if stages < 2 or need > SM90_SMEM_CAPACITY:
+        if stages < 2 or need > smem_capacity(cfg.ctas_per_sm):
             raise ValueError(
                 f"{stages} stages of {cls.stage_bytes(cfg)} B plus a {cls.epilogue_bytes(cfg)} B epilogue need "
-                f"{need} B of shared memory; the budget is {SM90_SMEM_CAPACITY} B per CTA and >= 2 stages"
+                f"{need} B of shared memory; the budget is {smem_capacity(cfg.ctas_per_sm)} B per CTA "
+                f"({cfg.ctas_per_sm} per SM) and >= 2 stages"
             )
 
     # ---- host-side sizing (also used by the manifest's validity rules) -------------------------------
@@ -208,7 +232,7 @@ class Sm90Fp8Gemm:
 
     @classmethod
     def max_stages(cls, cfg: Sm90GemmConfig) -> int:
-        free = SM90_SMEM_CAPACITY - cls.epilogue_bytes(cfg) - cls.reserved_bytes
+        free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg) - cls.reserved_bytes
         return min(8, free // cls.stage_bytes(cfg))
 
     # ---- host entry (traced once per configuration) -----------------------------------------------
@@ -274,7 +298,7 @@ class Sm90Fp8Gemm:
             split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
 
         self.shared_storage = SharedStorage
-        assert SharedStorage.size_in_bytes() <= SM90_SMEM_CAPACITY, (SharedStorage.size_in_bytes(), self.cfg)
+        assert SharedStorage.size_in_bytes() <= smem_capacity(self.cfg.ctas_per_sm), (SharedStorage.size_in_bytes(), self.cfg)
 
         M, N = mD.shape
         tiles_m = ceil_div(M, bM)
@@ -293,7 +317,10 @@ class Sm90Fp8Gemm:
             block=(self.threads_per_cta, 1, 1),
             cluster=(cm, cn, 1),
             smem=self.shared_storage.size_in_bytes(),
-            min_blocks_per_mp=1,
+            # With 2, ptxas caps registers at 128 per thread so that two CTAs fit; the carveout (all shared
+            # memory) is given here, or the DSL would ask the driver for it while compiling.
+            min_blocks_per_mp=self.cfg.ctas_per_sm,
+            preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None,
             stream=stream,
             use_pdl=self.cfg.pdl,
         )
