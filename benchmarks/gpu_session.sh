@@ -133,6 +133,17 @@ persm)
   $tt --ms 16,64 --nk 8192x8192 --recipes row --floor --tiles 64x16c1x1s,64x16c1x1so2,64x64c1x1s,64x64c1x1so2 --splits 0 >> "$out/persm.txt" 2>&1
   grep -v Warn "$out/persm.txt" | cut -c1-150
   ;;
+pairs)
+  # Two CTAs per SM with 2x1 clusters (the orientation that worked at M=6144 N=512), swapped and not, on
+  # the DeepSeek-V3 shapes still behind cuBLAS, and their rates over several waves.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted"
+  $tt --ms 1024 --nk 1536x7168 --recipes tensor --tiles 128x96c2x1,64x96c2x1o2,64x96c2x1so2,64x128c2x1so2,64x192c2x1so2,64x128c2x1o2 --splits 1 > "$out/pairs.txt" 2>&1
+  $tt --ms 6144 --nk 576x7168 --recipes tensor --tiles 128x128c2x1,64x96c2x1o2,64x144c2x1o2,64x192c2x1o2,64x144c2x1so2,64x96c2x1so2,64x128c2x1so2 --splits 1 >> "$out/pairs.txt" 2>&1
+  $tt --ms 1024 --nk 7168x2048 --recipes tensor --tiles 128x128c2x1,64x192c2x1o2,64x192c2x1so2,64x128c2x1o2,64x128c2x1so2 --splits 1 >> "$out/pairs.txt" 2>&1
+  $tt --ms 6144 --nk 1536x7168,7168x2048 --recipes tensor --tiles 128x192c2x1,64x192c2x1so2,64x192c2x1o2,64x128c2x1o2,64x128c2x1so2 --splits 1 >> "$out/pairs.txt" 2>&1
+  $tt --ms 4096 --nk 4096x4096 --recipes tensor --tiles 128x128c2x1,64x192c2x1o2,64x128c2x1o2,64x192c2x1so2 --splits 1 >> "$out/pairs.txt" 2>&1
+  grep -v Warn "$out/pairs.txt" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

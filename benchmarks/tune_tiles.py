@@ -109,7 +109,7 @@ def main(argv=None):
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3
                     gbs = bytes_moved / t / 1e3
-                    shape = f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}"
+                    shape = f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}{'o2' if inst.ctas_per_sm > 1 else ''}"
                     print(f"   {inst.schedule:13s} {shape:20s} {inst.accum:8s} split {splits:2d} {t:7.1f} us "
                           f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
 
