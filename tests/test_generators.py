@@ -104,7 +104,7 @@ class Tensor(ctypes.Structure):
 class Kernel(ctypes.Structure):
     _fields_ = ([(f, ctypes.c_char_p) for f in ("name", "arch", "op", "schedule", "recipe", "a_dtype", "b_dtype",
                                                 "out_dtype", "bias_dtype", "accum")]
-                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k", "swap_ab", "split_tail", "rate")]
+                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k", "swap_ab", "split_tail", "ctas_per_sm", "rate")]
                 + [("m_min", ctypes.c_int64), ("m_max", ctypes.c_int64), ("launch", ctypes.c_void_p)])
 
 
@@ -172,7 +172,7 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST, 0, 0)
     assert k and k.contents.name.decode() == ROW_BF16 and k.contents.m_max == 1 << 31 and k.contents.cluster_m == 2
     assert k.contents.bias_dtype is None and k.contents.tile_n == _instance(ROW_BF16).tile_n
-    assert k.contents.rate == dispatch.tile_rate(_instance(ROW_BF16))
+    assert k.contents.rate == dispatch.tile_rate(_instance(ROW_BF16)) and k.contents.ctas_per_sm == 1
     small = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_SMALL, 0, 0)
     assert small.contents.name.decode() == SMALL and small.contents.swap_ab == 1 and k.contents.swap_ab == 0
     # with N and the SM count: the wave-cost rule, here among the one exported candidate
