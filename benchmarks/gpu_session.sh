@@ -144,6 +144,25 @@ pairs)
   $tt --ms 4096 --nk 4096x4096 --recipes tensor --tiles 128x128c2x1,64x192c2x1o2,64x128c2x1o2,64x192c2x1so2 --splits 1 >> "$out/pairs.txt" 2>&1
   grep -v Warn "$out/pairs.txt" | cut -c1-150
   ;;
+cluster_dirs)
+  # Which operand to multicast: 2x1 clusters share W tiles, 1x2 share A tiles (and 1x1 none), on the
+  # one- and two-wave DeepSeek-V3 shapes.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted"
+  $tt --ms 1024 --nk 1536x7168 --recipes tensor --tiles 128x96c2x1,128x96c1x2,128x96c1x1 --splits 1 > "$out/cluster_dirs.txt" 2>&1
+  $tt --ms 1024 --nk 4608x7168 --recipes tensor --tiles 128x144c2x1,128x144c1x2,128x144c1x1 --splits 1 >> "$out/cluster_dirs.txt" 2>&1
+  $tt --ms 1024 --nk 7168x2048 --recipes tensor --tiles 128x128c2x1,128x128c1x2,128x128c1x1 --splits 1 >> "$out/cluster_dirs.txt" 2>&1
+  $tt --ms 6144 --nk 576x7168 --recipes tensor --tiles 128x128c2x1,128x128c1x2,128x128c1x1 --splits 1 >> "$out/cluster_dirs.txt" 2>&1
+  $tt --ms 1024 --nk 576x7168,512x7168 --recipes tensor --tiles 64x96c1x2,64x96c2x1,64x96c1x1,64x64c1x2,64x64c2x1,64x64c1x1 --splits 1 >> "$out/cluster_dirs.txt" 2>&1
+  grep -v Warn "$out/cluster_dirs.txt" | cut -c1-150
+  ;;
+hotspots_block)
+  # Where the DeepSeek recipe's warps wait against the per-tensor kernel on the same 128x192 tiles (4096^3).
+  for r in 1x128_128x128 tensor; do
+    ncu --clock-control none --section SourceCounters --section WarpStateStats --nvtx --nvtx-include profile/ -o "$out/rep_$r" -f python3 -m benchmarks.profile_shape --m 4096 --n 4096 --k 4096 --recipe $r --tile 128x192c2x1 --splits 1 > /dev/null 2>&1
+    ncu --import "$out/rep_$r.ncu-rep" --page source --csv --print-source sass > "$out/rep_$r.csv" 2>&1
+    python3 -m benchmarks.ncu_hotspots "$out/rep_$r.csv" --top 16 | cut -c1-140 | tee "$out/rep_$r.hot.txt"
+  done
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
