@@ -62,6 +62,14 @@ def breakdown(m, n, k, calls):
         "scaled_mm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out),
     }, calls)
 
+    # What allocating the output costs (scaled_mm without out=), by the ways torch offers.
+    dev = qa.device
+    _print_rows("allocating a (1, 512) bf16 output:", {
+        "torch.empty(shape, dtype, device=a.device)": lambda: torch.empty((m, n), dtype=torch.bfloat16, device=qa.device),
+        "torch.empty(shape, dtype, device=kept device)": lambda: torch.empty((m, n), dtype=torch.bfloat16, device=dev),
+        "a.new_empty(shape, dtype)": lambda: qa.new_empty((m, n), dtype=torch.bfloat16),
+    }, calls)
+
     # Per-tensor: the kernel takes (1,) scale views of torch's 0-dim scales. Does handing TVM-FFI a view
     # made in the call cost more than one kept from an earlier call?
     (qa, b, sa, sb), plan = _repeated_call(m, n, k, "tensor", out)

