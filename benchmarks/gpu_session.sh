@@ -163,6 +163,14 @@ hotspots_block)
     python3 -m benchmarks.ncu_hotspots "$out/rep_$r.csv" --top 16 | cut -c1-140 | tee "$out/rep_$r.hot.txt"
   done
   ;;
+block)
+  # Block-scaled recipes after a main-loop change: their GPU tests, the 128x192 / 128x128 tiles at 4096^3 and
+  # 4096x8192x8192 next to per-tensor, and the square / DeepSeek-V3 sets through scaled_mm.
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py tests/test_sm90_small_m_gpu.py 2>&1 | tail -n 3
+  python3 -m benchmarks.tune_tiles --accums promoted --ms 4096 --nk 4096x4096,8192x8192 --recipes 1x128_128x128,128x128_128x128,tensor --tiles 128x192c2x1,128x128c2x1 --splits 1 2>&1 | grep -v Warn | cut -c1-130
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

@@ -61,22 +61,44 @@ def stage_scales(
     kt: cutlass.Int32,
     stage,
     lane,
+    bar,
 ):
     """Producer side: copy one K tile's scales of one operand into its slots of a stage.
 
     ``scales`` is the operand's scale tensor (rows or row blocks, Kb); ``slots`` the (tile extent, stages)
-    fp32 shared-memory tensor. Called by all 32 lanes of the producer warp.
+    fp32 shared-memory tensor; ``bar`` the stage's full barrier. Called by all 32 lanes of the producer warp.
     """
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
     if cutlass.const_expr(granularity == "group"):
         rows = scales.shape[0]
-        for j in cutlass.range_constexpr(-(-tile_extent // PRODUCER_LANES)):
-            r = lane + j * PRODUCER_LANES
-            row = tile * tile_extent + r
-            # Rows past the edge are never stored (the TMA store clips them): leave their slots stale.
-            # (A 16-wide tile uses 16 of the 32 lanes.)
-            if row < rows and r < tile_extent:
-                _copy_one(atom, scales, (row, kt), slots, (r, stage))
+        row0 = tile * tile_extent
+        src = scales.iterator.toint() + cute.crd2idx((row0, kt), scales.layout) * 4
+        # A whole tile of row scales that is one contiguous, 16-byte aligned run (torch's M-contiguous
+        # layout with M % 4 == 0) goes in one bulk copy, counted in the stage's transaction bytes: per-row
+        # 4-byte cp.async copies cost the DeepSeek recipe ~13% against one copy per tile (BENCHMARKS.md,
+        # session 6). Other layouts and the last, partial tile take the per-row copies.
+        if scales.layout.stride[0] == 1 and row0 + tile_extent <= rows and src % 16 == 0:
+            if lane == 0:
+                bulk = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), Float32,
+                                           num_bits_per_copy=tile_extent * 32)
+                dst = slots.iterator.toint() + cute.crd2idx((0, stage), slots.layout) * 4
+                cute.arch.mbarrier_expect_tx(bar, tile_extent * 4)
+                cute.copy(
+                    bulk,
+                    cute.make_tensor(cute.make_ptr(Float32, src, cute.AddressSpace.gmem, assumed_align=16),
+                                     cute.make_layout(tile_extent)),
+                    cute.make_tensor(cute.make_ptr(Float32, dst, cute.AddressSpace.smem, assumed_align=16),
+                                     cute.make_layout(tile_extent)),
+                    mbar_ptr=bar,
+                )
+        else:
+            for j in cutlass.range_constexpr(-(-tile_extent // PRODUCER_LANES)):
+                r = lane + j * PRODUCER_LANES
+                row = row0 + r
+                # Rows past the edge are never stored (the TMA store clips them): leave their slots stale.
+                # (A 16-wide tile uses 16 of the 32 lanes.)
+                if row < rows and r < tile_extent:
+                    _copy_one(atom, scales, (row, kt), slots, (r, stage))
     else:
         first = tile * tile_extent // SCALE_BLOCK
         if lane < blocks_touched(tile_extent):

@@ -476,8 +476,8 @@ class Sm90Fp8Gemm:
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
                         if cutlass.const_expr(self.block_scaled):
-                            stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane)
-                            stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane)
+                            stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane, bar)
+                            stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane, bar)
                             cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                         cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
                         cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
