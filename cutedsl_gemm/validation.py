@@ -52,7 +52,8 @@ def require_out_dtype(dtype) -> str:
 
 
 def require_k_major(name: str, t: torch.Tensor, k_dim: int, layout_hint: str) -> None:
-    """K is the contiguous dimension, rows are 16-byte aligned, and the base pointer is 16-byte aligned."""
+    """K is the contiguous dimension, rows are 16-byte aligned and packed (stride K), and the base pointer is
+    16-byte aligned."""
     if t.stride(k_dim) != 1 and t.size(k_dim) > 1:
         raise ValueError(
             f"{name} must be K-major ({layout_hint}): stride along K must be 1, got strides {tuple(t.stride())}; "
@@ -66,3 +67,9 @@ def require_k_major(name: str, t: torch.Tensor, k_dim: int, layout_hint: str) ->
         )
     if t.data_ptr() % TMA_ALIGN:
         raise ValueError(f"{name}: TMA needs a {TMA_ALIGN}-byte aligned base address, got 0x{t.data_ptr():x}")
+    if t.size(1 - k_dim) > 1 and row_stride != t.size(k_dim):
+        # The Hopper kernels are compiled for packed rows (one stride fewer to pass and check per call).
+        raise ValueError(
+            f"{name} must have packed rows ({layout_hint}): row stride {row_stride} != K={t.size(k_dim)}; "
+            "pass a contiguous tensor (the kernels never copy silently)"
+        )

@@ -32,6 +32,8 @@ def test_k_major_and_tma_alignment_checks():
     base = fp8(8, 80)
     with pytest.raises(ValueError, match="16-byte aligned base address"):
         V.require_k_major("a", base[:, 1:65], 1, "row-major (M, K)")
+    with pytest.raises(ValueError, match="packed rows .* row stride 80 != K=64"):
+        V.require_k_major("a", base[:, :64], 1, "row-major (M, K)")  # aligned, but rows padded to 80
     V.require_k_major("b", fp8(64, 32).t(), 0, "column-major")  # the torch._scaled_mm layout passes
 
 
