@@ -10,10 +10,12 @@ The kernel sees the scales as 2-D fp32 tensors ``(rows, Kb)`` for ``group`` and 
 for ``block``, with run-time strides, so torch's outer-dim-major / padded layouts and plain row-major ones
 are all read in place.
 
-Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles. The producer warp's 32
-lanes copy them with 4-byte ``cp.async`` (the M-contiguous scale rows are not 16-byte aligned in general,
-so TMA cannot address them) and each lane signals the stage's full barrier with
-``cp.async.mbarrier.arrive.noinc`` -- the barrier therefore expects 1 (TMA expect_tx) + 32 arrivals.
+Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles. A tile's ``group``
+scales that form one contiguous, 16-byte aligned run (torch's M-contiguous layout with M % 4 == 0) go in one
+``cp.async.bulk`` whose bytes count in the stage's transactions; otherwise (other layouts, the last partial
+tile, and ``block`` scales, one or two per tile) the producer warp's 32 lanes copy them with 4-byte
+``cp.async``. Every lane then signals the stage's full barrier with ``cp.async.mbarrier.arrive.noinc`` --
+the barrier therefore expects 1 (TMA expect_tx) + 32 arrivals.
 """
 
 from __future__ import annotations
