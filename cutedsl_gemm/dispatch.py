@@ -27,9 +27,10 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
 
 
 # Relative MMA throughput (per mille of the 128x192 tile's) of each unswapped promoted tile shape, measured
-# over several waves on the H100 (benchmarks/tune_tiles, per-tensor, K = 2048 and 7168; BENCHMARKS.md "Tile
-# rates", sessions 5 and 6): smaller tiles move more bytes per MMA, and one consumer warp group (64-row tiles) cannot hide its
-# own promotion behind the other's MMAs. Swapped (decode) tiles are memory-bound: waves decide, rate 1000.
+# over several waves on the H100 (benchmarks/tune_tiles, per-tensor, K = 2048 and 7168; BENCHMARKS.md, tile
+# rates of sessions 5 and 6): smaller tiles move more bytes per MMA, and one consumer warp group (64-row
+# tiles) cannot hide its own promotion behind the other's MMAs. Swapped (decode) tiles are memory-bound:
+# waves decide, rate 1000.
 TILE_RATES = {(128, 192): 1000, (128, 144): 920, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 96): 570,
               (64, 64): 500}
 # Tiles of two CTAs per SM, swapped or not (per CTA: each has about half an SM). 64x192 c2x1: 8192^3 1008 us
