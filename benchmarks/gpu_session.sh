@@ -171,6 +171,15 @@ block)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
   grep -A 8 "^geomeans" "$out/gemm_block.txt"
   ;;
+lastwave)
+  # 128x192 with its last wave split in K (the lw variant, split as dispatch would) against the tiles dispatch
+  # picks without modelling that split.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted"
+  $tt --ms 6144 --nk 576x7168,512x7168 --recipes tensor,row --tiles 128x128c2x1,128x192c2x1,128x192c2x1lw,128x144c2x1 --splits 0 > "$out/lastwave.txt" 2>&1
+  $tt --ms 1024 --nk 4608x7168 --recipes tensor --tiles 128x144c2x1,128x192c2x1,128x192c2x1lw --splits 0 >> "$out/lastwave.txt" 2>&1
+  $tt --ms 6144 --nk 1536x7168,4608x7168 --recipes tensor --tiles 128x192c2x1,128x192c2x1lw --splits 0 >> "$out/lastwave.txt" 2>&1
+  grep -v Warn "$out/lastwave.txt" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
