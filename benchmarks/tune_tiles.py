@@ -59,14 +59,15 @@ def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
     m, n, k = mnk
     fn = api._compiled(inst)
     clusters = api._launch_clusters(0, inst)
+    slots = clusters * inst.cluster_m * inst.cluster_n  # CTAs resident at once, as scaled_mm counts them
     if not inst.can_split_k:
         splits = 1
     elif want_splits == 0 and inst.split_tail:
         # the split dispatch would give the manifest's cooperative sibling's last wave
         sibling = replace(inst, schedule="cooperative", split_tail=False)
-        splits = dispatch.last_wave_splits(sibling, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
+        splits = dispatch.last_wave_splits(sibling, m, n, k, slots)
     elif want_splits == 0:
-        splits = dispatch.choose_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
+        splits = dispatch.choose_splits(inst, m, n, k, slots)
     else:
         splits = dispatch.normalize_splits(want_splits, inst.k_tiles(k))
     ws = api._split_buffers(inst, m, n, splits, 0)

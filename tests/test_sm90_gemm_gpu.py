@@ -146,13 +146,14 @@ def test_repeated_signature_still_checks_alignment_and_computes_fresh_data():
 
 
 def _epilogue_scaled_tiles():
-    """One instance per distinct tile configuration of the tensor/row manifest rows (bf16 out, no bias)."""
+    """One instance per distinct kernel of the row-wise manifest rows (bf16 out, no bias): rows that differ
+    only in their dispatch M range share code (``runner.code_key``)."""
     from cutedsl_gemm.generators.manifest import select
+    from cutedsl_gemm.generators.runner import code_key
 
     seen = {}
     for i in select(arch="sm_90a", recipe="row", a_dtype="e4m3", b_dtype="e4m3", out_dtype="bf16", bias_dtype=None):
-        seen.setdefault((i.tile_m, i.tile_n, i.cluster_m, i.cluster_n, i.accum, i.swap_ab, i.tile_k, i.split_tail,
-                         i.ctas_per_sm), i)
+        seen.setdefault(code_key(i), i)
     return list(seen.values())
 
 
