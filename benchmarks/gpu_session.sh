@@ -180,6 +180,18 @@ lastwave)
   $tt --ms 6144 --nk 1536x7168,4608x7168 --recipes tensor --tiles 128x192c2x1,128x192c2x1lw --splits 0 >> "$out/lastwave.txt" 2>&1
   grep -v Warn "$out/lastwave.txt" | cut -c1-150
   ;;
+fast)
+  # Fast accumulation (use_fast_accum=True) had one cooperative tile (128x256): its tiles over the DeepSeek-V3
+  # shapes (split as dispatch would), their rates over several waves, the squares, and the set through scaled_mm.
+  tt="python3 -m benchmarks.tune_tiles --accums fast --recipes tensor --splits 0"
+  ft=128x256c2x1,128x192c2x1,128x144c2x1,128x128c2x1,128x96c2x1,64x256c1x2,64x192c1x2,64x128c1x2,64x96c1x2,64x64c1x2
+  $tt --ms 1024 --nk 1536x7168,3072x1536,576x7168,7168x256,7168x2048,4608x7168,7168x2304,512x7168,4096x512 --tiles $ft > "$out/fast_1024.txt" 2>&1
+  $tt --ms 6144 --nk 1536x7168,3072x1536,576x7168,7168x256,7168x2048,4608x7168,7168x2304,512x7168,4096x512 --tiles $ft > "$out/fast_6144.txt" 2>&1
+  $tt --ms 4096,8192 --nk 4096x4096,8192x8192 --tiles 128x256c2x1,128x192c2x1,128x128c2x1,64x256c1x2 > "$out/fast_square.txt" 2>&1
+  grep -v Warn "$out"/fast_*.txt | cut -c1-150
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --fast-accum --out "$out/gemm_fast.json" > "$out/gemm_fast.txt" 2>&1
+  grep -A 6 "^geomeans" "$out/gemm_fast.txt"
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

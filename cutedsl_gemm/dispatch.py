@@ -33,17 +33,25 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
 # waves decide, rate 1000.
 TILE_RATES = {(128, 192): 1000, (128, 144): 920, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 96): 570,
               (64, 64): 500}
+# The same over fast-accumulation tiles (no promotion; 128x256 fits): M=6144 with N=1536 / 3072 / 4608 / 7168,
+# 4096x8192x8192 and 8192^3, per mille of 128x192 fast (BENCHMARKS.md, session 7). 64-row tiles gain nothing
+# from skipping the promotion: they are bound by their own bytes per MMA.
+FAST_TILE_RATES = {(128, 256): 1030, (128, 192): 1000, (128, 144): 955, (128, 128): 965, (128, 96): 855,
+                   (64, 128): 620, (64, 96): 570, (64, 64): 510}
 # Tiles of two CTAs per SM, swapped or not (per CTA: each has about half an SM). 64x192 c2x1: 8192^3 1008 us
 # against 794.6 for 128x192 c2x1 in the same run, i.e. 21 waves x 64x192 / 1.27 (21 waves x 128x192).
 PAIRED_TILE_RATES = {(64, 192): 400}
 
 
 def tile_rate(inst: KernelInstance) -> int:
-    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (1000 where not measured, and for the
-    memory-bound swapped decode tiles)."""
+    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by accumulation; 1000 where not measured,
+    and for the memory-bound swapped decode tiles)."""
     if inst.ctas_per_sm > 1:
         return PAIRED_TILE_RATES[(inst.tile_m, inst.tile_n)]
-    return 1000 if inst.swap_ab else TILE_RATES.get((inst.tile_m, inst.tile_n), 1000)
+    if inst.swap_ab:
+        return 1000
+    rates = FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
+    return rates.get((inst.tile_m, inst.tile_n), 1000)
 
 
 def wave_cost(inst: KernelInstance, m: int, n: int, sms: int) -> int:

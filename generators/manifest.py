@@ -178,10 +178,12 @@ TABLE: Tuple[TileConfig, ...] = (
     # 22.0 for 128x192 split 5 ways). Tiles whose width divides narrow outputs evenly: 128x144 (M=1024,
     # N=4608: 256 tiles in two waves, 56.0 vs 63.0 us for 128x192) and 64x96 (M=1024, N=576: 96 tiles, 15.7 us
     # against 21.9 for 64x128 and 25.8 for 64x64 in two waves). BENCHMARKS.md "Tile rates".
-    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1, accum="promoted"),
+    # Fast accumulation gets the same tiles (and 128x256, below): with 128x256 alone it ran 1.7-2.9x slower
+    # than cuBLAS at M=1024, N=576 / 1536 / 4608 (dsv3 geomean 0.77x; BENCHMARKS.md, session 7).
     *(
-        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum="promoted")
-        for tm, tn, cm, cn in ((128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2),
+        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum=acc)
+        for acc in ("promoted", "fast")
+        for tm, tn, cm, cn in ((128, 192, 2, 1), (128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2),
                                (128, 144, 2, 1), (64, 96, 1, 2))
     ),
     # Two CTAs per SM, swapped (W rows on WGMMA's M side, 192 activation rows on its N side), as cuBLAS runs

@@ -21,8 +21,9 @@ from cutedsl_gemm.generators.runner import SelectionError, code_key, pick
 # runs it) and a tensor-wise fp32 one with bias (bias length is a third shared extent).
 M_TEST = 1000  # not a multiple of any tile: the GPU run has a partial tile
 ROW_BF16 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_TEST, "promoted").name
-# 128x256 fast accumulation: the one Hopper tile built without the split-K reduction
-TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "fast").name
+# 128x256 fast accumulation (what an 8192-wide output gets): the one Hopper tile built without the split-K
+# reduction
+TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "fast", n=8192, sms=132).name
 M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the manifest has one
 SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
 

@@ -98,6 +98,18 @@ def test_dispatch_weighs_waves_by_tile_rate():
     assert dispatch.wave_cost(i64, 1024, 512, 132) < dispatch.wave_cost(i192, 1024, 512, 132)
 
 
+def test_fast_accumulation_dispatch_uses_its_own_rates():
+    """use_fast_accum=True has the promoted tiles plus 128x256, weighed by FAST_TILE_RATES (session 7 sweep)."""
+    pick = lambda m, n: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, "fast", n=n, sms=132)
+    shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 24.6 us vs 40.3 for 128x256
+    assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 16.1 us vs 39.7
+    assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 51.1 us vs 79.1
+    assert shape(pick(8192, 8192)) == (128, 256, 2, 1) and shape(pick(4096, 4096)) == (128, 256, 2, 1)
+    fast = pick(8192, 8192)
+    assert fast.accum == "fast" and dispatch.tile_rate(fast) == dispatch.FAST_TILE_RATES[(128, 256)]
+    assert dispatch.tile_rate(pick(1024, 4608)) == dispatch.FAST_TILE_RATES[(128, 144)] != dispatch.TILE_RATES[(128, 144)]
+
 def test_manifest_rejects_oversize_tiles_with_reason():
     bad = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
     with pytest.raises(manifest.ManifestError, match="does not fit"):

@@ -67,8 +67,11 @@ def test_split_k_instances():
     rows = manifest.select(arch="sm_90a", op="gemm")
     assert all(r.sm90_config().split_k == (r.tile_n <= 192) for r in rows)
     assert all(r.can_split_k for r in rows if r.accum == "promoted" or r.schedule == "small_m")
-    fast_wide = _inst(4096, accum="fast")
+    fast_wide = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 4096, "fast", n=8192, sms=132)
     assert fast_wide.tile_n == 256 and dispatch.choose_splits(fast_wide, 4096, 512, 8192, slots=132) == 1
+    # Fast accumulation has the promoted rows' tiles too, and they split like them.
+    fast_narrow = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 1024, "fast", n=576, sms=132)
+    assert (fast_narrow.tile_m, fast_narrow.tile_n, fast_narrow.can_split_k) == (64, 96, True)
 
 
 @pytest.mark.compile
