@@ -110,6 +110,7 @@ def test_fast_accumulation_dispatch_uses_its_own_rates():
     assert fast.accum == "fast" and dispatch.tile_rate(fast) == dispatch.FAST_TILE_RATES[(128, 256)]
     assert dispatch.tile_rate(pick(1024, 4608)) == dispatch.FAST_TILE_RATES[(128, 144)] != dispatch.TILE_RATES[(128, 144)]
 
+
 def test_manifest_rejects_oversize_tiles_with_reason():
     bad = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
     with pytest.raises(manifest.ManifestError, match="does not fit"):
