@@ -58,16 +58,21 @@ class KernelInstance:
             f"{wave}_t{self.tile_m}x{self.tile_n}_c{self.cluster_m}x{self.cluster_n}_{self.accum}{extra}"
         )
 
-    def output_tiles(self, m: int, n: int) -> int:
-        """Output tiles of an M x N problem (a swapped kernel tiles N by tile_m and M by tile_n)."""
+    def _tile_grid(self, m: int, n: int) -> Tuple[int, int]:
+        """Output tiles along the kernel's rows and columns (a swapped kernel tiles N by tile_m, M by tile_n)."""
         rows, cols = (n, m) if self.swap_ab else (m, n)
-        return -(-rows // self.tile_m) * -(-cols // self.tile_n)
+        return -(-rows // self.tile_m), -(-cols // self.tile_n)
+
+    def output_tiles(self, m: int, n: int) -> int:
+        """Output tiles of an M x N problem."""
+        tiles_r, tiles_c = self._tile_grid(m, n)
+        return tiles_r * tiles_c
 
     def cluster_tiles(self, m: int, n: int) -> int:
         """Cluster tiles (cluster_m x cluster_n blocks of output tiles) of an M x N problem, as the kernel's
         scheduler walks them."""
-        rows, cols = (n, m) if self.swap_ab else (m, n)
-        return -(-(-(-rows // self.tile_m)) // self.cluster_m) * -(-(-(-cols // self.tile_n)) // self.cluster_n)
+        tiles_r, tiles_c = self._tile_grid(m, n)
+        return -(-tiles_r // self.cluster_m) * -(-tiles_c // self.cluster_n)
 
     def k_tiles(self, k: int) -> int:
         return -(-k // self.tile_k)
