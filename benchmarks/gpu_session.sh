@@ -192,6 +192,22 @@ fast)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --fast-accum --out "$out/gemm_fast.json" > "$out/gemm_fast.txt" 2>&1
   grep -A 6 "^geomeans" "$out/gemm_fast.txt"
   ;;
+l2)
+  # Session 8: is the tensor pipe starved by L2 -> SM operand traffic at full load? SM clock, L2 and tensor-pipe
+  # throughput of ours (cluster shapes, tile sizes) next to cuBLAS, one ncu pass of the SOL/memory/compute sections each.
+  ncu --query-metrics --chip gh100 2>/dev/null | grep -iE "gmma|pipe_tensor" | cut -c1-120 | head -20
+  for spec in "8192 8192 8192 128x192c2x1 promoted" "8192 8192 8192 128x192c2x2 promoted" "8192 8192 8192 128x256c2x1 fast" \
+              "6144 576 7168 128x128c2x1 promoted" "6144 1536 7168 128x192c2x1 promoted"; do
+    read -r m n k tile acc <<< "$spec"
+    f="$out/ncu_l2_${m}x${n}x${k}_${tile}_${acc}.txt"
+    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --metrics sm__cycles_elapsed.avg.per_second,lts__t_bytes.sum.per_second,lts__t_sectors_op_read.sum \
+        --print-details all --nvtx --nvtx-include profile/ python3 -m benchmarks.profile_shape --m $m --n $n --k $k \
+        --recipe tensor --tile $tile --accum $acc --splits 1 --calls 2 > "$f" 2>&1
+    echo "== $spec"
+    grep -E "^  [a-zA-Z_0-9]+.*\(|Duration|SM Frequency|per_second|lts__t_sectors_op_read|L2 Cache Throughput|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|L1/TEX Hit|L2 Hit Rate|Issue Slots Busy|Tensor|GMMA|Executed Ipc A" "$f" | cut -c1-150 | head -40
+  done
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
