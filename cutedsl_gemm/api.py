@@ -71,10 +71,12 @@ def _workspace(index: int) -> _SplitKWorkspace:
 
 
 def _workspace_need(inst, m: int, n: int, splits: int, max_clusters: int):
-    """(fp32 partials, int32 counters) the split-K buffers must hold for a launch (``dispatch.split_workspace``);
-    (1, 1) when K is not split."""
-    floats, counters = dispatch.split_workspace(inst, m, n, splits, max_clusters)
-    return max(floats, 1), max(counters, 1)
+    """(fp32 partials, int32 counters) a launch with ``splits`` K splits needs: one partial tile per split
+    tile (``dispatch.split_tiles``) and split, one counter per split tile; (1, 1) when K is not split."""
+    tiles = dispatch.split_tiles(inst, m, n, splits, max_clusters)
+    if tiles == 0:
+        return 1, 1
+    return tiles * splits * inst.tile_m * inst.tile_n, tiles
 
 
 def _split_buffers(inst, m: int, n: int, splits: int, index: int):

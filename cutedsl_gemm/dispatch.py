@@ -139,26 +139,28 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
     return normalize_splits(splits, k_tiles)
 
 
-# Balancing the last waves (the split_tail variants' stream-K schedule, kernels/common/last_wave_split.py)
-# takes the idle part of the last, partial wave away and costs each tile it cuts one published partial and
-# its read-back (2-4 us each, phase traces in BENCHMARKS.md, session 8): worth it for long K only.
-# (Session 4's version split only the last wave's tiles, 4 ways at most: M=6144, N=512, K=7168: 65.2 us
-# whole, 53.2 us; M=1024, N=7168, K=2048: 35.3 -> 37.4 us.)
+# Splitting the last, partial wave of a larger problem saves (1 - 1/splits) of a tile's time and costs a
+# reduction whose time measured nearly fixed, 7-10 us on the H100 (tune_tiles, 128x192 tiles, BENCHMARKS.md):
+# worth it only for long K. M=6144, N=512, K=7168: 65.2 us whole, 56.3 / 52.5 / 53.2 / 52.4 / 54.9 us with
+# 2 / 3 / 4 / 6 / 10 last-wave splits; M=1024, N=4608, K=7168: 65.4 -> 58.8 us (2); but M=1024, N=7168,
+# K=2048: 35.3 -> 37.4 us (2), 4096^3: 118.0 -> 115.1 us (2), 117.9 us (3).
 MIN_K_TILES_FOR_LAST_WAVE_SPLIT = 48
-BALANCED_TAIL = 2  # the ``splits`` that turns a split_tail kernel's balanced schedule on
+MAX_LAST_WAVE_SPLITS = 4
 
 
 def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> int:
-    """``BALANCED_TAIL`` when the call should take ``inst``'s last-wave variant (a problem larger than one
-    wave whose last wave is at most half full, K >= 48 K tiles, and the instance has such a variant), else 1.
-    M=6144, N=576, K=7168 at 128x192 c2x1: 72 cluster tiles on 66 slots, balanced as 61.1 K tiles each."""
+    """K splits for the last, partial wave of a problem larger than one wave (1: run it whole). With R
+    cluster tiles in that wave: min(cluster slots // R, 4), when K has >= 48 K tiles and the instance has a
+    last-wave split variant. M=6144, N=512, K=7168 at 128x192 c2x1: 72 cluster tiles on 66 slots, the
+    last 6 in 4 splits."""
     if inst.swap_ab or not inst.can_split_k or inst.output_tiles(m, n) <= slots:
         return 1
     cslots = max(1, slots // (inst.cluster_m * inst.cluster_n))
     tail = inst.cluster_tiles(m, n) % cslots
-    if not 0 < 2 * tail <= cslots or inst.k_tiles(k) < MIN_K_TILES_FOR_LAST_WAVE_SPLIT or last_wave_variant(inst) is None:
+    k_tiles = inst.k_tiles(k)
+    if tail == 0 or k_tiles < MIN_K_TILES_FOR_LAST_WAVE_SPLIT or last_wave_variant(inst) is None:
         return 1
-    return BALANCED_TAIL
+    return normalize_splits(max(1, min(cslots // tail, MAX_LAST_WAVE_SPLITS)), k_tiles)
 
 
 @functools.lru_cache(maxsize=None)
@@ -168,18 +170,14 @@ def last_wave_variant(inst: KernelInstance):
     return next((i for i in INSTANCES if i == want), None)
 
 
-def split_workspace(inst: KernelInstance, m: int, n: int, splits: int, max_clusters: int):
-    """(fp32 partials, int32 counters) a launch with ``splits`` needs; (0, 0) when it splits nothing.
-    Split-K: a partial per split and output tile, a counter per tile. A last-wave variant (``split_tail``,
-    launched on all ``max_clusters``): a partial tile per CTA (each publishes at most one piece) and a
-    counter per CTA tile of the balanced part (kernels/common/last_wave_split.py)."""
+def split_tiles(inst: KernelInstance, m: int, n: int, splits: int, max_clusters: int) -> int:
+    """CTA tiles whose K a launch with ``splits`` splits (partial sums and counters to hold): every output
+    tile, or for a last-wave split instance the cluster tiles past the grid's last full wave
+    (kernels/common/last_wave_split.py; ``max_clusters`` caps the grid)."""
     if splits <= 1:
-        return 0, 0
-    area = inst.tile_m * inst.tile_n
+        return 0
     if not inst.split_tail:
-        tiles = inst.output_tiles(m, n)
-        return tiles * splits * area, tiles
-    ctas = inst.cluster_m * inst.cluster_n
+        return inst.output_tiles(m, n)
     ctiles = inst.cluster_tiles(m, n)
-    balanced = ctiles - unsplit_cluster_tiles(ctiles, max_clusters)
-    return max_clusters * ctas * area, balanced * ctas
+    grid = min(ctiles * splits, max_clusters)
+    return (ctiles - unsplit_cluster_tiles(ctiles, grid)) * inst.cluster_m * inst.cluster_n

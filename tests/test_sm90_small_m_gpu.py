@@ -125,8 +125,8 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(recipe, n):
 
 @pytest.mark.parametrize("recipe,m,n", [("tensor", 1408, 7104), ("row", 1408, 7104), ("1x128_128x128", 1152, 3392)])
 def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
-    """A little more than whole waves of tiles: scaled_mm takes the instance's last-wave variant, which
-    runs all but the last two waves whole and balances the rest over the grid in K pieces (M=1152 and 1408 leave the 2x1 clusters' last
+    """A little more than whole waves of tiles: scaled_mm takes the instance's last-wave split variant,
+    which runs the full waves whole and splits the rest in K (M=1152 and 1408 leave the 2x1 clusters' last
     row half empty; N=3392 and 7104 are no multiples of the 128 / 192-wide tiles)."""
     k = 6144
     torch.manual_seed(5)
@@ -138,7 +138,7 @@ def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
     splits = dispatch.last_wave_splits(inst, m, n, k, slots)
     variant = dispatch.last_wave_variant(inst)
     assert inst.output_tiles(m, n) > slots and splits > 1 and variant.split_tail
-    assert dispatch.split_workspace(variant, m, n, splits, clusters)[1] > 0
+    assert 0 < dispatch.split_tiles(variant, m, n, splits, clusters) < inst.output_tiles(m, n)
     ref = R.reference_gemm(*plain, recipe)
     first = None
     for _ in range(3):

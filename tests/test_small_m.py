@@ -111,22 +111,19 @@ def test_decode_rows_by_wave_cost(recipe):
 
 def test_last_wave_split_variant():
     """A little over whole waves with a long K: the call takes the row's last-wave split sibling, which
-    balances the last waves in K (split_workspace sizes its workspace)."""
+    splits only the cluster tiles past the last full wave (split_tiles sizes its workspace)."""
     row = lambda m, n: dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, "promoted", n=n, sms=132)
     # The table's first row (128x192 c2x1), as if dispatch had picked it for M=6144, N=512 (it now takes
     # 128x128 there): 48 x 3 tiles = 72 cluster tiles, 6 past the first wave of 66.
     inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted")
     assert (inst.tile_m, inst.tile_n, inst.cluster_m, inst.split_tail) == (128, 192, 2, False)
     assert dispatch.choose_splits(inst, 6144, 512, 7168, 132) == 1
-    assert dispatch.last_wave_splits(inst, 6144, 512, 7168, 132) == dispatch.BALANCED_TAIL
+    assert dispatch.last_wave_splits(inst, 6144, 512, 7168, 132) == dispatch.MAX_LAST_WAVE_SPLITS == 4
     variant = dispatch.last_wave_variant(inst)
     assert variant.split_tail and variant.name == inst.name.replace("_t128x192", "_lastwave_t128x192")
-    # a partial tile per CTA of the 66 clusters, a counter per CTA tile of the balanced 72 (one wave + 6)
-    assert dispatch.split_workspace(variant, 6144, 512, 2, 66) == (132 * 128 * 192, 72 * 2)
-    assert dispatch.split_workspace(variant, 6144, 512, 1, 66) == (0, 0)
-    tiles = inst.output_tiles(1024, 512)  # ordinary split: a partial per split of every tile
-    assert dispatch.split_workspace(inst, 1024, 512, 5, 66) == (tiles * 5 * 128 * 192, tiles)
-    assert dispatch.last_wave_splits(inst, 1024, 4608, 7168, 132) == dispatch.BALANCED_TAIL  # 96 cluster tiles
+    assert dispatch.split_tiles(variant, 6144, 512, 4, 66) == 6 * 2
+    assert dispatch.split_tiles(inst, 1024, 512, 5, 66) == inst.output_tiles(1024, 512)  # ordinary split: every tile
+    assert dispatch.last_wave_splits(inst, 1024, 4608, 7168, 132) == 2  # 30 past the wave: 66 // 30
     assert dispatch.last_wave_splits(row(1024, 4608), 1024, 4608, 7168, 132) == 1  # 128x96 has no such variant
     # whole waves, a last wave too full to split, a short K, under one wave, decode: not split this way
     assert dispatch.last_wave_splits(row(8192, 8192), 8192, 8192, 8192, 132) == 1  # 1376 = 20 x 66 + 56

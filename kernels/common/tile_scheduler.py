@@ -50,10 +50,6 @@ class PersistentTileScheduler:
     def num_units(self):
         return self.ctiles_m * self.ctiles_n * self.split_k
 
-    def units_for(self, cluster: Int32):
-        """End (exclusive) of the persistent walk of ``cluster`` (units cluster, cluster + clusters, ...)."""
-        return self.num_units
-
     # The DSL carries objects used inside run-time loops as lists of IR values.
     def __extract_mlir_values__(self):
         return [v for x in (self.ctiles_m, self.ctiles_n, self.split_k) for v in extract_mlir_values(x)]

@@ -22,7 +22,7 @@ from cutlass import Float32, Int32
 from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.register_fence import fence_registers
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
-from .split_k import finish_stream_k_piece, k_tile_range, reduce_partials
+from .split_k import k_tile_range, reduce_partials
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, scale_smem_bytes_per_stage, stage_scales
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
@@ -245,10 +245,9 @@ class Sm90Fp8Gemm:
         mSA: cute.Tensor,  # per-tensor: (1,); row-wise: (M, 1); block-scaled: (M or ceil(M/128), Kb)
         mSB: cute.Tensor,  # per-tensor: (1,); row-wise: (1, N); block-scaled: (N or ceil(N/128), Kb)
         mBias: cute.Tensor,  # (N,) or a 1-element dummy when there is no bias
-        mWorkspace: cute.Tensor,  # split-K: fp32 partials, >= split tiles * splits * tile_m * tile_n (else a dummy);
-        #   split_tail: one partial tile per launched CTA
+        mWorkspace: cute.Tensor,  # split-K: fp32 partials, >= split tiles * splits * tile_m * tile_n (else a dummy)
         mCounters: cute.Tensor,  # split-K: int32 per split tile, zero between launches (else a dummy)
-        splits: Int32,  # K splits (1 unless split_k); split_tail: > 1 balances the last waves (stream-K)
+        splits: Int32,  # K splits (1 unless split_k)
         max_clusters: Int32,
         stream,
     ):
@@ -308,9 +307,6 @@ class Sm90Fp8Gemm:
         if cutlass.const_expr(not self.cfg.split_k):
             splits = Int32(1)
         ctiles = ceil_div(tiles_m, cm) * ceil_div(tiles_n, cn) * splits
-        if cutlass.const_expr(self.cfg.split_tail):
-            # The balanced (stream-K) part spreads over every cluster slot.
-            ctiles = cutlass.select_(splits > 1, max_clusters, ctiles)
         grid_clusters = cutlass.min(ctiles, max_clusters)
 
         self.kernel(
@@ -459,7 +455,7 @@ class Sm90Fp8Gemm:
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters, k_tiles)
+                sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
                 lane = cute.arch.lane_idx()
                 unit = cluster_id
@@ -470,11 +466,11 @@ class Sm90Fp8Gemm:
                     # back to back, but would read a weight the previous kernel is still writing -- FP8
                     # training quantizes W right before its GEMM.)
                     cute.arch.griddepcontrol_wait()
-                last_unit = sched.units_for(cluster_id)
-                while unit < last_unit:
-                    tm, tn, k_begin, k_count, _ = self._unit(sched, unit, cluster_coord, splits, k_tiles)
+                while unit < sched.num_units:
+                    tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
                     tAgA_t = tAgA[(None, tm, None)]
                     tBgB_t = tBgB[(None, tn, None)]
+                    k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
                     for i in cutlass.range(k_count, unroll=1):
                         kt = k_begin + i
                         mainloop.producer_acquire(state)
@@ -491,7 +487,7 @@ class Sm90Fp8Gemm:
                 mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters, k_tiles)
+            sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
             mma_tidx = tidx - self.num_threads_per_warp_group
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCsA = thr_mma.partition_A(sA)
@@ -527,9 +523,9 @@ class Sm90Fp8Gemm:
             mmas = (tiled_mma_fresh, tiled_mma)
             tiles_done = Int32(0)
             unit = cluster_id
-            last_unit = sched.units_for(cluster_id)
-            while unit < last_unit:
-                tm, tn, _, k_count, split = self._unit(sched, unit, cluster_coord, splits, k_tiles)
+            while unit < sched.num_units:
+                tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
+                _, k_count = k_tile_range(k_tiles, nsplit, split)
                 if cutlass.const_expr(self.cfg.accum == "fast"):
                     read_state, release_state = self._mainloop(
                         tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_count
@@ -550,13 +546,11 @@ class Sm90Fp8Gemm:
                 if cutlass.const_expr(self.cfg.split_k):
                     # Tiles past the edge (cluster padding) have nothing to reduce or store.
                     if cutlass.const_expr(self.cfg.split_tail):
-                        if unit >= sched.whole and tm < tiles_m and tn < tiles_n:
-                            piece, pieces, counter_slot, partial_slot = sched.piece(unit, cluster_coord[0], cluster_coord[1])
-                            if pieces > 1:
-                                owns_epilogue = finish_stream_k_piece(
-                                    acc, mWorkspace, mCounters, piece, pieces, counter_slot, partial_slot, cm * cn,
-                                    mma_tidx, self.num_mma_threads, epi_barrier,
-                                )
+                        if sched.is_split(unit) and tm < tiles_m and tn < tiles_n:
+                            owns_epilogue = reduce_partials(
+                                acc, mWorkspace, mCounters, sched.split_slot(unit, cluster_coord[0], cluster_coord[1]),
+                                split, splits, mma_tidx, self.num_mma_threads, epi_barrier, split_flag,
+                            )
                     elif splits > 1 and tm < tiles_m and tn < tiles_n:
                         owns_epilogue = reduce_partials(
                             acc, mWorkspace, mCounters, tm * tiles_n + tn, split, splits, mma_tidx,
@@ -569,20 +563,18 @@ class Sm90Fp8Gemm:
                 unit += num_clusters
             store_pipe.producer_tail()
 
-    def _scheduler(self, tiles_m, tiles_n, splits, num_clusters, k_tiles):
+    def _scheduler(self, tiles_m, tiles_n, splits, num_clusters):
         cm, cn = self.cfg.cluster_shape_mn
         if cutlass.const_expr(self.cfg.split_tail):
-            return LastWaveSplitScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits, num_clusters, k_tiles)
+            return LastWaveSplitScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits, num_clusters)
         return PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
 
-    def _unit(self, sched, unit, cluster_coord, splits, k_tiles):
-        """(tile_m, tile_n, first K tile, K tiles, k split) of a work unit (k split: plain split-K only)."""
+    def _unit(self, sched, unit, cluster_coord, splits):
+        """(tile_m, tile_n, k split, k splits of this tile) of a work unit."""
         if cutlass.const_expr(self.cfg.split_tail):
-            tm, tn, k_begin, k_count = sched.coords(unit, cluster_coord[0], cluster_coord[1])
-            return tm, tn, k_begin, k_count, Int32(0)
+            return sched.coords(unit, cluster_coord[0], cluster_coord[1])
         tm, tn, split = sched.coords(unit, cluster_coord[0], cluster_coord[1])
-        k_begin, k_count = k_tile_range(k_tiles, splits, split)
-        return tm, tn, k_begin, k_count, split
+        return tm, tn, split, splits
 
     # ---- consumer pieces -------------------------------------------------------------------------
     @cute.jit

@@ -6,10 +6,6 @@ tile's counter. The split that arrives last sums all partials *in split order* (
 depend on which split finished first), resets the counter for the next launch (CUDA-graph safe: nothing
 to re-zero on the host) and runs the epilogue; the others skip it.
 
-The balanced (stream-K) schedule of kernels/common/last_wave_split.py cuts tiles into pieces that run at
-different times instead: ``finish_stream_k_piece`` lets the tile's K head, which runs last, wait for the
-others' partials (published at their clusters' slots) and add them in piece order.
-
 Workspace layout: ``[tile][split][fragment element // 4][consumer thread][fragment element % 4]`` fp32:
 each thread moves its fragment four elements (16 bytes) per instruction, and one such instruction of the
 256 consumer threads covers 4 KiB of consecutive memory (4x fewer memory instructions than scalar
@@ -97,51 +93,3 @@ def reduce_partials(
         if tid == 0:
             counters[tile] = Int32(0)
     return last
-
-
-@cute.jit
-def finish_stream_k_piece(
-    acc: cute.Tensor,
-    workspace: cute.Tensor,
-    counters: cute.Tensor,
-    piece: Int32,
-    pieces: Int32,
-    counter_slot: Int32,
-    partial_slot: Int32,
-    slot_stride: cutlass.Constexpr,
-    tid: Int32,
-    num_threads: cutlass.Constexpr,
-    barrier,
-):
-    """One piece of a tile cut by the balanced schedule. Piece p > 0 publishes ``acc`` at its own cluster's
-    ``partial_slot`` and counts in; piece 0 (the K head) waits until the other ``pieces - 1`` have counted
-    in, adds their partials (at the slots of the next clusters: ``partial_slot + p * slot_stride``) in piece
-    order, re-arms the counter and returns True: it owns the epilogue."""
-    n = cute.size(acc)
-    per_slot = n * num_threads
-    group = VEC * num_threads
-    mine = cutlass.Int64(partial_slot) * per_slot + tid * VEC
-    owner = piece == 0
-    if not owner:
-        for g in cutlass.range_constexpr(n // VEC):
-            _store_vec(acc, g * VEC, workspace.iterator + (mine + g * group))
-        cute.arch.fence_acq_rel_gpu()
-        barrier.arrive_and_wait()
-        if tid == 0:
-            cute.arch.atomic_add(counters.iterator + counter_slot, Int32(1), sem="release", scope="gpu")
-    else:
-        if tid == 0:
-            # The other pieces ran first in their clusters' shares: this rarely spins.
-            seen = cute.arch.load(counters.iterator + counter_slot, Int32, sem="acquire", scope="gpu")
-            while seen < pieces - 1:
-                seen = cute.arch.load(counters.iterator + counter_slot, Int32, sem="acquire", scope="gpu")
-            counters[counter_slot] = Int32(0)
-        barrier.arrive_and_wait()
-        cute.arch.fence_acq_rel_gpu()
-        for p in cutlass.range(1, pieces, unroll=1):
-            base = mine + cutlass.Int64(p * slot_stride) * per_slot
-            for g in cutlass.range_constexpr(n // VEC):
-                v = _load_vec(workspace.iterator + (base + g * group))
-                for j in cutlass.range_constexpr(VEC):
-                    acc[g * VEC + j] = acc[g * VEC + j] + v[j]
-    return owner
