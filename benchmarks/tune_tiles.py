@@ -6,8 +6,8 @@ same data, next to cuBLAS for the same recipe. The manifest's rows are chosen fr
     python -m benchmarks.tune_tiles --ms 16 --tiles 128x16c1x1s,128x16c1x1sk256 --splits 0,1,2,4
 
 A tile spec is TMxTN c CMxCN, then optional ``s`` (swap A and W: tile_m runs over N), ``k256`` (K depth
-per stage), ``st<stages>``, ``o2`` (two CTAs per SM, 64-row tiles) and ``lw`` (the last-wave split variant;
-with ``--splits 0`` it splits as dispatch would). ``--splits``: K splits to force (0 = the dispatch heuristic).
+per stage), ``st<stages>``, ``o2`` (two CTAs per SM, 64-row tiles), ``lw`` (the last-wave split variant;
+with ``--splits 0`` it splits as dispatch would) and ``e<n>`` (n epilogue output buffers; default: as many as fit). ``--splits``: K splits to force (0 = the dispatch heuristic).
 """
 
 from __future__ import annotations
@@ -39,17 +39,18 @@ class _NoSplit(KernelInstance):
 def candidates(recipe, tiles, accums, split_variants=(True,)):
     accs = [a for a in accums if a == "promoted" or "x128" not in recipe]
     for tile, accum, split in itertools.product(tiles, accs, split_variants):
-        got = re.fullmatch(r"(\d+)x(\d+)c(\d+)x(\d+)(s?)(?:k(\d+))?(?:st(\d+))?(?:o(\d))?(lw)?", tile)
+        got = re.fullmatch(r"(\d+)x(\d+)c(\d+)x(\d+)(s?)(?:k(\d+))?(?:st(\d+))?(?:o(\d))?(lw)?(?:e(\d+))?", tile)
         if not got:
             raise SystemExit(f"bad tile spec {tile!r} (expected e.g. 128x128c2x1 or 128x16c1x1sk256st10 or 64x128c1x2o2)")
         tile_m, tile_n, cm, cn = map(int, got.groups()[:4])
         swap, tile_k, stages, per_sm, tail = bool(got[5]), int(got[6] or 128), int(got[7] or 0), int(got[8] or 1), bool(got[9])
+        epi = int(got[10] or 0)
         if tile_k != 128 and "x128" in recipe:
             continue
         cls = KernelInstance if split else _NoSplit
         yield cls("sm_90a", "gemm", "tune" if split else "tune_nosplit", recipe, "e4m3", "e4m3", "bf16", None,
                   tile_m, tile_n, cm, cn, stages, accum, swap_ab=swap, tile_k=tile_k, ctas_per_sm=per_sm,
-                  split_tail=tail)
+                  split_tail=tail, epi_stages=epi)
 
 
 def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
@@ -117,7 +118,7 @@ def main(argv=None):
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3
                     gbs = bytes_moved / t / 1e3
-                    shape = f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}{'o2' if inst.ctas_per_sm > 1 else ''}{'lw' if inst.split_tail else ''}"
+                    shape = f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}{'o2' if inst.ctas_per_sm > 1 else ''}{'lw' if inst.split_tail else ''}{f'e{inst.epi_stages}' if inst.epi_stages else ''}"
                     print(f"   {inst.schedule:13s} {shape:20s} {inst.accum:8s} split {splits:2d} {t:7.1f} us "
                           f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
 

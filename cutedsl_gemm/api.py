@@ -271,7 +271,7 @@ def scaled_mm(
     if schedule is not None and schedule not in ("cooperative", "small_m"):
         raise ValueError(f"schedule must be None, 'cooperative' or 'small_m', got {schedule!r}")
     inst = dispatch.select_gemm(arch, recipe, a_name, b_name, out_name, bias_name, m, accum, schedule,
-                                n=n, sms=_device_info(device.index)[1])
+                                n=n, sms=_device_info(device.index)[1], k=k)
     fn, max_clusters = _launchable(inst, device.index)
     if split_k is not None:
         if not inst.can_split_k:

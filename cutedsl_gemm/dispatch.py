@@ -54,15 +54,28 @@ def tile_rate(inst: KernelInstance) -> int:
     return rates.get((inst.tile_m, inst.tile_n), 1000)
 
 
-def wave_cost(inst: KernelInstance, m: int, n: int, sms: int) -> int:
-    """Relative time of an M x N problem on ``inst``'s tiles: waves of cluster tiles over the GPU's cluster
-    slots, times the tile's area over its throughput (``tile_rate``). Wave quantisation decides between
-    tile widths: at M=6144, N=512 the 128x192 tiles make 72 cluster tiles, two waves on 66 slots (the second
-    nearly empty), where 128x128 tiles make 96 in two waves of two-thirds the work each (48.5 vs 62.0 us);
-    where outputs fill under a wave, smaller tiles put more SMs to work (M=1024, N=512, K=7168: 128 64x64
-    tiles 15.5 us, 24 128x192 tiles in 5 K splits 22.0 us)."""
+# A single-CTA tile's epilogue (scale, convert, store) leaves the tensor cores idle for roughly one to two
+# 128-deep K blocks' MMAs (in thousandths of a K block); two CTAs per SM hide it behind each other's main
+# loops. It decides short-K problems: M=6144, N=7168, K=256 per-tensor, 64x192 pairs 38.4 us against 44.0
+# for 128x192 (the same waves: E ~ 0.9 K blocks); N=4096, K=512 33.6 vs 36.0 (E ~ 1.4); and from K=1536
+# the 128-row tiles win again (51.5 vs 57.3 us; BENCHMARKS.md, session 9).
+EPILOGUE_MILLI_K_BLOCKS = 1500
+
+
+def wave_cost(inst: KernelInstance, m: int, n: int, sms: int, k: int = 0) -> int:
+    """Relative time of an M x N (x K) problem on ``inst``'s tiles: waves of cluster tiles over the GPU's
+    cluster slots, times the tile's area over its throughput (``tile_rate``), times the tile's 128-deep K
+    blocks plus the epilogue's share (``EPILOGUE_MILLI_K_BLOCKS``, hidden with two CTAs per SM; K = 0:
+    left out).
+    Wave quantisation decides between tile widths: at M=6144, N=512 the 128x192 tiles make 72 cluster
+    tiles, two waves on 66 slots (the second nearly empty), where 128x128 tiles make 96 in two waves of
+    two-thirds the work each (48.5 vs 62.0 us); where outputs fill under a wave, smaller tiles put more SMs
+    to work (M=1024, N=512, K=7168: 128 64x64 tiles 15.5 us, 24 128x192 tiles in 5 K splits 22.0 us)."""
     slots = max(1, sms * inst.ctas_per_sm // (inst.cluster_m * inst.cluster_n))
-    return -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst)
+    cost = -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst)
+    if k > 0:
+        cost *= 1000 * -(-k // 128) + (0 if inst.ctas_per_sm > 1 else EPILOGUE_MILLI_K_BLOCKS)
+    return cost
 
 
 def select_gemm(
@@ -77,10 +90,11 @@ def select_gemm(
     schedule: str = None,
     n: int = 0,
     sms: int = 0,
+    k: int = 0,
 ) -> KernelInstance:
     """The instance for a GEMM call: of the manifest rows whose M range holds ``m``, the one of least
-    ``wave_cost`` for an N-wide output on ``sms`` SMs, the first in table order on ties (or when ``n`` or
-    ``sms`` is 0). The C registry's ``cutedsl_gemm_find`` applies the same rule.
+    ``wave_cost`` for an N-wide (K-deep; 0: unknown) output on ``sms`` SMs, the first in table order on
+    ties (or when ``n`` or ``sms`` is 0). The C registry's ``cutedsl_gemm_find`` applies the same rule.
 
     ``schedule`` forces a schedule (e.g. "small_m") whatever M is: its row for ``m`` if it has one, else
     its row for the largest M it covers (every instance computes any M; the ranges are for speed).
@@ -89,7 +103,7 @@ def select_gemm(
     holding = [i for i in rows if i.m_min <= m <= i.m_max]
     if holding:
         if n > 0 and sms > 0:
-            return min(holding, key=lambda i: wave_cost(i, m, n, sms))  # min keeps the first of equals
+            return min(holding, key=lambda i: wave_cost(i, m, n, sms, k))  # min keeps the first of equals
         return holding[0]
     if schedule is not None and rows:
         return max(rows, key=lambda i: i.m_max)

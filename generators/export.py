@@ -27,7 +27,7 @@ import jinja2
 
 from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, field_name
 from cutedsl_gemm.generators.manifest import KernelInstance
-from cutedsl_gemm.dispatch import tile_rate
+from cutedsl_gemm.dispatch import EPILOGUE_MILLI_K_BLOCKS, tile_rate
 from cutedsl_gemm.generators.runner import code_key, pick, run_parallel
 
 LIB_NAME = "cutedsl_gemm_kernels"
@@ -141,6 +141,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int]
         "arch": arch,
         "lib": LIB_NAME,
         "dsl_version": dsl_version(),
+        "epilogue_milli_k_blocks": EPILOGUE_MILLI_K_BLOCKS,
         "fingerprint": source_fingerprint(),
         "kernels": [_c_plan(kernels[k], inst, max_splits) for k, inst in first.items()],
         "arg_fields": _arg_fields(next(iter(signatures))),

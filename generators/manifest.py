@@ -45,12 +45,15 @@ class KernelInstance:
     split_tail: bool = False
     # Resident CTAs per SM (2: two 64-row CTAs share an SM, Sm90GemmConfig.ctas_per_sm).
     ctas_per_sm: int = 1
+    # Output slice buffers of the epilogue (Sm90GemmConfig.epi_stages); 0 (every table row): as many as fit.
+    epi_stages: int = 0
 
     @property
     def name(self) -> str:
         bias = f"_bias{self.bias_dtype}" if self.bias_dtype else ""
         extra = ("_swapab" if self.swap_ab else "") + (f"_k{self.tile_k}" if self.tile_k != 128 else "")
         extra += f"_{self.ctas_per_sm}persm" if self.ctas_per_sm != 1 else ""
+        extra += f"_epi{self.epi_stages}" if self.epi_stages else ""
         # (before the tile, so that no instance's name is a substring of another's: name filters stay exact)
         wave = "_lastwave" if self.split_tail else ""
         return (
@@ -104,6 +107,7 @@ class KernelInstance:
             tile_k=self.tile_k,
             split_tail=self.split_tail,
             ctas_per_sm=self.ctas_per_sm,
+            epi_stages=self.epi_stages,
             # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and
             # set-up overlap the previous kernel's tail (programmatic dependent launch).
             pdl=self.swap_ab,
@@ -185,13 +189,21 @@ TABLE: Tuple[TileConfig, ...] = (
     # against 21.9 for 64x128 and 25.8 for 64x64 in two waves). BENCHMARKS.md "Tile rates".
     # Fast accumulation gets the same tiles (and 128x256, below): with 128x256 alone it ran 1.7-2.9x slower
     # than cuBLAS at M=1024, N=576 / 1536 / 4608 (dsv3 geomean 0.77x; BENCHMARKS.md, session 7).
+    # 64x96 (M=1024, N=576: 96 tiles) in 2x2 clusters with promoted accumulation: 15.1-15.3 us per-tensor
+    # against 16.2-16.6 in 1x2 (row-wise 15.9 / 15.8); with fast accumulation 1x2 and 2x2 tie (session 9).
     *(
         TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum=acc)
         for acc in ("promoted", "fast")
         for tm, tn, cm, cn in ((128, 192, 2, 1), (128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2),
-                               (128, 144, 2, 1), (64, 96, 1, 2))
+                               (128, 144, 2, 1), (64, 96, 2, 2) if acc == "promoted" else (64, 96, 1, 2))
     ),
-    # Two CTAs per SM, swapped (W rows on WGMMA's M side, 192 activation rows on its N side), as cuBLAS runs
+    # Two CTAs per SM (64-row tiles, half an SM each): a CTA's epilogue runs while the other CTA on its SM
+    # keeps the tensor cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term): M=6144, N=7168, K=256
+    # 38.4 us against 44.0 for 128x192 (cuBLAS 42.9); N=4096, K=512 33.6 vs 35.9 (cuBLAS 35.5); M=1024,
+    # N=7168, K=256 12.8 vs 13.6 (14.3). From K=1536 the 128-row tiles' fewer bytes per MMA win again.
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
+               accum="promoted", ctas_per_sm=2),
+    # The same pair swapped (W rows on WGMMA's M side, 192 activation rows on its N side), as cuBLAS runs
     # M=6144, N=512: 256 tiles fill one wave of 264 CTA slots (43.6 us against 48.0 for 128x128 tiles,
     # cuBLAS 41.9). Its low rate (dispatch.PAIRED_TILE_RATES) keeps it to such shapes.
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,

@@ -26,6 +26,9 @@ ROW_BF16 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_TEST, "p
 TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "fast", n=8192, sms=132).name
 M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the manifest has one
 SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
+# A short-K output: the two-CTAs-per-SM tile that dispatch's epilogue term picks there
+PAIR = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=7168, sms=132, k=256).name
+EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR]))  # the AOT tests' instances
 
 
 def _instance(name):
@@ -83,7 +86,7 @@ def exported(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("aot")
     t0 = time.perf_counter()
-    names = list(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL]))
+    names = list(EXPORTED)
     res = E.export("sm_90a", out, names, jobs=0)  # in-process: the DSL is loaded already
     res.seconds = time.perf_counter() - t0
     return res
@@ -118,7 +121,7 @@ def _args_type(arg_fields):
 def _open(path, args_type):
     lib = ctypes.CDLL(str(path))
     lib.cutedsl_gemm_find.restype = ctypes.POINTER(Kernel)
-    lib.cutedsl_gemm_find.argtypes = [ctypes.c_char_p] * 8 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    lib.cutedsl_gemm_find.argtypes = [ctypes.c_char_p] * 8 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
     lib.cutedsl_gemm_find_by_name.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_kernel_at.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_launch.argtypes = [ctypes.POINTER(Kernel), ctypes.POINTER(args_type), ctypes.c_void_p]
@@ -141,7 +144,7 @@ def _fake_args(args_type, m, n, k, base=1 << 20):
 @pytest.mark.compile
 def test_export_writes_objects_headers_registry_and_build_files(exported):
     out = exported.out_dir
-    keys = [code_key(_instance(n)) for n in dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL])]
+    keys = [code_key(_instance(n)) for n in EXPORTED]
     assert sorted(exported.kernels) == sorted(keys)
     for key in keys:
         header = (out / "kernels" / f"{key}.h").read_text()
@@ -169,19 +172,27 @@ def test_exported_library_links_with_every_symbol_resolved(exported_lib):
 def test_registry_lookup_and_argument_checks(exported, exported_lib):
     Args = _args_type(exported.arg_fields)
     lib = _open(exported_lib, Args)
-    assert lib.cutedsl_gemm_kernel_count() == len(set([ROW_BF16, TENSOR_BIAS, SMALL]))
-    k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST, 0, 0)
+    assert lib.cutedsl_gemm_kernel_count() == len(EXPORTED)
+    k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST, 0, 0, 0)
     assert k and k.contents.name.decode() == ROW_BF16 and k.contents.m_max == 1 << 31 and k.contents.cluster_m == 2
     assert k.contents.bias_dtype is None and k.contents.tile_n == _instance(ROW_BF16).tile_n
     assert k.contents.rate == dispatch.tile_rate(_instance(ROW_BF16)) and k.contents.ctas_per_sm == 1
-    small = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_SMALL, 0, 0)
+    small = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_SMALL, 0, 0, 0)
     assert small.contents.name.decode() == SMALL and small.contents.swap_ab == 1 and k.contents.swap_ab == 0
     # with N and the SM count: the wave-cost rule, here among the one exported candidate
     assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST,
-                                 512, 132).contents.name.decode() == ROW_BF16
-    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST, 0, 0)
+                                 512, 1024, 132).contents.name.decode() == ROW_BF16
+    # with K too: the epilogue term sends short K to the two-CTAs-per-SM tile, long K to the 128-row one,
+    # as dispatch.wave_cost does over the same candidates
+    assert _instance(PAIR).ctas_per_sm == 2 and _instance(ROW_BF16).ctas_per_sm == 1
+    for kdim, want in ((256, PAIR), (7168, ROW_BF16)):
+        by_python = min((_instance(x) for x in (ROW_BF16, PAIR)), key=lambda i: dispatch.wave_cost(i, 6144, 7168, 132, kdim))
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 7168,
+                                    kdim, 132)
+        assert got.contents.name.decode() == by_python.name == want, (kdim, lib.cutedsl_gemm_last_error())
+    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST, 0, 0, 0)
     assert kb and kb.contents.name.decode() == TENSOR_BIAS
-    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1, 0, 0)
+    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1, 0, 0, 0)
     assert b"no exported kernel for op=gemm arch=sm_90a recipe=row A=e5m2" in lib.cutedsl_gemm_last_error()
 
     def refused(args, kernel=k):
@@ -273,7 +284,7 @@ def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = subprocess.run([str(build / "consumer")], capture_output=True, text=True, check=True)
-    assert sorted(run.stdout.split()) == sorted(set([ROW_BF16, TENSOR_BIAS, SMALL]))
+    assert sorted(run.stdout.split()) == sorted(EXPORTED)
 
 
 @pytest.mark.gpu
@@ -305,7 +316,7 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
         workspace = torch.empty(tiles * splits * inst.tile_m * inst.tile_n, dtype=torch.float32, device="cuda")
         counters = torch.zeros(tiles, dtype=torch.int32, device="cuda")
         args.workspace, args.counters, args.splits = view(workspace), view(counters), splits
-    kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, 0)
+    kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, k, 0)
     assert kern and kern.contents.name.decode() == name, lib.cutedsl_gemm_last_error()
     rc = lib.cutedsl_gemm_launch(kern, ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     assert rc == 0, lib.cutedsl_gemm_last_error()

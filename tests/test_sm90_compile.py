@@ -85,7 +85,7 @@ def test_dispatch_weighs_waves_by_tile_rate():
     assert shape(pick(1024, 512)) == (64, 64, 1, 2)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
     assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 128 tiles in one wave
     assert shape(pick(6144, 576)) == (128, 128, 2, 1)  # two full waves, not one and a sliver
-    assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 96 tiles: one wave, 15.7 us vs 21.9 (64x128)
+    assert shape(pick(1024, 576)) == (64, 96, 2, 2)  # 96 tiles: one wave, 15.7 us vs 21.9 (64x128)
     assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 256 tiles in two full waves
     # 256 swapped 64x192 tiles, two CTAs per SM: one wave of 264 slots (43.6 vs 48.0 us for 128x128)
     paired = pick(6144, 512)
@@ -98,12 +98,29 @@ def test_dispatch_weighs_waves_by_tile_rate():
     assert dispatch.wave_cost(i64, 1024, 512, 132) < dispatch.wave_cost(i192, 1024, 512, 132)
 
 
+def test_dispatch_gives_short_k_to_two_ctas_per_sm():
+    """With K known, a single-CTA tile also pays for its epilogue (dispatch.EPILOGUE_MILLI_K_BLOCKS), which a
+    pair of CTAs per SM overlaps: the unswapped 64x192 pair takes K = 256 / 512 at M = 6144, N = 7168 / 4096
+    (38.4 vs 44.0 us, 33.6 vs 36.0) and leaves long K to 128x192 (K = 1536: 57.3 vs 51.5)."""
+    pick = lambda m, n, k: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+    for m, n, k in ((6144, 7168, 256), (6144, 4096, 512), (1024, 7168, 256)):
+        inst = pick(m, n, k)
+        assert (inst.tile_m, inst.tile_n, inst.ctas_per_sm, inst.swap_ab) == (64, 192, 2, False), (m, n, k, inst.name)
+    for m, n, k in ((6144, 3072, 1536), (6144, 7168, 2048), (8192, 8192, 8192), (1024, 4096, 512)):
+        assert pick(m, n, k).ctas_per_sm == 1, (m, n, k)
+    # K = 0 (unknown) leaves the epilogue out: the old rule, under which the 128x192 tile wins M=6144, N=7168
+    assert pick(6144, 7168, 0).tile_m == 128
+    pair, wide = pick(6144, 7168, 256), pick(6144, 7168, 0)
+    assert dispatch.wave_cost(pair, 6144, 7168, 132, 256) < dispatch.wave_cost(wide, 6144, 7168, 132, 256)
+    assert dispatch.wave_cost(pair, 6144, 7168, 132, 7168) > dispatch.wave_cost(wide, 6144, 7168, 132, 7168)
+
+
 def test_fast_accumulation_dispatch_uses_its_own_rates():
     """use_fast_accum=True has the promoted tiles plus 128x256, weighed by FAST_TILE_RATES (session 7 sweep)."""
     pick = lambda m, n: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, "fast", n=n, sms=132)
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 24.6 us vs 40.3 for 128x256
-    assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 16.1 us vs 39.7
+    assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 16.1 us vs 39.7 (fast accumulation keeps 1x2 clusters)
     assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 51.1 us vs 79.1
     assert shape(pick(8192, 8192)) == (128, 256, 2, 1) and shape(pick(4096, 4096)) == (128, 256, 2, 1)
     fast = pick(8192, 8192)
@@ -162,3 +179,27 @@ def test_two_ctas_per_sm_compile_for_half_an_sm():
     assert 2 * (Sm90Fp8Gemm(inst.sm90_config()).smem_bytes + 1024) <= 233472 == smem_capacity(1) + 1024
     with pytest.raises(manifest.ManifestError, match="tile_m=64"):
         manifest.expand([manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128, ctas_per_sm=2)])
+
+
+def test_epilogue_buffers_take_only_what_the_stages_leave():
+    """The output slice buffers (Sm90GemmConfig.epi_stages = 0) grow into the shared memory the A/W stages
+    leave, up to a whole tile, and never cost a stage: 128x128 bf16 buffers its whole tile (4 slices) at the
+    same 6 stages as with 2 buffers; 128x192 gets 3 of its 6 beside its 5 stages."""
+    from dataclasses import replace as _replace
+
+    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, smem_capacity
+
+    for inst in {i for i in manifest.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}:
+        cfg = inst.sm90_config()
+        stages = cfg.stages or Sm90Fp8Gemm.max_stages(cfg)
+        two = _replace(cfg, epi_stages=2)
+        assert stages == (two.stages or Sm90Fp8Gemm.max_stages(two)), inst.name
+        epi = Sm90Fp8Gemm.epi_buffers(cfg, stages)
+        assert 2 <= epi <= max(2, cfg.tile_n // Sm90Fp8Gemm.epi_n(cfg)), inst.name
+        assert Sm90Fp8Gemm.smem_usage(cfg, stages, epi) <= smem_capacity(cfg.ctas_per_sm), inst.name
+    cfg = Sm90GemmConfig(recipe="tensor", tile_m=128, tile_n=128, out_dtype="bf16")
+    assert (Sm90Fp8Gemm.max_stages(cfg), Sm90Fp8Gemm.epi_buffers(cfg, 6)) == (6, 4)
+    cfg = Sm90GemmConfig(recipe="tensor", tile_m=128, tile_n=192, out_dtype="bf16")
+    assert (Sm90Fp8Gemm.max_stages(cfg), Sm90Fp8Gemm.epi_buffers(cfg, 5)) == (5, 3)
+    with pytest.raises(ValueError, match="epi_stages is 0"):
+        Sm90Fp8Gemm.check_config(_replace(cfg, epi_stages=1))

@@ -75,6 +75,10 @@ class Sm90GemmConfig:
     # memory and 128 registers per thread each, so one CTA's MMAs run while the other promotes, stores its
     # epilogue or waits for loads -- the overlap a ping-pong schedule gets from two consumer warp groups.
     ctas_per_sm: int = 1
+    # Output buffers (tile_m x epi_n slices) for the TMA-store epilogue. 0: as many as fit in the shared
+    # memory the A/W stages leave, up to a whole tile, so that a tile's stores drain while the next tile's
+    # MMAs run instead of each slice waiting for the one before it to leave shared memory.
+    epi_stages: int = 0
 
     @property
     def cluster_shape_mn(self):
@@ -131,7 +135,7 @@ class Sm90Fp8Gemm:
     # retires, and rely on the other warp group's MMAs to keep the tensor cores busy meanwhile.
     overlapped_promote_max_n = 128
     max_promoted_tile_n = 192
-    epi_stages = 2  # two tile_m x 32 output buffers: enough to overlap one TMA store, leaves room for 4 A/W stages
+    min_epi_stages = 2  # the A/W stages are sized to leave room for two output slices (one store in flight)
 
     def __init__(self, cfg: Sm90GemmConfig):
         self.check_config(cfg)
@@ -152,11 +156,12 @@ class Sm90Fp8Gemm:
         gran = BLOCK_RECIPES.get(cfg.recipe)
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
         self.ab_stages = cfg.stages or self.max_stages(cfg)
+        self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         if cfg.ctas_per_sm > 1:
             # The registers one CTA is launched with, moved from the producer to the consumer warp group.
             launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * self.threads_per_cta)
             self.consumer_regs = 2 * launched - self.producer_regs
-        self.smem_bytes = self.smem_usage(cfg, self.ab_stages)
+        self.smem_bytes = self.smem_usage(cfg, self.ab_stages, self.epi_stages)
 
     @classmethod
     def check_config(cls, cfg: Sm90GemmConfig) -> None:
@@ -198,11 +203,14 @@ class Sm90Fp8Gemm:
         cm, cn = cfg.cluster_shape_mn
         if cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
             raise ValueError(f"cluster shape must be powers of two with at most 4 CTAs, got {cfg.cluster_shape_mn}")
+        if cfg.epi_stages < 0 or cfg.epi_stages == 1:
+            raise ValueError(f"epi_stages is 0 (as many as fit) or >= 2 output buffers, got {cfg.epi_stages}")
         stages = cfg.stages or cls.max_stages(cfg)
-        need = cls.smem_usage(cfg, stages)
+        epi = cls.epi_buffers(cfg, stages)
+        need = cls.smem_usage(cfg, stages, epi)
         if stages < 2 or need > smem_capacity(cfg.ctas_per_sm):
             raise ValueError(
-                f"{stages} stages of {cls.stage_bytes(cfg)} B plus a {cls.epilogue_bytes(cfg)} B epilogue need "
+                f"{stages} stages of {cls.stage_bytes(cfg)} B plus a {cls.epilogue_bytes(cfg, epi)} B epilogue need "
                 f"{need} B of shared memory; the budget is {smem_capacity(cfg.ctas_per_sm)} B per CTA "
                 f"({cfg.ctas_per_sm} per SM) and >= 2 stages"
             )
@@ -220,20 +228,35 @@ class Sm90Fp8Gemm:
         return 32 if cfg.tile_n % 32 == 0 else 16
 
     @classmethod
-    def epilogue_bytes(cls, cfg: Sm90GemmConfig) -> int:
+    def slice_bytes(cls, cfg: Sm90GemmConfig) -> int:
         width = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.out_dtype]
-        return cfg.tile_m * cls.epi_n(cfg) * width * cls.epi_stages
+        return cfg.tile_m * cls.epi_n(cfg) * width
+
+    @classmethod
+    def epilogue_bytes(cls, cfg: Sm90GemmConfig, epi_stages: int) -> int:
+        return cls.slice_bytes(cfg) * epi_stages
 
     reserved_bytes = 2048  # mbarriers and 1 KiB alignment of the buffers
 
     @classmethod
-    def smem_usage(cls, cfg: Sm90GemmConfig, stages: int) -> int:
-        return stages * cls.stage_bytes(cfg) + cls.epilogue_bytes(cfg) + cls.reserved_bytes
+    def smem_usage(cls, cfg: Sm90GemmConfig, stages: int, epi_stages: int) -> int:
+        return stages * cls.stage_bytes(cfg) + cls.epilogue_bytes(cfg, epi_stages) + cls.reserved_bytes
 
     @classmethod
     def max_stages(cls, cfg: Sm90GemmConfig) -> int:
-        free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg) - cls.reserved_bytes
+        epi = cfg.epi_stages or cls.min_epi_stages
+        free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg, epi) - cls.reserved_bytes
         return min(8, free // cls.stage_bytes(cfg))
+
+    @classmethod
+    def epi_buffers(cls, cfg: Sm90GemmConfig, stages: int) -> int:
+        """Output slice buffers: ``cfg.epi_stages``, or (0) as many as the A/W stages leave room for, at
+        most one tile's slices. The A/W stages come first: a stage is never given up for the epilogue."""
+        if cfg.epi_stages:
+            return cfg.epi_stages
+        slices = cfg.tile_n // cls.epi_n(cfg)
+        free = smem_capacity(cfg.ctas_per_sm) - stages * cls.stage_bytes(cfg) - cls.reserved_bytes
+        return max(cls.min_epi_stages, min(slices, free // cls.slice_bytes(cfg)))
 
     # ---- host entry (traced once per configuration) -----------------------------------------------
     @cute.jit
@@ -671,8 +694,9 @@ class Sm90Fp8Gemm:
         # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
         # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
         fence_registers(frag)
-        # Promote first, then release: block scales live in the stage (and measured on the H100, the
-        # epilogue-scaled recipes run faster in this order too).
+        # Promote, then release in source order: block scales live in the stage. (ptxas hoists the release
+        # arrive above the promotion's adds where nothing it reads is in the stage; SASS, BENCHMARKS.md
+        # session 7.)
         if cutlass.const_expr(self.block_scaled):
             self._promote_scaled(acc, frag, scales, release_state.index)
         else:
@@ -769,7 +793,8 @@ class Sm90Fp8Gemm:
             for v in cutlass.range_constexpr(n_per_slice):
                 tRS_rD[v] = tRS_rAcc[s * n_per_slice + v]
             tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
-            buf = (first + s) % self.epi_stages
+            # A buffer per slice: slice s always uses buffer s (no run-time modulo).
+            buf = s if cutlass.const_expr(self.epi_stages == slices) else (first + s) % self.epi_stages
             cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
             # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
             cute.arch.fence_proxy("async.shared", space="cta")
