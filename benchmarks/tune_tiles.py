@@ -7,7 +7,8 @@ same data, next to cuBLAS for the same recipe. The manifest's rows are chosen fr
 
 A tile spec is TMxTN c CMxCN, then optional ``s`` (swap A and W: tile_m runs over N), ``k256`` (K depth
 per stage), ``st<stages>``, ``o2`` (two CTAs per SM, 64-row tiles), ``lw`` (the last-wave split variant;
-with ``--splits 0`` it splits as dispatch would) and ``e<n>`` (n epilogue output buffers; default: as many as fit). ``--splits``: K splits to force (0 = the dispatch heuristic).
+with ``--splits 0`` it splits as dispatch would) and ``e<n>`` (n epilogue output buffers; default: as many
+as fit beside the stages). ``--splits``: K splits to force (0 = the dispatch heuristic).
 """
 
 from __future__ import annotations

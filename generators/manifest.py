@@ -198,9 +198,10 @@ TABLE: Tuple[TileConfig, ...] = (
                                (128, 144, 2, 1), (64, 96, 2, 2) if acc == "promoted" else (64, 96, 1, 2))
     ),
     # Two CTAs per SM (64-row tiles, half an SM each): a CTA's epilogue runs while the other CTA on its SM
-    # keeps the tensor cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term): M=6144, N=7168, K=256
-    # 38.4 us against 44.0 for 128x192 (cuBLAS 42.9); N=4096, K=512 33.6 vs 35.9 (cuBLAS 35.5); M=1024,
-    # N=7168, K=256 12.8 vs 13.6 (14.3). From K=1536 the 128-row tiles' fewer bytes per MMA win again.
+    # keeps the tensor cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term): M=6144,
+    # N=7168, K=256 38.4 us against 44.0 for 128x192 (cuBLAS 42.9); N=4096, K=512 33.6 vs 35.9 (cuBLAS
+    # 35.5); M=1024, N=7168, K=256 12.8 vs 13.6 (14.3). From K=1536 the 128-row tiles' fewer bytes per MMA
+    # win again.
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
                accum="promoted", ctas_per_sm=2),
     # The same pair swapped (W rows on WGMMA's M side, 192 activation rows on its N side), as cuBLAS runs
@@ -221,6 +222,13 @@ TABLE: Tuple[TileConfig, ...] = (
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 192,
         cluster_m=2, cluster_n=1, accum="promoted",
+    ),
+    # Two CTAs per SM for short K, as for the epilogue-scaled recipes (dispatch.wave_cost's epilogue term).
+    # DeepSeek recipe, M=6144: N=7168, K=256 41.2 us against 46.8 for 128x128 and 49.5 for 128x192 (cuBLAS
+    # 45.1); N=4096, K=512 38.2 vs 38.6 (38.5); M=1024, N=7168, K=256 13.0 vs 13.6 (14.5) (session 9).
+    TileConfig(
+        "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 192,
+        cluster_m=2, cluster_n=1, accum="promoted", ctas_per_sm=2,
     ),
     # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py):
     # chosen per call, in place of their sibling, when a little more than a whole number of waves would
