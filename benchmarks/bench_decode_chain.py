@@ -61,7 +61,8 @@ def main(argv=None):
                     for (_, qw, sa, sb, _), out in zip(layers, outs):
                         torch._scaled_mm(qa, qw.t(), sa, sb, out_dtype=torch.bfloat16)
 
-                inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms)
+                # the instance scaled_mm dispatches to (it passes K too)
+                inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
                 plain = _without_pdl(inst)
                 fn = api._compiled(plain)
                 clusters = api._max_active_clusters(0, 1)
