@@ -209,6 +209,19 @@ l2)
       | sed -E 's/^  kernel_cutlass.*/  ours/' | cut -c1-120
   done
   ;;
+clusters4)
+  # Session 10: 128x128 in 4x1 clusters (W multicast to four CTAs) against the 2x1 tiles, narrow N over M,
+  # the shapes dispatch moves to 4x1, and the multi-wave shapes where 4x1 costs a wave (30 slots, not 33).
+  python3 -m benchmarks.tune_tiles --ms 1024,2048,3072,4096,6144,8192 --nk 576x7168 --recipes tensor,row --accums promoted --splits 0 \
+      --tiles 128x128c2x1,128x128c4x1,128x144c2x1,128x96c2x1 > "$out/c4_narrow.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 7168x2048,7168x2304,4096x512,3072x1536 --recipes tensor --accums promoted,fast --splits 0 \
+      --tiles 128x128c2x1,128x128c4x1,128x192c2x1 > "$out/c4_m1024.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 4096,6144 --nk 4096x4096,576x7168 --recipes tensor --accums fast --splits 0 \
+      --tiles 128x128c2x1,128x128c4x1,128x192c2x1 > "$out/c4_fast.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 1024,6144 --nk 576x7168,7168x2048 --recipes 1x128_128x128 --accums promoted --splits 0 \
+      --tiles 128x128c2x1,128x128c4x1,128x192c2x1 > "$out/c4_block.txt" 2>&1
+  grep -v Warn "$out"/c4_*.txt | grep -v "^\s*$" | cut -c1-160
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

@@ -43,6 +43,13 @@ FAST_TILE_RATES = {(128, 256): 1030, (128, 192): 1000, (128, 144): 955, (128, 12
 PAIRED_TILE_RATES = {(64, 192): 400}
 
 
+# A 4x1 cluster multicasts each W tile to four CTAs: 20 KB per CTA per 128x128 K tile from L2 instead of 24.
+# Measured per wave of resident clusters against 2x1 (128x128, per-tensor): M=6144 N=576 +12%, 6144x4096x4096
+# +5%, 1024x7168x2048 +2% (128x192: 8192^3 +2%, M=6144 N=4608 +4%); the gain applies to the rate, the
+# 4-CTA clusters' fewer slots (``cluster_slots``) to the waves (BENCHMARKS.md, session 10).
+CLUSTER_4X1_RATE_GAIN = 1050
+
+
 def tile_rate(inst: KernelInstance) -> int:
     """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by accumulation; 1000 where not measured,
     and for the memory-bound swapped decode tiles)."""
@@ -51,7 +58,21 @@ def tile_rate(inst: KernelInstance) -> int:
     if inst.swap_ab:
         return 1000
     rates = FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
-    return rates.get((inst.tile_m, inst.tile_n), 1000)
+    rate = rates.get((inst.tile_m, inst.tile_n), 1000)
+    if (inst.cluster_m, inst.cluster_n) == (4, 1):
+        rate = rate * CLUSTER_4X1_RATE_GAIN // 1000
+    return rate
+
+
+def cluster_slots(sms: int, cluster_size: int) -> int:
+    """Clusters of ``cluster_size`` CTAs (one per SM) resident at once on ``sms`` SMs. A cluster cannot span
+    GPCs, so clusters of more than two leave SMs over in each GPC: the H100 SXM's 132 SMs hold 66 clusters
+    of 2 but 30 of 4, not 33 (``cudaOccupancyMaxActiveClusters``). Beyond 2 this is that measured fraction
+    (10/11 of SMs / size); the launch itself queries the driver (``api._max_active_clusters``). The C
+    registry's ``cutedsl_gemm_find`` and its default grid apply the same rule."""
+    if cluster_size <= 2:
+        return max(1, sms // cluster_size)
+    return max(1, sms // cluster_size * 10 // 11)
 
 
 # A single-CTA tile's epilogue (scale, convert, store) leaves the tensor cores idle for roughly one to two
@@ -71,7 +92,7 @@ def wave_cost(inst: KernelInstance, m: int, n: int, sms: int, k: int = 0) -> int
     tiles, two waves on 66 slots (the second nearly empty), where 128x128 tiles make 96 in two waves of
     two-thirds the work each (48.5 vs 62.0 us); where outputs fill under a wave, smaller tiles put more SMs
     to work (M=1024, N=512, K=7168: 128 64x64 tiles 15.5 us, 24 128x192 tiles in 5 K splits 22.0 us)."""
-    slots = max(1, sms * inst.ctas_per_sm // (inst.cluster_m * inst.cluster_n))
+    slots = cluster_slots(sms, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
     cost = -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst)
     if k > 0:
         cost *= 1000 * -(-k // 128) + (0 if inst.ctas_per_sm > 1 else EPILOGUE_MILLI_K_BLOCKS)

@@ -43,7 +43,7 @@ FIELD_DOCS = {
     "workspace": "split-K fp32 partials, >= tiles x splits x tile_m x tile_n; data NULL when splits <= 1",
     "counters": "split-K int32, one per output tile, zeroed before first use (launches leave them zero)",
     "splits": "K splits: <= 1 none; > 1 only on split_k instances (normalised: no empty split)",
-    "max_clusters": "persistent clusters to launch; <= 0: SM count / cluster size of the current device",
+    "max_clusters": "persistent clusters to launch; <= 0: the clusters the current device holds at once (SM count / cluster size; 10/11 of that for clusters of more than 2 CTAs, as dispatch.cluster_slots)",
 }
 
 

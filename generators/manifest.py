@@ -210,6 +210,15 @@ TABLE: Tuple[TileConfig, ...] = (
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
                accum="promoted", swap_ab=True, ctas_per_sm=2),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
+    # 128x128 in 4x1 clusters: each W tile multicast to four CTAs. Narrow outputs with many rows are bound
+    # by L2 bytes per MMA: M=6144, N=576, K=7168 48.8 us against 54.5 for 2x1 (cuBLAS 44.2, itself 128x128
+    # in 4-CTA clusters); elsewhere the 4-CTA clusters' fewer slots (30 on the H100) usually cost a wave
+    # (dispatch.cluster_slots, CLUSTER_4X1_RATE_GAIN).
+    *(
+        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 128, cluster_m=4, cluster_n=1,
+                   accum=acc)
+        for acc in ("promoted", "fast")
+    ),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
     # promoted-accumulation kernels. Two rows hold every M and compete by dispatch.wave_cost (N-aware):
     # 128x192 wins on large outputs and loses where it would leave a wave nearly empty or SMs idle

@@ -28,7 +28,9 @@ M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the manifest
 SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
 # A short-K output: the two-CTAs-per-SM tile that dispatch's epilogue term picks there
 PAIR = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=7168, sms=132, k=256).name
-EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR]))  # the AOT tests' instances
+# A narrow, tall output: 128x128 tiles in 4x1 clusters (30 cluster slots on 132 SMs, not 33)
+CLUSTER4 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=576, sms=132, k=7168).name
+EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4]))  # the AOT tests' instances
 
 
 def _instance(name):
@@ -179,9 +181,6 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     assert k.contents.rate == dispatch.tile_rate(_instance(ROW_BF16)) and k.contents.ctas_per_sm == 1
     small = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_SMALL, 0, 0, 0)
     assert small.contents.name.decode() == SMALL and small.contents.swap_ab == 1 and k.contents.swap_ab == 0
-    # with N and the SM count: the wave-cost rule, here among the one exported candidate
-    assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST,
-                                 512, 1024, 132).contents.name.decode() == ROW_BF16
     # with K too: the epilogue term sends short K to the two-CTAs-per-SM tile, long K to the 128-row one,
     # as dispatch.wave_cost does over the same candidates
     assert _instance(PAIR).ctas_per_sm == 2 and _instance(ROW_BF16).ctas_per_sm == 1
@@ -190,6 +189,16 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
         got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 7168,
                                     kdim, 132)
         assert got.contents.name.decode() == by_python.name == want, (kdim, lib.cutedsl_gemm_last_error())
+    # with N (and K) and the SM count, over every exported row-wise candidate, C picks what dispatch.wave_cost picks, 4-CTA cluster slots included
+    assert _instance(CLUSTER4).cluster_m == 4
+    row_names = [x for x in EXPORTED if _instance(x).recipe == "row"]
+    for m, n, kdim in ((M_TEST, 512, 1024), (6144, 576, 7168), (1024, 4096, 512), (6144, 7168, 256), (8192, 8192, 8192), (3072, 576, 7168)):
+        holding = [_instance(x) for x in row_names if _instance(x).m_min <= m <= _instance(x).m_max]
+        by_python = min(holding, key=lambda i: dispatch.wave_cost(i, m, n, 132, kdim))
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, kdim, 132)
+        assert got.contents.name.decode() == by_python.name, (m, n, kdim)
+    assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 576,
+                                 7168, 132).contents.name.decode() == CLUSTER4
     kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST, 0, 0, 0)
     assert kb and kb.contents.name.decode() == TENSOR_BIAS
     assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1, 0, 0, 0)
@@ -288,11 +297,12 @@ def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("which", ["cooperative", "split_k"])
+@pytest.mark.parametrize("which", ["cooperative", "split_k", "cluster4"])
 def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which):
     from cutedsl_gemm import reference as R
 
-    name, m, splits = (ROW_BF16, M_TEST, 0) if which == "cooperative" else (SMALL, M_SMALL, 3)
+    name, m, splits = {"cooperative": (ROW_BF16, M_TEST, 0), "split_k": (SMALL, M_SMALL, 3),
+                       "cluster4": (CLUSTER4, M_TEST, 0)}[which]
     inst = _instance(name)
     if which == "split_k" and not getattr(inst.sm90_config(), "split_k", False):
         pytest.skip("the manifest has no split-K instance")
@@ -316,7 +326,10 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
         workspace = torch.empty(tiles * splits * inst.tile_m * inst.tile_n, dtype=torch.float32, device="cuda")
         counters = torch.zeros(tiles, dtype=torch.int32, device="cuda")
         args.workspace, args.counters, args.splits = view(workspace), view(counters), splits
-    kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, k, 0)
+    if which == "cluster4":  # max_clusters 0: the registry's default, 30 4-CTA clusters on the H100
+        kern = lib.cutedsl_gemm_find_by_name(name.encode())
+    else:
+        kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, k, 0)
     assert kern and kern.contents.name.decode() == name, lib.cutedsl_gemm_last_error()
     rc = lib.cutedsl_gemm_launch(kern, ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     assert rc == 0, lib.cutedsl_gemm_last_error()

@@ -1,5 +1,7 @@
 """Compile-only tier (no GPU): the Hopper kernels hold the instructions we meant."""
 
+from dataclasses import replace
+
 import pytest
 
 from cutedsl_gemm import dispatch
@@ -84,7 +86,8 @@ def test_dispatch_weighs_waves_by_tile_rate():
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     assert shape(pick(1024, 512)) == (64, 64, 1, 2)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
     assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 128 tiles in one wave
-    assert shape(pick(6144, 576)) == (128, 128, 2, 1)  # two full waves, not one and a sliver
+    # two full waves, not one and a sliver; in 4x1 clusters, W tiles multicast to four CTAs: 48.9 vs 56.3 us
+    assert shape(pick(6144, 576)) == (128, 128, 4, 1)
     assert shape(pick(1024, 576)) == (64, 96, 2, 2)  # 96 tiles: one wave, 15.7 us vs 21.9 (64x128)
     assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 256 tiles in two full waves
     # 256 swapped 64x192 tiles, two CTAs per SM: one wave of 264 slots (43.6 vs 48.0 us for 128x128)
@@ -96,6 +99,28 @@ def test_dispatch_weighs_waves_by_tile_rate():
     # one wave each: 64x64 costs its area over its rate, still under a 128x192 tile
     assert dispatch.wave_cost(i64, 1024, 512, 132) == 64 * 64 * 1000 // dispatch.TILE_RATES[(64, 64)]
     assert dispatch.wave_cost(i64, 1024, 512, 132) < dispatch.wave_cost(i192, 1024, 512, 132)
+
+
+def test_dispatch_counts_the_clusters_that_fit():
+    """4-CTA clusters cannot span GPCs: 30 fit on the H100's 132 SMs, not 33 (dispatch.cluster_slots). The
+    4x1 row wins only where its waves are no more than 2x1's (session 10, tune_tiles, us)."""
+    assert [dispatch.cluster_slots(132, c) for c in (1, 2, 4)] == [132, 66, 30]
+    assert dispatch.cluster_slots(1, 4) == 1
+    pick = lambda m, n, k: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+    clusters = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    assert clusters(pick(3072, 576, 7168)) == (128, 128, 4, 1)  # 27.9 vs 30.9
+    assert clusters(pick(1024, 7168, 2048)) == (128, 128, 4, 1)  # 31.8 vs 32.2
+    # 64 4x1 cluster tiles make three waves of 30 (13.5 us), two of 66 2x1 ones (11.1)
+    assert clusters(pick(1024, 4096, 512)) == (128, 128, 2, 1)
+    assert clusters(pick(4096, 576, 7168)) == (128, 144, 2, 1)  # 128 tiles in one wave: 31.5 vs 43.0
+    assert clusters(pick(2048, 576, 7168)) == (128, 96, 2, 1)  # 22.0 vs 23.5
+    assert clusters(pick(6144, 4096, 4096)) == (128, 192, 2, 1)
+    four = next(i for i in dispatch.INSTANCES if (i.cluster_m, i.cluster_n, i.recipe) == (4, 1, "tensor"))
+    two = replace(four, cluster_m=2)
+    # same tiles, the same two waves: the 4x1 rate gain decides
+    assert dispatch.wave_cost(four, 6144, 576, 132) < dispatch.wave_cost(two, 6144, 576, 132)
+    # M=1024 N=4096: 64 4x1 cluster tiles on 30 slots (3 waves) against 128 2x1 ones on 66 (2)
+    assert dispatch.wave_cost(four, 1024, 4096, 132) > dispatch.wave_cost(two, 1024, 4096, 132)
 
 
 def test_dispatch_gives_short_k_to_two_ctas_per_sm():
