@@ -222,6 +222,43 @@ clusters4)
       --tiles 128x128c2x1,128x128c4x1,128x192c2x1 > "$out/c4_block.txt" 2>&1
   grep -v Warn "$out"/c4_*.txt | grep -v "^\s*$" | cut -c1-160
   ;;
+onewave)
+  # Session 10: the one-wave M=1024 shapes where cuBLAS runs the same tiles faster (128x96 at N=1536, 128x144
+  # at N=4608), and what a 2-way K split of 128x192 tiles costs: ncu SOL/memory/compute/warp-state sections.
+  for spec in "1024 1536 7168 128x96c2x1 1" "1024 1536 7168 128x192c2x1 2" "1024 1536 7168 128x192c2x1 1" \
+              "1024 4608 7168 128x144c2x1 1"; do
+    read -r m n k tile splits <<< "$spec"
+    f="$out/ncu_onewave_${m}x${n}x${k}_${tile}_s${splits}.txt"
+    ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+        --section WarpStateStats --section LaunchStats --metrics sm__cycles_elapsed.avg.per_second,lts__t_bytes.sum.per_second,dram__bytes_read.sum \
+        --print-details all --nvtx --nvtx-include profile/ python3 -m benchmarks.profile_shape --m $m --n $n --k $k \
+        --recipe tensor --tile $tile --accum promoted --splits $splits --calls 2 > "$f" 2>&1
+    echo "== $spec"
+    grep -E "^  (kernel_|nvjet)|Duration  |SM Frequency|L2 Cache Throughput|dram__bytes_read.sum|SM: Pipe Tensor Cycles Active|Stall" "$f" \
+      | sed -E 's/^  kernel_cutlass.*/  ours/' | cut -c1-120
+  done
+  ;;
+widths)
+  # Session 10: tile widths cuBLAS uses and the manifest lacks (128x160, 128x112) on the shapes whose waves
+  # they would fill better than 128x128 / 128x192.
+  python3 -m benchmarks.tune_tiles --ms 1024 --nk 7168x2048,7168x2304 --recipes tensor,row --accums promoted --splits 0 \
+      --tiles 128x128c2x1,128x128c4x1,128x160c2x1,128x112c2x1,128x176c2x1 > "$out/w_m1024.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 6144 --nk 7168x2048,7168x2304,4608x7168 --recipes tensor --accums promoted --splits 0 \
+      --tiles 128x192c2x1,128x160c2x1,128x144c2x1 > "$out/w_m6144.txt" 2>&1
+  python3 -m benchmarks.tune_tiles --ms 1024,6144 --nk 7168x2048,4608x7168 --recipes tensor --accums fast --splits 0 \
+      --tiles 128x256c2x1,128x192c2x1,128x160c2x1,128x128c4x1 > "$out/w_fast.txt" 2>&1
+  grep -v Warn "$out"/w_*.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
+c4check)
+  # Session 10: shapes outside the measured set where the 4x1 row now wins dispatch (benchmarks/gpu_session.sh
+  # clusters4 measured the rest), against what dispatch picked before (a last-wave split where it would).
+  t="python3 -m benchmarks.tune_tiles --recipes tensor --splits 0"
+  $t --ms 512 --nk 7168x4096,14336x2048 --accums promoted --tiles 128x128c4x1,128x128c2x1 > "$out/c4c_a.txt" 2>&1
+  $t --ms 1024,1408 --nk 5120x4096 --accums promoted,fast --tiles 128x128c4x1,128x128c2x1,128x192c2x1 > "$out/c4c_b.txt" 2>&1
+  $t --ms 1408 --nk 7168x7168,7168x2048 --accums promoted --tiles 128x128c4x1,128x192c2x1,128x192c2x1lw > "$out/c4c_c.txt" 2>&1
+  $t --ms 6144 --nk 576x2048 --accums promoted --tiles 128x128c4x1,128x128c2x1 > "$out/c4c_d.txt" 2>&1
+  grep -v Warn "$out"/c4c_*.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
