@@ -259,6 +259,39 @@ c4check)
   $t --ms 6144 --nk 576x2048 --accums promoted --tiles 128x128c4x1,128x128c2x1 > "$out/c4c_d.txt" 2>&1
   grep -v Warn "$out"/c4c_*.txt | grep -v "^\s*$" | cut -c1-150
   ;;
+overlap144)
+  # Session 10: 144-wide promoted tiles with the two-fragment (overlapped) promotion, 240 consumer registers;
+  # the same commands as the clusters4 / widths baselines for 128x144 c2x1.
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_gemm_gpu.py -k "every_manifest_tile" 2>&1 | tail -n 3
+  t="python3 -m benchmarks.tune_tiles --accums promoted --splits 0"
+  $t --ms 1024,2048,3072,4096,6144,8192 --nk 576x7168 --recipes tensor,row --tiles 128x144c2x1 > "$out/o144_narrow.txt" 2>&1
+  $t --ms 1024 --nk 4608x7168 --recipes tensor,row --tiles 128x144c2x1,128x192c2x1,128x96c2x1 > "$out/o144_4608.txt" 2>&1
+  $t --ms 6144 --nk 7168x2048,7168x2304,4608x7168 --recipes tensor --tiles 128x144c2x1,128x192c2x1 > "$out/o144_m6144.txt" 2>&1
+  $t --ms 1024,6144 --nk 4608x7168,1536x7168 --recipes 1x128_128x128 --tiles 128x144c2x1,128x128c2x1,128x192c2x1 > "$out/o144_block.txt" 2>&1
+  grep -v Warn "$out"/o144_*.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
+rate144)
+  # Session 10: 128x144 (now with overlapped promotion) against 128x192 over several waves, for its rate.
+  t="python3 -m benchmarks.tune_tiles --accums promoted --splits 0 --tiles 128x144c2x1,128x192c2x1"
+  $t --ms 8192,4096 --nk 8192x8192,4096x4096 --recipes tensor > "$out/r144_square.txt" 2>&1
+  $t --ms 6144 --nk 1536x7168,3072x1536,7168x2304 --recipes tensor,row > "$out/r144_dsv3.txt" 2>&1
+  $t --ms 4096,8192 --nk 8192x8192,4096x4096 --recipes row > "$out/r144_row.txt" 2>&1
+  grep -v Warn "$out"/r144_*.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
+s10)
+  # Session 10 through scaled_mm (4x1 clusters, overlapped 144-wide promotion): the last-wave test, then the
+  # square and DeepSeek-V3 sets, promoted and fast accumulation, next to cuBLAS.
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_small_m_gpu.py -k "last_wave" 2>&1 | tail -n 2
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --fast-accum --out "$out/gemm_fast.json" > "$out/gemm_fast.txt" 2>&1
+  for f in gemm_promoted gemm_fast; do grep -A 12 "^geomeans" "$out/$f.txt"; done
+  ;;
+c144)
+  # Session 10: 144-wide tiles (overlapped promotion) in 4-CTA clusters on the narrow M=6144 / 3072 outputs.
+  python3 -m benchmarks.tune_tiles --ms 6144,3072 --nk 576x7168 --recipes tensor,row --accums promoted,fast --splits 0 \
+      --tiles 128x144c2x2,128x144c4x1,128x144c2x1,128x128c4x1,128x128c2x2 > "$out/c144.txt" 2>&1
+  grep -v Warn "$out"/c144.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

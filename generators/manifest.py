@@ -88,7 +88,7 @@ class KernelInstance:
 
     def sm90_config(self):
         """The kernel-class configuration this instance compiles to."""
-        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90GemmConfig
+        from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
 
         return Sm90GemmConfig(
             a_dtype=self.a_dtype,
@@ -263,10 +263,10 @@ def validate(inst: KernelInstance) -> None:
     The rules live with the kernel classes (they own their shared-memory plans); this only routes.
     """
     if inst.arch == "sm_90a" and inst.op == "gemm":
-        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
+        from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
         try:
-            Sm90Fp8Gemm.check_config(inst.sm90_config())
+            Sm90GemmPlan.check_config(inst.sm90_config())
         except ValueError as e:
             raise ManifestError(f"{inst.name}: {e}") from None
     else:

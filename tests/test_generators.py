@@ -54,6 +54,14 @@ def test_validate_rejects_stages_beyond_shared_memory():
         M.validate(replace(_instance(ROW_BF16), stages=12))
 
 
+def test_validate_rejects_a_paired_tile_too_wide_for_its_registers():
+    # two CTAs per SM launch at 128 registers per thread: ptxas cannot build 64x208 (C7602), 64x192 builds
+    paired = replace(_instance(PAIR), accum="fast", tile_n=256)
+    with pytest.raises(M.ManifestError, match=r"two CTAs per SM .* at most 192 wide, got tile_n=256"):
+        M.validate(paired)
+    M.validate(replace(paired, tile_n=192))
+
+
 def test_expand_refuses_a_bad_table_row():
     row = M.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
     with pytest.raises(M.ManifestError, match="does not fit"):

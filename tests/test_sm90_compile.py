@@ -80,6 +80,18 @@ def test_wgmma_never_serialized():
         assert not notes, f"{inst.name}: {notes}"
 
 
+def test_144_wide_promoted_tiles_overlap_their_promotion():
+    """128x144 promoted tiles keep two K-tile fragments (3 x 72 fp32 registers per consumer thread): the
+    producer drops to 24 registers so the consumers get 240, and the main loop retires one K tile
+    (wait_group 1) while the next runs (M=1024 N=4608: 50.9 us against 55.5 with one fragment)."""
+    inst = dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, 1024, n=4608, sms=132, k=7168)
+    assert (inst.tile_m, inst.tile_n, inst.accum) == (128, 144, "promoted")
+    rep = inspect_instance(inst)
+    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b") and rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b")
+    assert rep.has(r"wgmma\.wait_group\.sync\.aligned\s+1;")
+    assert rep.frame_bytes == 0, f"{rep.name} spills ({rep.frame_bytes} B stack frame)"
+
+
 def test_dispatch_weighs_waves_by_tile_rate():
     """Tensor/row promoted tiles compete by waves x area / measured rate (BENCHMARKS.md, tile rates)."""
     pick = lambda m, n: dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)

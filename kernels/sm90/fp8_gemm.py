@@ -9,9 +9,6 @@ can be as narrow as 16, instead of zero-filling 128-row A tiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -23,88 +20,18 @@ from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.register_fence import fence_registers
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
-from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, scale_smem_bytes_per_stage, stage_scales
-
-SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
-SM90_SMEM_PER_SM = 233472  # per SM (228 KiB), of which the driver reserves 1 KiB per resident CTA
-SM90_REGISTERS_PER_SM = 65536
+from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, stage_scales
+# Re-exported: the manifest, inspect and tests import the configuration from here.
+from .gemm_plan import SM90_REGISTERS_PER_SM, Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
 
 
-def smem_capacity(ctas_per_sm: int) -> int:
-    """Dynamic shared memory one CTA may use when ``ctas_per_sm`` of them share an SM."""
-    return SM90_SMEM_CAPACITY if ctas_per_sm == 1 else SM90_SMEM_PER_SM // ctas_per_sm - 1024
-
-
-@dataclass(frozen=True)
-class Sm90GemmConfig:
-    """Compile-time configuration of one kernel instance (the manifest row it was built from)."""
-
-    a_dtype: str = "e4m3"  # "e4m3" | "e5m2"
-    b_dtype: str = "e4m3"
-    out_dtype: str = "bf16"  # "bf16" | "fp16" | "fp32"
-    # Epilogue-scaled: "tensor" | "row". Block-scaled (scales applied per 128-deep K block in the main
-    # loop): "1x128_128x128" (DeepSeek) | "128x128_128x128" | "1x128_1x128".
-    recipe: str = "row"
-    bias_dtype: Optional[str] = None  # None = no bias
-    tile_m: int = 128
-    tile_n: int = 256
-    cluster_m: int = 2
-    cluster_n: int = 1
-    stages: int = 0  # 0: as many as shared memory allows
-    group_m: int = 8  # rasterisation group (cluster tiles)
-    # "fast": WGMMA accumulates the whole K in its accumulator (torch's use_fast_accum=True). "promoted":
-    # each 128-deep K tile goes into a fresh accumulator that is added into an fp32 one, bounding the error
-    # of the tensor cores' reduced-precision FP8 accumulation (torch's default, use_fast_accum=False).
-    accum: str = "promoted"
-    # Split-K (for problems with fewer output tiles than SMs, e.g. decode): the number of K splits is a
-    # run-time argument; the splits' partial sums are reduced deterministically (kernels/sm90/split_k.py).
-    split_k: bool = False
-    # With split_k: split only the last, partial wave of tiles (kernels/common/last_wave_split.py) -- for
-    # outputs a little over a whole number of waves; the host picks this variant per call.
-    split_tail: bool = False
-    # Decode schedule: compute D^T = W @ A^T, so tile_m runs over N and tile_n over M (see module docstring).
-    swap_ab: bool = False
-    # K depth of one pipeline stage. 256 (fast accumulation only) halves the TMA requests per byte; promoted
-    # accumulation and block scales work per 128-deep K tile.
-    tile_k: int = 128
-    # Programmatic dependent launch: the kernel may start (barriers, descriptors, register set-up) while the
-    # previous kernel in the stream finishes; its TMA producer waits for that kernel (griddepcontrol.wait)
-    # before its first load, and each CTA lets the next PDL kernel launch as soon as it starts.
-    pdl: bool = False
-    # Resident CTAs per SM. 2 (64-row tiles only): two one-warp-group CTAs share each SM, with half the shared
-    # memory and 128 registers per thread each, so one CTA's MMAs run while the other promotes, stores its
-    # epilogue or waits for loads -- the overlap a ping-pong schedule gets from two consumer warp groups.
-    ctas_per_sm: int = 1
-    # Output buffers (tile_m x epi_n slices) for the TMA-store epilogue. 0: as many as fit in the shared
-    # memory the A/W stages leave, up to a whole tile, so that a tile's stores drain while the next tile's
-    # MMAs run instead of each slice waiting for the one before it to leave shared memory.
-    epi_stages: int = 0
-
-    @property
-    def cluster_shape_mn(self):
-        return (self.cluster_m, self.cluster_n)
-
-
-_DTYPES = {
-    "e4m3": cutlass.Float8E4M3FN,
-    "e5m2": cutlass.Float8E5M2,
-    "bf16": cutlass.BFloat16,
-    "fp16": cutlass.Float16,
-    "fp32": cutlass.Float32,
-}
-
-
-def cutlass_dtype(name: str):
-    return _DTYPES[name]
-
-
-class Sm90Fp8Gemm:
+class Sm90Fp8Gemm(Sm90GemmPlan):
     """Persistent cooperative WGMMA FP8 GEMM.
 
     | warp group | role | registers |
     |---|---|---|
-    | 0 (warp 0) | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec) |
-    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 216 with two CTAs per SM |
+    | 0 (warp 0) | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles |
+    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM |
 
     | pipeline | producer -> consumer | stages |
     |---|---|---|
@@ -127,16 +54,6 @@ class Sm90Fp8Gemm:
     to spread over the SMs without splitting K.
     """
 
-    num_threads_per_warp_group = 128
-    producer_regs = 40
-    consumer_regs = 232
-    # Promoted accumulation: up to 128 wide, two K-tile fragments alternate so a warp group promotes one
-    # while its next K tile runs; wider tiles (up to 192) have room for one, promote after each K tile
-    # retires, and rely on the other warp group's MMAs to keep the tensor cores busy meanwhile.
-    overlapped_promote_max_n = 128
-    max_promoted_tile_n = 192
-    min_epi_stages = 2  # the A/W stages are sized to leave room for two output slices (one store in flight)
-
     def __init__(self, cfg: Sm90GemmConfig):
         self.check_config(cfg)
         self.cfg = cfg
@@ -157,108 +74,14 @@ class Sm90Fp8Gemm:
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
+        if cfg.accum == "promoted" and 128 < cfg.tile_n <= self.overlapped_promote_max_n:
+            self.producer_regs, self.consumer_regs = self.wide_overlap_regs
         if cfg.ctas_per_sm > 1:
             # The registers one CTA is launched with, moved from the producer to the consumer warp group.
             launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * self.threads_per_cta)
             self.consumer_regs = 2 * launched - self.producer_regs
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages, self.epi_stages)
 
-    @classmethod
-    def check_config(cls, cfg: Sm90GemmConfig) -> None:
-        """Raise ValueError naming the broken rule (MMA shape, cluster, shared-memory budget)."""
-        if cfg.tile_m not in (64, 128):
-            raise ValueError(f"tile_m is 64 (one consumer warp group) or 128 (two, cooperative), got tile_m={cfg.tile_m}")
-        if cfg.ctas_per_sm not in (1, 2):
-            raise ValueError(f"ctas_per_sm is 1 or 2, got {cfg.ctas_per_sm}")
-        if cfg.ctas_per_sm == 2 and cfg.tile_m != 64:
-            raise ValueError(f"two CTAs per SM fit only with one consumer warp group (tile_m=64), got tile_m={cfg.tile_m}")
-        if cfg.tile_m == 64 and cfg.ctas_per_sm == 1 and cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n:
-            raise ValueError(f"a 64-row tile has one consumer warp group, whose serial promotion nothing would "
-                             f"overlap: promoted tiles must be <= {cls.overlapped_promote_max_n} wide, got tile_n={cfg.tile_n}")
-        if cfg.tile_n % 16 or not 16 <= cfg.tile_n <= 256:
-            raise ValueError(f"WGMMA N per warp group must be a multiple of 16 in 16..256, got tile_n={cfg.tile_n}")
-        if cfg.tile_k not in (128, 256):
-            raise ValueError(f"tile_k must be 128 or 256, got {cfg.tile_k}")
-        if cfg.tile_k != 128 and is_block_scaled(cfg.recipe):
-            raise ValueError(f"block-scaled recipe {cfg.recipe!r} scales each 128-deep K block: it needs tile_k=128, got {cfg.tile_k}")
-        if cfg.tile_k != 128 and cfg.accum == "promoted":
-            raise ValueError(f"promoted accumulation adds each 128-deep K tile into fp32 (torch's use_fast_accum=False): "
-                             f"it needs tile_k=128, got {cfg.tile_k}")
-        if cfg.split_tail and (not cfg.split_k or cfg.swap_ab):
-            raise ValueError("split_tail (split only the last wave in K) needs split_k and the unswapped schedule")
-        if cfg.accum not in ("fast", "promoted"):
-            raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
-        if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
-            raise ValueError(f"recipe must be 'tensor', 'row' or one of {sorted(BLOCK_RECIPES)}, got {cfg.recipe!r}")
-        if is_block_scaled(cfg.recipe) and cfg.accum != "promoted":
-            raise ValueError(
-                f"block-scaled recipe {cfg.recipe!r} scales each K tile while promoting it: it needs "
-                f"accum='promoted', got accum={cfg.accum!r}"
-            )
-        if cfg.accum == "promoted" and cfg.tile_n > cls.max_promoted_tile_n:
-            raise ValueError(
-                f"promoted accumulation keeps two or three 64 x tile_n fp32 fragments per warp group in "
-                f"registers; tile_n={cfg.tile_n} > {cls.max_promoted_tile_n} does not fit"
-            )
-        cm, cn = cfg.cluster_shape_mn
-        if cm * cn > 4 or cm not in (1, 2, 4) or cn not in (1, 2, 4):
-            raise ValueError(f"cluster shape must be powers of two with at most 4 CTAs, got {cfg.cluster_shape_mn}")
-        if cfg.epi_stages < 0 or cfg.epi_stages == 1:
-            raise ValueError(f"epi_stages is 0 (as many as fit) or >= 2 output buffers, got {cfg.epi_stages}")
-        stages = cfg.stages or cls.max_stages(cfg)
-        epi = cls.epi_buffers(cfg, stages)
-        need = cls.smem_usage(cfg, stages, epi)
-        if stages < 2 or need > smem_capacity(cfg.ctas_per_sm):
-            raise ValueError(
-                f"{stages} stages of {cls.stage_bytes(cfg)} B plus a {cls.epilogue_bytes(cfg, epi)} B epilogue need "
-                f"{need} B of shared memory; the budget is {smem_capacity(cfg.ctas_per_sm)} B per CTA "
-                f"({cfg.ctas_per_sm} per SM) and >= 2 stages"
-            )
-
-    # ---- host-side sizing (also used by the manifest's validity rules) -------------------------------
-    @staticmethod
-    def stage_bytes(cfg: Sm90GemmConfig) -> int:
-        # One byte per FP8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).
-        scales = scale_smem_bytes_per_stage(cfg.tile_m, cfg.tile_n) if is_block_scaled(cfg.recipe) else 0
-        return (cfg.tile_m + cfg.tile_n) * cfg.tile_k + scales
-
-    @staticmethod
-    def epi_n(cfg: Sm90GemmConfig) -> int:
-        # Output slices must tile tile_n exactly (80- and 144-wide tiles store in 16-column slices).
-        return 32 if cfg.tile_n % 32 == 0 else 16
-
-    @classmethod
-    def slice_bytes(cls, cfg: Sm90GemmConfig) -> int:
-        width = {"bf16": 2, "fp16": 2, "fp32": 4}[cfg.out_dtype]
-        return cfg.tile_m * cls.epi_n(cfg) * width
-
-    @classmethod
-    def epilogue_bytes(cls, cfg: Sm90GemmConfig, epi_stages: int) -> int:
-        return cls.slice_bytes(cfg) * epi_stages
-
-    reserved_bytes = 2048  # mbarriers and 1 KiB alignment of the buffers
-
-    @classmethod
-    def smem_usage(cls, cfg: Sm90GemmConfig, stages: int, epi_stages: int) -> int:
-        return stages * cls.stage_bytes(cfg) + cls.epilogue_bytes(cfg, epi_stages) + cls.reserved_bytes
-
-    @classmethod
-    def max_stages(cls, cfg: Sm90GemmConfig) -> int:
-        epi = cfg.epi_stages or cls.min_epi_stages
-        free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg, epi) - cls.reserved_bytes
-        return min(8, free // cls.stage_bytes(cfg))
-
-    @classmethod
-    def epi_buffers(cls, cfg: Sm90GemmConfig, stages: int) -> int:
-        """Output slice buffers: ``cfg.epi_stages``, or (0) as many as the A/W stages leave room for, at
-        most one tile's slices. The A/W stages come first: a stage is never given up for the epilogue."""
-        if cfg.epi_stages:
-            return cfg.epi_stages
-        slices = cfg.tile_n // cls.epi_n(cfg)
-        free = smem_capacity(cfg.ctas_per_sm) - stages * cls.stage_bytes(cfg) - cls.reserved_bytes
-        return max(cls.min_epi_stages, min(slices, free // cls.slice_bytes(cfg)))
-
-    # ---- host entry (traced once per configuration) -----------------------------------------------
     @cute.jit
     def __call__(
         self,
