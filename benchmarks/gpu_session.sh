@@ -292,6 +292,16 @@ c144)
       --tiles 128x144c2x2,128x144c4x1,128x144c2x1,128x128c4x1,128x128c2x2 > "$out/c144.txt" 2>&1
   grep -v Warn "$out"/c144.txt | grep -v "^\s*$" | cut -c1-150
   ;;
+c144check)
+  # Session 10: shapes where the 128x144 rate 920 -> 970 moved dispatch to 128x144, against the old pick.
+  t="python3 -m benchmarks.tune_tiles --recipes tensor --accums promoted --splits 0"
+  $t --ms 1408 --nk 4608x4096 --tiles 128x144c2x1,64x192c2x1o2 > "$out/c144c_a.txt" 2>&1
+  $t --ms 1408 --nk 7168x4096 --tiles 128x144c2x1,128x128c4x1 > "$out/c144c_b.txt" 2>&1
+  $t --ms 1664 --nk 6144x4096 --tiles 128x144c2x1,128x192c2x1 > "$out/c144c_c.txt" 2>&1
+  $t --ms 2048,4096 --nk 8192x4096,8192x1024 --tiles 128x144c2x1,128x128c2x1 > "$out/c144c_d.txt" 2>&1
+  $t --ms 3072 --nk 4608x4096 --tiles 128x144c2x1,128x128c2x1 > "$out/c144c_e.txt" 2>&1
+  grep -v Warn "$out"/c144c_*.txt | grep -v "^\s*$" | cut -c1-150
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

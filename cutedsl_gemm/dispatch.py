@@ -30,9 +30,11 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
 # over several waves on the H100 (benchmarks/tune_tiles, per-tensor, K = 2048 and 7168; BENCHMARKS.md, tile
 # rates of sessions 5 and 6): smaller tiles move more bytes per MMA, and one consumer warp group (64-row
 # tiles) cannot hide its own promotion behind the other's MMAs. Swapped (decode) tiles are memory-bound:
-# waves decide, rate 1000. 128x144: 920 with one K-tile fragment, 970 since session 10 gave it two (the
-# overlapped promotion; median over 8192^3, 4096x8192x8192, 4096^3 and five M=6144 shapes against 128x192).
-TILE_RATES = {(128, 192): 1000, (128, 144): 970, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 96): 570,
+# waves decide, rate 1000. 128x144 keeps 920 though session 10 gave it the overlapped promotion: over large
+# outputs it then sustains 0.94-1.04 of 128x192 (median 0.97), but at 970 dispatch sent it shapes it loses
+# (M=1408 N=4608 K=4096 58.5 us against 50.0 for the 64x192 pair, M=1664 N=6144 86.4 vs 75.7 for 128x192,
+# N=8192 K=1024 5-6% behind 128x128) more often than ones it wins (BENCHMARKS.md, session 10).
+TILE_RATES = {(128, 192): 1000, (128, 144): 920, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 96): 570,
               (64, 64): 500}
 # The same over fast-accumulation tiles (no promotion; 128x256 fits): M=6144 with N=1536 / 3072 / 4608 / 7168,
 # 4096x8192x8192 and 8192^3, per mille of 128x192 fast (BENCHMARKS.md, session 7). 64-row tiles gain nothing
