@@ -22,7 +22,7 @@ from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, stage_scales
 # Re-exported: the manifest, inspect and tests import the configuration from here.
-from .gemm_plan import SM90_REGISTERS_PER_SM, Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
+from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
 
 
 class Sm90Fp8Gemm(Sm90GemmPlan):
@@ -74,12 +74,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
-        if cfg.accum == "promoted" and 128 < cfg.tile_n <= self.overlapped_promote_max_n:
-            self.producer_regs, self.consumer_regs = self.wide_overlap_regs
-        if cfg.ctas_per_sm > 1:
-            # The registers one CTA is launched with, moved from the producer to the consumer warp group.
-            launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * self.threads_per_cta)
-            self.consumer_regs = 2 * launched - self.producer_regs
+        self.producer_regs, self.consumer_regs = self.register_split(cfg)
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages, self.epi_stages)
 
     @cute.jit

@@ -6,7 +6,7 @@ sizes the A/W stages and the epilogue's output buffers. Host-side only: the mani
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import cutlass
 
@@ -89,8 +89,11 @@ class Sm90GemmPlan:
     """Register split and shared-memory plan of a configuration (the kernel class inherits it)."""
 
     num_threads_per_warp_group = 128
+    # The default split after setmaxnreg: room for two K-tile fragments beside the accumulator up to
+    # ``default_overlap_max_n`` columns.
     producer_regs = 40
     consumer_regs = 232
+    default_overlap_max_n = 128
     # Promoted accumulation: up to 144 wide, two K-tile fragments alternate so a warp group promotes one
     # while its next K tile runs; wider tiles (up to 192) have room for one, promote after each K tile
     # retires, and rely on the other warp group's MMAs to keep the tensor cores busy meanwhile.
@@ -101,6 +104,19 @@ class Sm90GemmPlan:
     max_promoted_tile_n = 192
     max_paired_tile_n = 192
     min_epi_stages = 2  # the A/W stages are sized to leave room for two output slices (one store in flight)
+
+    @classmethod
+    def register_split(cls, cfg: Sm90GemmConfig) -> Tuple[int, int]:
+        """(producer, consumer) registers per thread after setmaxnreg."""
+        producer, consumer = cls.producer_regs, cls.consumer_regs
+        if cfg.accum == "promoted" and cls.default_overlap_max_n < cfg.tile_n <= cls.overlapped_promote_max_n:
+            producer, consumer = cls.wide_overlap_regs
+        if cfg.ctas_per_sm > 1:
+            # The registers one CTA is launched with, moved from the producer to the consumer warp group.
+            threads = (1 + cfg.tile_m // 64) * cls.num_threads_per_warp_group
+            launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * threads)
+            consumer = 2 * launched - producer
+        return producer, consumer
 
     @classmethod
     def check_config(cls, cfg: Sm90GemmConfig) -> None:
