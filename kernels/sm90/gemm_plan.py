@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 
 import cutlass
 
-from .block_scales import is_block_scaled, scale_smem_bytes_per_stage
+from .block_scales import BLOCK_RECIPES, is_block_scaled, scale_smem_bytes_per_stage
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
 SM90_SMEM_PER_SM = 233472  # per SM (228 KiB), of which the driver reserves 1 KiB per resident CTA
