@@ -302,6 +302,19 @@ c144check)
   $t --ms 3072 --nk 4608x4096 --tiles 128x144c2x1,128x128c2x1 > "$out/c144c_e.txt" 2>&1
   grep -v Warn "$out"/c144c_*.txt | grep -v "^\s*$" | cut -c1-150
   ;;
+s11)
+  # Session 11: block-scaled tile rates (dispatch.BLOCK_TILE_RATES) and the 64x128 block row. GPU tests of the
+  # block-scaled recipes (every block tile launched directly), the picks the new rates changed next to the
+  # alternatives (last-wave splits as dispatch would), then the sets through scaled_mm.
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py tests/test_sm90_small_m_gpu.py 2>&1 | tail -n 3
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --recipes 1x128_128x128 --splits 0"
+  $tt --ms 8192 --nk 8192x8192 --tiles 128x192c2x1lw,128x128c2x1lw,128x192c2x1,128x128c2x1 2>&1 | grep -v Warn | cut -c1-112
+  $tt --ms 1024 --nk 4608x7168 --tiles 128x128c2x1lw,128x192c2x1lw,64x192c2x1o2 2>&1 | grep -v Warn | cut -c1-112
+  $tt --ms 6144 --nk 512x7168 --tiles 128x128c2x1lw,64x128c1x2 2>&1 | grep -v Warn | cut -c1-112
+  $tt --ms 1024 --nk 576x7168,512x7168 --tiles 64x128c1x2,128x128c2x1 2>&1 | grep -v Warn | cut -c1-112
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

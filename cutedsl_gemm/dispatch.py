@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from cutedsl_gemm.generators.manifest import INSTANCES, KernelInstance
 from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
+from cutedsl_gemm.kernels.sm90.block_scales import is_block_scaled
 
 
 class NoKernelError(ValueError):
@@ -46,6 +47,16 @@ FAST_TILE_RATES = {(128, 256): 1030, (128, 192): 1000, (128, 144): 955, (128, 12
 PAIRED_TILE_RATES = {(64, 192): 400}
 
 
+# Block-scaled recipes (all three: the same main loop), per mille of their own 128x128 c2x1 over several
+# waves, DeepSeek recipe on the 18 DeepSeek-V3 shapes (benchmarks/tune_tiles, BENCHMARKS.md session 11).
+# Scaling each K tile as it is promoted costs the 192-wide tiles more than the 128-wide ones -- they retire
+# every K tile before issuing the next -- so here 128x128 leads where waves allow: M=6144 N=7168 K=2304
+# 196.7 us against 204.7 for 128x192, N=3072 K=1536 59.6 vs 62.6. 128x192 measured 952-985 (median 973);
+# 985 keeps 8192^3 on it (1013-1036 us against 1045-1066 for 128x128, whose 32nd wave holds 2 clusters).
+BLOCK_TILE_RATES = {(128, 128): 1000, (128, 192): 985, (64, 128): 730}
+BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}
+
+
 # A 4x1 cluster multicasts each W tile to four CTAs: 20 KB per CTA per 128x128 K tile from L2 instead of 24.
 # Measured per wave of resident clusters against 2x1 (128x128, per-tensor): M=6144 N=576 +12%, 6144x4096x4096
 # +5%, 1024x7168x2048 +2% (128x192: 8192^3 +2%, M=6144 N=4608 +4%); the gain applies to the rate, the
@@ -54,13 +65,14 @@ CLUSTER_4X1_RATE_GAIN = 1050
 
 
 def tile_rate(inst: KernelInstance) -> int:
-    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by accumulation; 1000 where not measured,
-    and for the memory-bound swapped decode tiles)."""
+    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by recipe family and accumulation; 1000
+    where not measured, and for the memory-bound swapped decode tiles)."""
+    block = is_block_scaled(inst.recipe)
     if inst.ctas_per_sm > 1:
-        return PAIRED_TILE_RATES[(inst.tile_m, inst.tile_n)]
+        return (BLOCK_PAIRED_TILE_RATES if block else PAIRED_TILE_RATES)[(inst.tile_m, inst.tile_n)]
     if inst.swap_ab:
         return 1000
-    rates = FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
+    rates = BLOCK_TILE_RATES if block else FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
     rate = rates.get((inst.tile_m, inst.tile_n), 1000)
     if (inst.cluster_m, inst.cluster_n) == (4, 1):
         rate = rate * CLUSTER_4X1_RATE_GAIN // 1000

@@ -239,6 +239,15 @@ TABLE: Tuple[TileConfig, ...] = (
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 192,
         cluster_m=2, cluster_n=1, accum="promoted", ctas_per_sm=2,
     ),
+    # 64-row tiles (one consumer warp group, A multicast over a 1x2 cluster) where a block-scaled output fills
+    # under a wave of 128-row tiles: DeepSeek recipe M=1024 N=512 K=7168 16.8-17.3 us (2 K splits) against
+    # 18.9-19.5 for 128x128 (4 splits), cuBLAS 25.2 (session 11; dispatch.BLOCK_TILE_RATES). Up to M=1024
+    # only: above, the 128-row tiles' last-wave splits, which wave_cost does not see, make up their waves
+    # (M=6144 N=512: 128x128 with a split last wave 49.7 us, 64x128 50.3).
+    TileConfig(
+        "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 128,
+        cluster_m=1, cluster_n=2, accum="promoted", m_max=1024,
+    ),
     # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py):
     # chosen per call, in place of their sibling, when a little more than a whole number of waves would
     # leave the last one nearly empty and K is long (dispatch.last_wave_splits). M=6144, N=512, K=7168:

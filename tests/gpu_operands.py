@@ -31,3 +31,31 @@ def torch_scale_layout(s, gran_rows):
     out = torch.ones(rows, l4, device=s.device)
     out[:, :kb] = s
     return out
+
+
+def distinct_kernels(recipes):
+    """One instance per distinct kernel among the Hopper manifest rows of ``recipes`` (E4M3 x E4M3, bf16 out,
+    no bias): rows that differ only in their dispatch M range share code (``runner.code_key``)."""
+    from cutedsl_gemm.generators.manifest import select
+    from cutedsl_gemm.generators.runner import code_key
+
+    seen = {}
+    for recipe in recipes:
+        for i in select(arch="sm_90a", recipe=recipe, a_dtype="e4m3", b_dtype="e4m3", out_dtype="bf16", bias_dtype=None):
+            seen.setdefault(code_key(i), i)
+    return list(seen.values())
+
+
+def launch_directly(inst, qa, b, scale_a, scale_b, mnk):
+    """Run ``inst``'s compiled kernel bypassing dispatch (kernel scale views), K split 3 ways where it can,
+    into a NaN-poisoned bf16 output, and return the output."""
+    from benchmarks.tune_tiles import direct_call
+
+    m, n, _ = mnk
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    splits = 3 if inst.can_split_k else 1
+    call, used, _ = direct_call(inst, qa, b, scale_a, scale_b, out, mnk, splits)
+    call()
+    torch.cuda.synchronize()
+    assert used == splits, f"{inst.name}: ran {used} K splits, meant {splits}"
+    return out

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import cutedsl_gemm
 from cutedsl_gemm import reference as R
 
-from gpu_operands import block_scaled_operands as _operands, torch_scale_layout as _torch_layout
+from gpu_operands import block_scaled_operands as _operands, distinct_kernels, launch_directly, torch_scale_layout as _torch_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -86,3 +86,21 @@ def test_quantize_then_gemm_end_to_end(m):
     assert R.rel_error(out, ref) <= 6e-2  # FP8 quantization error of both operands, not GEMM error
     ref_q = R.reference_gemm(qx, sx.contiguous(), qw, sw[:, : -(-k // 128)].contiguous(), "1x128_128x128")
     assert R.rel_error(out, ref_q) <= 2e-3
+
+
+@pytest.mark.parametrize("inst", distinct_kernels(RECIPES), ids=lambda i: i.name)
+def test_every_block_scaled_tile_on_a_shape_nothing_divides(inst):
+    """Each block-scaled row launched directly (not only where dispatch sends the test shapes): M, N, K
+    that no tile or scale block divides, torch's scale layouts, K split where the instance can,
+    NaN-poisoned output."""
+    from cutedsl_gemm import scale_layouts
+
+    m, n, k = 333, 1040, 720
+    torch.manual_seed(7)
+    qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
+    rec = cutedsl_gemm.recipe(inst.recipe)
+    scale_a, scale_b = _torch_layout(sa, rec.a.rows), _torch_layout(sw, rec.b.rows).t()
+    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
+    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k))
+    err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
+    assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"

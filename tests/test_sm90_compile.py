@@ -246,3 +246,28 @@ def test_epilogue_buffers_take_only_what_the_stages_leave():
     assert (Sm90Fp8Gemm.max_stages(cfg), Sm90Fp8Gemm.epi_buffers(cfg, 5)) == (5, 3)
     with pytest.raises(ValueError, match="epi_stages is 0"):
         Sm90Fp8Gemm.check_config(_replace(cfg, epi_stages=1))
+
+
+def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
+    """Block scales cost the 192-wide tiles (one K-tile fragment) more than the 128-wide ones, so the
+    block-scaled recipes have their own rates (dispatch.BLOCK_TILE_RATES, session 11 DeepSeek sweep, us):
+    M=6144 N=7168 K=2304 128x128 196.7 vs 128x192 204.7, while 8192^3 stays on 128x192 (1013-1036 vs
+    1045-1066); 64x128 tiles in 1x2 clusters for outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5),
+    up to M=1024 only."""
+    pick = lambda recipe, m, n, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+    shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    for recipe in ("1x128_128x128", "128x128_128x128", "1x128_1x128"):
+        assert shape(pick(recipe, 6144, 7168, 2304)) == (128, 128, 2, 1)
+        assert shape(pick(recipe, 8192, 8192, 8192)) == (128, 192, 2, 1)
+        assert shape(pick(recipe, 1024, 512, 7168)) == (64, 128, 1, 2)
+        assert pick(recipe, 1152, 512, 7168).tile_m == 128  # the 64-row block row ends at M=1024
+    block, tensor = pick("1x128_128x128", 6144, 7168, 2304), pick("tensor", 6144, 7168, 2304)
+    assert dispatch.tile_rate(block) == dispatch.BLOCK_TILE_RATES[(128, 128)] != dispatch.TILE_RATES[(128, 128)]
+    assert tensor.tile_n == 192  # the epilogue-scaled recipes keep 128x192 there
+
+
+def test_check_config_names_the_recipes_it_knows():
+    from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig, Sm90GemmPlan
+
+    with pytest.raises(ValueError, match=r"recipe must be 'tensor', 'row' or one of \['128x128_128x128', '1x128_128x128', '1x128_1x128'\]"):
+        Sm90GemmPlan.check_config(Sm90GemmConfig(recipe="1x32", tile_n=128))

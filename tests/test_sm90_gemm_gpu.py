@@ -7,6 +7,7 @@ import cutedsl_gemm
 from cutedsl_gemm import reference as R
 from cutedsl_gemm.jit import KERNEL_CACHE
 from cutedsl_gemm.dispatch import select_gemm
+from gpu_operands import distinct_kernels, launch_directly
 
 pytestmark = pytest.mark.gpu
 
@@ -145,32 +146,13 @@ def test_repeated_signature_still_checks_alignment_and_computes_fresh_data():
     assert R.rel_error(out, R.reference_gemm(*plain, "row")) <= 2e-3
 
 
-def _epilogue_scaled_tiles():
-    """One instance per distinct kernel of the row-wise manifest rows (bf16 out, no bias): rows that differ
-    only in their dispatch M range share code (``runner.code_key``)."""
-    from cutedsl_gemm.generators.manifest import select
-    from cutedsl_gemm.generators.runner import code_key
-
-    seen = {}
-    for i in select(arch="sm_90a", recipe="row", a_dtype="e4m3", b_dtype="e4m3", out_dtype="bf16", bias_dtype=None):
-        seen.setdefault(code_key(i), i)
-    return list(seen.values())
-
-
-@pytest.mark.parametrize("inst", _epilogue_scaled_tiles(), ids=lambda i: i.name)
+@pytest.mark.parametrize("inst", distinct_kernels(["row"]), ids=lambda i: i.name)
 def test_every_manifest_tile_on_a_shape_nothing_divides(inst):
     """Each row of the table launched directly (not only where dispatch sends the seed shapes): M, N, K
     that no tile divides, K split where the instance can, NaN-poisoned output."""
-    from benchmarks.tune_tiles import direct_call
-
     m, n, k = 333, 1040, 720
     qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", "row")
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    splits = 3 if inst.can_split_k else 1
-    call, used, _ = direct_call(inst, qa, qw.t(), sa, sb, out, (m, n, k), splits)
-    call()
-    torch.cuda.synchronize()
-    assert used == splits
+    out = launch_directly(inst, qa, qw.t(), sa, sb, (m, n, k))
     err = R.rel_error(out, R.reference_gemm(*plain, "row"))
     tol = 2e-3 if inst.accum == "promoted" else 4e-3
     assert err <= tol, f"{inst.name}: relative error {err:.3e} > {tol:.0e}"

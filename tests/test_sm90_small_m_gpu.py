@@ -128,7 +128,8 @@ def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
     """A little more than whole waves of tiles: scaled_mm takes the instance's last-wave split variant,
     which runs the full waves whole and splits the rest in K (M=1152 and 3200 leave the 2x1 clusters' last
     row half empty; N=3392 is no multiple of the 128 / 192-wide tiles). (1408 x 7104, used before session 10,
-    now goes to 128x128 tiles in 4x1 clusters and 1664 x 6080 to 128x144, which have no last-wave variant.)"""
+    now goes to 128x128 tiles in 4x1 clusters and 1664 x 6080 to 128x144, which have no last-wave variant;
+    since session 11 the block-scaled shape runs 128x128 tiles, the last of their three waves split 4 ways.)"""
     k = 6144
     torch.manual_seed(5)
     args, plain = _call_args(m, n, k, recipe)
