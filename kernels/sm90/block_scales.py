@@ -1,5 +1,6 @@
 """Block scales for the Hopper FP8 GEMM: which scale each operand carries per 128-deep K block, how the
-producer stages them in shared memory, and how the consumers read them when promoting a K tile.
+producer stages them in shared memory, and how the consumers read them (into registers as soon as a stage
+is full, ``read_stage_scales``) and apply them when promoting a K tile (``promote_block_scaled``).
 
 Per 128-deep K block ``kb`` an operand carries either
 
@@ -115,10 +116,42 @@ def _copy_one(atom, scales: cute.Tensor, src_coord, slots: cute.Tensor, dst_coor
     cute.copy(atom, src, dst)
 
 
+SCALE_REGS = 4  # per consumer thread and K-tile fragment: the scale products (or A scales) of one K tile
+
+
 @cute.jit
-def promote_block_scaled(acc, frag, slots_a, slots_b, tile_coords, grans: cutlass.Constexpr,
+def read_stage_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexpr, tile_mn: cutlass.Constexpr,
+                      stage):
+    """Consumer side: this thread's scales of the K tile in ``stage``, read into ``regs`` as soon as the stage
+    is full -- before its MMAs are issued -- so that the promotion after the MMA wait does not wait on shared
+    memory (the shared-memory latency and the products were on that path: ncu, BENCHMARKS.md session 11).
+
+    ``regs`` gets (A scale of row half 0, of row half 1) x the W block scale, then x the second W block scale
+    for tiles that straddle two; with per-column (``group``) W scales, which differ per element, the two A
+    scales alone (``promote_block_scaled`` reads the W scales from the stage then).
+    """
+    bM, bN = tile_mn
+    if cutlass.const_expr(grans[0] == "group"):
+        # The two rows this thread holds: those of elements 0 and 2.
+        sa = (Float32(slots_a[(tile_coords[0][0], stage)]), Float32(slots_a[(tile_coords[2][0], stage)]))
+    else:
+        sa0 = Float32(slots_a[(0, stage)])  # a 128-row tile lies in one A block
+        sa = (sa0, sa0)
+    if cutlass.const_expr(grans[1] == "group"):
+        regs[0], regs[1] = sa[0], sa[1]
+    else:
+        sb = Float32(slots_b[(0, stage)])  # the tile's first W block
+        regs[0], regs[1] = sa[0] * sb, sa[1] * sb
+        if cutlass.const_expr(SCALE_BLOCK % bN != 0):
+            sb1 = Float32(slots_b[(1, stage)])
+            regs[2], regs[3] = sa[0] * sb1, sa[1] * sb1
+
+
+@cute.jit
+def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.Constexpr,
                          tile_mn: cutlass.Constexpr, origin_n, stage):
-    """acc += frag * sa(row) * sb(column) for one retired K tile of a 64 x N WGMMA fragment.
+    """acc += frag * sa(row) * sb(column) for one retired K tile of a 64 x N WGMMA fragment, ``regs`` holding
+    what ``read_stage_scales`` read for it.
 
     The fragment layout is WGMMA's ((2 columns, 2 rows, N/8 column groups), 1, 1): element i sits in row
     half (i // 2) % 2 and column group i // 4, so the scale of each element is known at trace time except
@@ -127,24 +160,16 @@ def promote_block_scaled(acc, frag, slots_a, slots_b, tile_coords, grans: cutlas
     """
     bM, bN = tile_mn
     assert cute.size(acc) == bN // 2, "expected a 64 x N WGMMA accumulator per warp group"
-    if cutlass.const_expr(grans[0] == "group"):
-        # The two rows this thread holds: those of elements 0 and 2.
-        sa = (Float32(slots_a[(tile_coords[0][0], stage)]), Float32(slots_a[(tile_coords[2][0], stage)]))
-    else:
-        sa0 = Float32(slots_a[(0, stage)])  # a 128-row tile lies in one A block
-        sa = (sa0, sa0)
     if cutlass.const_expr(grans[1] == "group"):
         for i in cutlass.range_constexpr(cute.size(acc)):
             sb = Float32(slots_b[(tile_coords[i][1], stage)])
-            acc[i] = acc[i] + frag[i] * (sa[(i // 2) % 2] * sb)
+            acc[i] = acc[i] + frag[i] * (regs[(i // 2) % 2] * sb)
     elif cutlass.const_expr(SCALE_BLOCK % bN == 0):
-        sb = Float32(slots_b[(0, stage)])  # the tile lies in one W block
-        s = (sa[0] * sb, sa[1] * sb)
+        s = (regs[0], regs[1])  # the tile lies in one W block
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] + frag[i] * s[(i // 2) % 2]
     else:
-        sb = (Float32(slots_b[(0, stage)]), Float32(slots_b[(1, stage)]))
-        s = ((sa[0] * sb[0], sa[1] * sb[0]), (sa[0] * sb[1], sa[1] * sb[1]))
+        s = ((regs[0], regs[1]), (regs[2], regs[3]))
         offset = origin_n % SCALE_BLOCK
         for off in _tile_offsets(bN):  # a trace-time list: one branch per possible offset
             if offset == off:

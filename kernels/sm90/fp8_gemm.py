@@ -20,7 +20,9 @@ from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.register_fence import fence_registers
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
-from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, is_block_scaled, promote_block_scaled, stage_scales
+from .block_scales import (
+    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, is_block_scaled, promote_block_scaled, read_stage_scales, stage_scales,
+)
 # Re-exported: the manifest, inspect and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
 
@@ -338,11 +340,13 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0)]).shape
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             temps = None
+            scale_regs = None
             if cutlass.const_expr(self.cfg.accum == "promoted"):
-                if cutlass.const_expr(bN <= self.overlapped_promote_max_n):
-                    temps = (cute.make_rmem_tensor(acc_shape, self.acc_dtype), cute.make_rmem_tensor(acc_shape, self.acc_dtype))
-                else:
-                    temps = (cute.make_rmem_tensor(acc_shape, self.acc_dtype),)
+                n_frags = 2 if bN <= self.overlapped_promote_max_n else 1
+                temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
+                if cutlass.const_expr(self.block_scaled):
+                    # Each fragment's K-tile scales, read when its stage is full (block_scales.read_stage_scales).
+                    scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_frags))
             tile_coords = None
             if cutlass.const_expr(self.block_scaled):
                 # Each accumulator element's (row, column) inside the tile picks its scales.
@@ -374,14 +378,14 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 else:
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
-                        scales = (scale_slots, tile_coords, tm * bM, tn * bN)
+                        scales = (scale_slots, tile_coords, tn * bN, scale_regs)
                     if cutlass.const_expr(len(temps) == 2):
                         read_state, release_state = self._mainloop_promoted(
                             mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
                         )
                     else:
                         read_state, release_state = self._mainloop_promoted_serial(
-                            mmas, acc, temps[0], tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
+                            mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
                         )
                 owns_epilogue = True
                 if cutlass.const_expr(self.cfg.split_k):
@@ -454,69 +458,81 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         unrolled by two because register fragments cannot be indexed at run time.
         """
         num_k_blocks = cute.size(tCrA, mode=[2])
-        t0, t1 = temps
         acc.fill(0.0)
-        mainloop.consumer_wait(read_state)
-        self._issue_k_tile(mmas, t0, tCrA, tCrB, read_state.index, num_k_blocks)
+        self._wait_k_tile(mainloop, read_state, scales, 0)
+        self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
         for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
             read_state, release_state = self._overlapped_step(
-                mmas, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
+                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
             read_state, release_state = self._overlapped_step(
-                mmas, acc, t0, t1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
+                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
         if (k_tiles - 1) % 2 == 1:
             read_state, release_state = self._overlapped_step(
-                mmas, acc, t1, t0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
+                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
             cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._retire(acc, t1, mainloop, release_state, scales)
+            release_state = self._retire(acc, temps, 1, mainloop, release_state, scales)
         else:
             cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._retire(acc, t0, mainloop, release_state, scales)
+            release_state = self._retire(acc, temps, 0, mainloop, release_state, scales)
         return read_state, release_state
 
     @cute.jit
     def _mainloop_promoted_serial(
-        self, mmas, acc, frag, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
     ):
         """As _mainloop_promoted with a single K-tile fragment: each K tile is retired (wait_group(0))
         and promoted before the next is issued; the other consumer warp group's MMAs fill the gap."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         for _ in cutlass.range(k_tiles, unroll=1):
-            mainloop.consumer_wait(read_state)
-            self._issue_k_tile(mmas, frag, tCrA, tCrB, read_state.index, num_k_blocks)
+            self._wait_k_tile(mainloop, read_state, scales, 0)
+            self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
             read_state.advance()
             cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._retire(acc, frag, mainloop, release_state, scales)
+            release_state = self._retire(acc, temps, 0, mainloop, release_state, scales)
         return read_state, release_state
 
     @cute.jit
     def _overlapped_step(
-        self, mmas, acc, issue_into, promote_from, tCrA, tCrB, mainloop, read_state, release_state,
+        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
         num_k_blocks: cutlass.Constexpr, scales,
     ):
-        """Issue the next K tile into one fragment, then retire the previous one from the other."""
-        mainloop.consumer_wait(read_state)
-        self._issue_k_tile(mmas, issue_into, tCrA, tCrB, read_state.index, num_k_blocks)
+        """Issue the next K tile into fragment ``slot``, then retire the previous one from the other."""
+        self._wait_k_tile(mainloop, read_state, scales, slot)
+        self._issue_k_tile(mmas, temps[slot], tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
         cute.nvgpu.warpgroup.wait_group(1)
-        release_state = self._retire(acc, promote_from, mainloop, release_state, scales)
+        release_state = self._retire(acc, temps, 1 - slot, mainloop, release_state, scales)
         return read_state, release_state
 
     @cute.jit
-    def _retire(self, acc, frag, mainloop, release_state, scales):
+    def _wait_k_tile(self, mainloop, read_state, scales, slot: cutlass.Constexpr):
+        """Wait for the next K tile's stage; block-scaled, read its scales for fragment ``slot`` at once."""
+        mainloop.consumer_wait(read_state)
+        if cutlass.const_expr(scales is not None):
+            slots, tile_coords, _, regs = scales
+            bM, bN, _ = self.tile_shape_mnk
+            read_stage_scales(regs[slot], slots[0], slots[1], tile_coords, self.scale_gran, (bM, bN), read_state.index)
+
+    @cute.jit
+    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
         """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer."""
+        frag = temps[slot]
         # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
         # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
         fence_registers(frag)
-        # Promote, then release in source order: block scales live in the stage. (ptxas hoists the release
-        # arrive above the promotion's adds where nothing it reads is in the stage; SASS, BENCHMARKS.md
-        # session 7.)
-        if cutlass.const_expr(self.block_scaled):
-            self._promote_scaled(acc, frag, scales, release_state.index)
+        # Promote, then release in source order: per-column W scales are read from the stage. (ptxas hoists
+        # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
+        # BENCHMARKS.md session 7.)
+        if cutlass.const_expr(scales is not None):
+            slots, tile_coords, origin_n, regs = scales
+            bM, bN, _ = self.tile_shape_mnk
+            promote_block_scaled(acc, frag, regs[slot], slots[1], tile_coords, self.scale_gran, (bM, bN), origin_n,
+                                 release_state.index)
         else:
             self._promote(acc, frag)
         fence_registers(acc)
@@ -538,12 +554,6 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
     def _promote(self, acc, frag):
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             acc[i] = acc[i] + frag[i]
-
-    @cute.jit
-    def _promote_scaled(self, acc, frag, scales, stage):
-        slots, tile_coords, origin_m, origin_n = scales
-        bM, bN, _ = self.tile_shape_mnk
-        promote_block_scaled(acc, frag, slots[0], slots[1], tile_coords, self.scale_gran, (bM, bN), origin_n, stage)
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
