@@ -163,6 +163,18 @@ hotspots_block)
     python3 -m benchmarks.ncu_hotspots "$out/rep_$r.csv" --top 16 | cut -c1-140 | tee "$out/rep_$r.hot.txt"
   done
   ;;
+promo_profile)
+  # Session 11: where the block-scaled main loop loses against per-tensor on the same 128x128 c2x1 tile
+  # (4096^3): ncu warp states and per-SASS-instruction stall samples; the CSVs come back for reading.
+  for r in 128x128_128x128 1x128_128x128 tensor; do
+    ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight --nvtx --nvtx-include profile/ -o "$out/p_$r" -f python3 -m benchmarks.profile_shape --m 4096 --n 4096 --k 4096 --recipe $r --tile 128x128c2x1 --splits 1 > /dev/null 2>&1
+    ncu --import "$out/p_$r.ncu-rep" --page source --csv --print-source sass > "$out/p_$r.csv" 2>&1
+    ncu --import "$out/p_$r.ncu-rep" --page details > "$out/p_$r.details.txt" 2>&1
+    rm -f "$out/p_$r.ncu-rep"
+    python3 -m benchmarks.ncu_hotspots "$out/p_$r.csv" --top 12 | cut -c1-140 > "$out/p_$r.hot.txt"
+    grep -E "Duration|SM Frequency|Compute \(SM\) Throughput|Warp Cycles Per Issued|Issued Warp" "$out/p_$r.details.txt" | head -8
+  done
+  ;;
 block)
   # Block-scaled recipes after a main-loop change: their GPU tests, the 128x192 / 128x128 tiles at 4096^3 and
   # 4096x8192x8192 next to per-tensor, and the square / DeepSeek-V3 sets through scaled_mm.
