@@ -32,19 +32,24 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
 
     | warp group | role | registers |
     |---|---|---|
-    | 0 (warp 0) | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles |
+    | 0 (warp 0) | TMA producer: A and W tiles (and block scales) into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles |
     | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM |
 
     | pipeline | producer -> consumer | stages |
     |---|---|---|
     | mainloop (PipelineTmaAsync) | TMA warp -> both consumer warp groups | ``stages`` (>= 4 where smem allows) |
-    | epilogue store (PipelineTmaStore) | consumer warp groups -> TMA store engine | 2 |
+    | epilogue store (PipelineTmaStore) | consumer warp groups -> TMA store engine | ``epi_stages`` output slices (>= 2, up to a tile) |
 
     Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
     compilation serves every M, N, K (all three are run-time values). The epilogue applies the recipe's
     scales in fp32 (per-tensor: one scalar product; row-wise: per-row A scale x per-column W scale), adds
     the bias, converts, stages the tile in shared memory and writes it with TMA stores (which clip at the
     M/N edges, so partial tiles need no predication).
+
+    Promoted accumulation (the default) runs each 128-deep K tile into a fresh fragment and adds it into the
+    fp32 accumulator; block-scaled recipes scale it while adding. Their scales ride in the K tile's stage
+    (``block_scales.stage_scales``), and each consumer reads its few into registers as soon as the stage is
+    full, before issuing the tile's MMAs (``block_scales.read_stage_scales``).
 
     ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
     128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
