@@ -271,3 +271,27 @@ def test_check_config_names_the_recipes_it_knows():
 
     with pytest.raises(ValueError, match=r"recipe must be 'tensor', 'row' or one of \['128x128_128x128', '1x128_128x128', '1x128_1x128'\]"):
         Sm90GemmPlan.check_config(Sm90GemmConfig(recipe="1x32", tile_n=128))
+
+
+def _op_sequence(ptx, keys):
+    """The PTX's instructions among ``keys`` (prefixes), in order, runs of one collapsed: "a b b c" -> a b c."""
+    seq = []
+    for line in ptx.splitlines():
+        op = line.strip().split(" ")[0].split("\t")[0]
+        key = next((k for k in keys if op.startswith(k)), None)
+        if key and (not seq or seq[-1] != key):
+            seq.append(key)
+    return " ".join(seq)
+
+
+def test_block_scales_are_read_before_the_mmas_are_issued():
+    """Block-scaled main loops form a K tile's scale products right after its stage's full barrier, before
+    its MMAs, so the promotion after the MMA wait is FFMAs only (ncu: the scales' shared-memory latency sat on
+    that path; BENCHMARKS.md session 11). Both loops: two fragments (128x128) and one (128x192)."""
+    keys = ("mbarrier.try_wait", "mul.f32", "wgmma.fence", "wgmma.wait_group", "fma.rn.f32")
+    for m, n, tile_n in ((4096, 4096, 128), (8192, 8192, 192)):
+        inst = dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=8192)
+        assert inst.tile_n == tile_n
+        seq = _op_sequence(inspect_instance(inst).ptx, keys)
+        assert "mbarrier.try_wait mul.f32 wgmma.fence" in seq, (inst.name, seq)
+        assert "wgmma.wait_group fma.rn.f32" in seq and "wgmma.wait_group mul.f32" not in seq, (inst.name, seq)
