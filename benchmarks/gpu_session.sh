@@ -327,6 +327,14 @@ s11)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
   grep -A 8 "^geomeans" "$out/gemm_block.txt"
   ;;
+s12)
+  # Session 12: A/W descriptors from the warp group's uniform slice. The block-scaled sets and the per-tensor /
+  # row-wise sets through scaled_mm (each with cuBLAS in the same process).
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_promoted.txt"
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

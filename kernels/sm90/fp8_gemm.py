@@ -338,8 +338,13 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
             mma_tidx = tidx - self.num_threads_per_warp_group
             thr_mma = tiled_mma.get_slice(mma_tidx)
-            tCsA = thr_mma.partition_A(sA)
-            tCsB = thr_mma.partition_B(sB)
+            # The A/W shared-memory descriptors depend only on the warp group: built from its first thread's
+            # slice (a warp-uniform index), ptxas keeps them in uniform registers instead of rebuilding them
+            # from the thread index and moving them over with R2UR before every WGMMA (-24 instructions per
+            # two K tiles; block-scaled main loop 5-8% faster, BENCHMARKS.md session 12).
+            thr_mma_wg = tiled_mma.get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
+            tCsA = thr_mma_wg.partition_A(sA)
+            tCsB = thr_mma_wg.partition_B(sB)
             tCrA = tiled_mma.make_fragment_A(tCsA)
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0)]).shape
