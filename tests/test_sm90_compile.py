@@ -1,5 +1,6 @@
 """Compile-only tier (no GPU): the Hopper kernels hold the instructions we meant."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -295,3 +296,37 @@ def test_block_scales_are_read_before_the_mmas_are_issued():
         seq = _op_sequence(inspect_instance(inst).ptx, keys)
         assert "mbarrier.try_wait mul.f32 wgmma.fence" in seq, (inst.name, seq)
         assert "wgmma.wait_group fma.rn.f32" in seq and "wgmma.wait_group mul.f32" not in seq, (inst.name, seq)
+
+
+def _mma_issue_windows(ptx):
+    """The PTX between each ``wgmma.fence`` and the first ``wgmma.mma_async`` after it (one K tile's issue)."""
+    windows, cur = [], None
+    for line in ptx.splitlines():
+        op = line.strip()
+        if op.startswith("wgmma.fence"):
+            cur = []
+        elif cur is not None and op.startswith("wgmma.mma_async"):
+            windows.append(cur)
+            cur = None
+        elif cur is not None:
+            cur.append(op)
+    return windows
+
+
+def test_mma_descriptors_come_from_the_warp_groups_uniform_slice():
+    """The consumers' A/W descriptors are built from the warp group's first thread, not the thread index: no
+    K tile's issue converts a thread-derived 16-bit warp-group index, and inside the K loop only W's
+    descriptor start address is masked per tile (A's base stays loop-invariant). Built from the thread index,
+    the block-scaled loop rebuilt A's base every K tile and ptxas moved each descriptor over with R2UR
+    (BENCHMARKS.md session 12)."""
+    for recipe, m, n, tile_n in (("tensor", 4096, 4096, 128), ("1x128_128x128", 4096, 4096, 128),
+                                 ("1x128_128x128", 8192, 8192, 192)):
+        inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=8192)
+        assert inst.tile_n == tile_n
+        windows = _mma_issue_windows(inspect_instance(inst).ptx)
+        assert windows, inst.name
+        assert not any("cvt.u32.u16" in op for w in windows for op in w), inst.name
+        # The two-fragment loop issues its first K tile before the loop; the one-fragment loop only inside.
+        in_loop = windows[1:] if len(windows) > 1 else windows
+        masks = [sum(1 for op in w if re.match(r"and\.b32\s.*, 16320;", op)) for w in in_loop]
+        assert max(masks) <= 1, (inst.name, masks)
