@@ -18,6 +18,7 @@ from cutlass import Float32, Int32
 
 from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.register_fence import fence_registers
+from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import (
@@ -335,6 +336,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 mainloop.producer_tail(state)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            # Releases with the signalling lane and the mapped barrier address worked out once (stage_release.py).
+            consumer_mainloop = ConsumerMainloop.create(mainloop)
             sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
             mma_tidx = tidx - self.num_threads_per_warp_group
             thr_mma = tiled_mma.get_slice(mma_tidx)
@@ -383,7 +386,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 _, k_count = k_tile_range(k_tiles, nsplit, split)
                 if cutlass.const_expr(self.cfg.accum == "fast"):
                     read_state, release_state = self._mainloop(
-                        tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_count
+                        tiled_mma, acc, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count
                     )
                 else:
                     scales = None
@@ -391,11 +394,11 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                         scales = (scale_slots, tile_coords, tn * bN, scale_regs)
                     if cutlass.const_expr(len(temps) == 2):
                         read_state, release_state = self._mainloop_promoted(
-                            mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
+                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
                         )
                     else:
                         read_state, release_state = self._mainloop_promoted_serial(
-                            mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_count, scales
+                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
                         )
                 owns_epilogue = True
                 if cutlass.const_expr(self.cfg.split_k):
