@@ -335,6 +335,20 @@ s12)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 8 "^geomeans" "$out/gemm_promoted.txt"
   ;;
+s12tiles)
+  # Session 12: with the shorter block-scaled main loop, 128x128 (two fragments, overlapped) against 128x192
+  # (one fragment, serial) where dispatch picks 128x192 or the two are close; two rounds.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --recipes 1x128_128x128 --splits 0"
+  for round in 1 2; do
+    $tt --ms 8192 --nk 8192x8192 --tiles 128x192c2x1lw,128x128c2x1lw,128x192c2x1,128x128c2x1 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 6144 --nk 4608x7168,1536x7168,7168x2304 --tiles 128x192c2x1,128x128c2x1 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 1024 --nk 4608x7168,1536x7168 --tiles 128x192c2x1lw,128x128c2x1lw,128x192c2x1,128x128c2x1 2>&1 | grep -v Warn | cut -c1-112
+  done
+  ;;
+sass)
+  # SASS of the K loop (instructions, static stall cycles, mix per loop trip): cuobjdump is on this machine.
+  python3 -m benchmarks.sass_loop --recipes tensor,1x128_128x128,128x128_128x128 --shape 4096x4096x4096 2>&1 | grep -v Warn
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
