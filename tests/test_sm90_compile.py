@@ -330,3 +330,18 @@ def test_mma_descriptors_come_from_the_warp_groups_uniform_slice():
         in_loop = windows[1:] if len(windows) > 1 else windows
         masks = [sum(1 for op in w if re.match(r"and\.b32\s.*, 16320;", op)) for w in in_loop]
         assert max(masks) <= 1, (inst.name, masks)
+
+
+def test_consumer_releases_use_the_precomputed_barrier_address():
+    """Clustered kernels release a stage with one predicated arrive on an address mapped once per thread
+    (kernels/common/stage_release.py): the consumers' PTX maps an empty barrier into the peer CTA's window
+    once, not per release (the DSL's release re-derived the lane and the mapping every K tile)."""
+    for recipe in ("tensor", "1x128_128x128"):
+        inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 4096, n=4096, sms=132, k=4096)
+        assert (inst.cluster_m, inst.cluster_n) == (2, 1), inst.name
+        ptx = inspect_instance(inst).ptx
+        releases = ptx.count("mbarrier.arrive.shared::cluster.b64")
+        assert releases >= 4 and ptx.count("@p mbarrier.arrive.shared::cluster.b64") == releases, inst.name
+        # The block-scaled producer maps its bulk scale copy's destination too.
+        producer_mapas = 1 if recipe != "tensor" else 0
+        assert ptx.count("mapa.shared::cluster") == producer_mapas + 1, (inst.name, ptx.count("mapa.shared::cluster"))
