@@ -248,6 +248,17 @@ TABLE: Tuple[TileConfig, ...] = (
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 128,
         cluster_m=1, cluster_n=2, accum="promoted", m_max=1024,
     ),
+    # 128x128 in 4x1 clusters, as for the epilogue-scaled recipes (W tiles multicast to four CTAs). Once the
+    # block-scaled main loop no longer saturated its warps' instruction issue (session 12), the L2 bytes
+    # saved pay here too: DeepSeek recipe M=6144 N=576 K=7168 50.0-50.8 us against 55.0-56.1 in 2x1
+    # clusters (cuBLAS 47.6), M=3072 N=576 27.1 vs 31.7 (27.4), M=1408 N=5120 K=4096 55.4 vs 70.3 (56.7),
+    # M=1408 N=7168 K=4096 80.7 vs 106.7 (70.2); session 10, with the older loop, measured no gain. From
+    # M=1025: at M=1024 N=4608 K=7168 the 2x1 tile's last-wave split (62.4 us), which wave_cost does not
+    # model, beats 4x1 (67.9), and the other M=1024 shapes gain only 1-5%.
+    TileConfig(
+        "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
+        cluster_m=4, cluster_n=1, accum="promoted", m_min=1025,
+    ),
     # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py):
     # chosen per call, in place of their sibling, when a little more than a whole number of waves would
     # leave the last one nearly empty and K is long (dispatch.last_wave_splits). M=6144, N=512, K=7168:
