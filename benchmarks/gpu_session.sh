@@ -345,9 +345,37 @@ s12tiles)
     $tt --ms 1024 --nk 4608x7168,1536x7168 --tiles 128x192c2x1lw,128x128c2x1lw,128x192c2x1,128x128c2x1 2>&1 | grep -v Warn | cut -c1-112
   done
   ;;
+s12c4)
+  # Session 12: 4x1 clusters for the block-scaled recipes where per-tensor takes them (narrow N), now that the
+  # block main loop is no longer bound by its own instruction issue; two rounds.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --recipes 1x128_128x128,128x128_128x128 --splits 0"
+  for round in 1 2; do
+    $tt --ms 6144,3072 --nk 576x7168,512x7168 --tiles 128x128c4x1,128x128c2x1,64x128c1x2 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 1408 --nk 5120x4096 --tiles 128x128c4x1,128x128c2x1,128x192c2x1 2>&1 | grep -v Warn | cut -c1-112
+  done
+  ;;
+s12c4picks)
+  # Session 12: the DeepSeek-recipe shapes a block-scaled 128x128 4x1 row takes over in dispatch, against
+  # the 2x1 tile they had (and its last-wave split variant, as dispatch would split); two rounds.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --recipes 1x128_128x128 --splits 0 --tiles 128x128c4x1,128x128c2x1,128x128c2x1lw"
+  for round in 1 2; do
+    $tt --ms 1024 --nk 1536x7168,7168x2048,4608x7168,7168x2304,5120x4096 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 512 --nk 7168x4096 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 1408 --nk 7168x4096 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 6144 --nk 512x7168 2>&1 | grep -v Warn | cut -c1-112
+    $tt --ms 8192 --nk 576x7168 2>&1 | grep -v Warn | cut -c1-112
+  done
+  ;;
 sass)
   # SASS of the K loop (instructions, static stall cycles, mix per loop trip): cuobjdump is on this machine.
   python3 -m benchmarks.sass_loop --recipes tensor,1x128_128x128,128x128_128x128 --shape 4096x4096x4096 2>&1 | grep -v Warn
+  ;;
+s12final)
+  # Session 12, final: the block-scaled GPU tests (every block manifest row launched directly, the new 4x1 row
+  # included), then the sets through scaled_mm.
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py 2>&1 | tail -n 3
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
   ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
