@@ -377,6 +377,14 @@ s12final)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
   grep -A 8 "^geomeans" "$out/gemm_block.txt"
   ;;
+s12other)
+  # Session 12: the paths the consumer changes touched besides the promoted cooperative loop: decode (swapped
+  # small-M kernels) and fast accumulation, through scaled_mm with cuBLAS in the same process.
+  python3 -m benchmarks.bench_gemm --sets llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/decode.json" > "$out/decode.txt" 2>&1
+  grep -A 6 "^geomeans" "$out/decode.txt"
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --fast-accum --out "$out/fast.json" > "$out/fast.txt" 2>&1
+  grep -A 6 "^geomeans" "$out/fast.txt"
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
