@@ -385,6 +385,20 @@ s12other)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --fast-accum --out "$out/fast.json" > "$out/fast.txt" 2>&1
   grep -A 6 "^geomeans" "$out/fast.txt"
   ;;
+s12lw)
+  # Session 12: picks a last-wave-split-aware wave_cost would change (the current pick against the one with a
+  # split last wave, split as dispatch would), two rounds.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --splits 0"
+  for round in 1 2; do
+    $tt --recipes tensor --ms 1408 --nk 7168x7168 --tiles 128x128c4x1,128x192c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes tensor --ms 4096 --nk 8192x7168 --tiles 128x128c2x1,128x192c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes tensor --ms 8192 --nk 5120x7168 --tiles 128x128c2x1,128x192c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes 1x128_128x128 --ms 1408 --nk 3072x7168,7168x7168 --tiles 128x128c4x1,128x128c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes 1x128_128x128 --ms 3072 --nk 1536x7168 --tiles 128x128c4x1,128x128c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes 1x128_128x128 --ms 3072,6144 --nk 7168x7168,4608x7168 --tiles 128x192c2x1,128x128c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes 1x128_128x128 --ms 8192 --nk 576x7168 --tiles 128x128c4x1,128x192c2x1lw 2>&1 | grep -v Warn | cut -c1-112
+  done
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
