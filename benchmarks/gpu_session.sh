@@ -399,6 +399,15 @@ s12lw)
     $tt --recipes 1x128_128x128 --ms 8192 --nk 576x7168 --tiles 128x128c4x1,128x192c2x1lw 2>&1 | grep -v Warn | cut -c1-112
   done
   ;;
+s12narrow)
+  # Session 12: narrow, long-K outputs (the weakest DeepSeek-V3 shapes) on 128x192 tiles with a split last wave
+  # (split as dispatch would) against dispatch's picks; two rounds.
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --splits 0"
+  for round in 1 2; do
+    $tt --recipes tensor,1x128_128x128 --ms 6144,4096,3072 --nk 576x7168 --tiles 128x192c2x1lw,128x128c4x1,128x144c2x1 2>&1 | grep -v Warn | cut -c1-112
+    $tt --recipes tensor,1x128_128x128 --ms 6144 --nk 512x7168 --tiles 128x192c2x1lw,128x128c4x1,128x128c2x1lw,64x192c2x1so2 2>&1 | grep -v Warn | cut -c1-112
+  done
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
