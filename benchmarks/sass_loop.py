@@ -28,7 +28,9 @@ _HIGH = re.compile(r"/\* (0x[0-9a-f]+) \*/")
 
 def decode(sass_text: str):
     """[(address, control codes, instruction)] from ``cuobjdump -sass`` text. The control bits sit in the
-    high word of each 128-bit instruction: stall (4 bits), yield, write / read barrier, wait mask, reuse."""
+    high word of each 128-bit instruction: stall (4 bits), yield, write / read barrier, wait mask, reuse.
+    "yield" is bit 45 clear: inferred, not documented (instructions with it never carry a reuse flag, which
+    is what a yield would require)."""
     lines, out, i = sass_text.splitlines(), [], 0
     while i < len(lines):
         m = _LINE.match(lines[i])
