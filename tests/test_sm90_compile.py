@@ -1,5 +1,6 @@
 """Compile-only tier (no GPU): the Hopper kernels hold the instructions we meant."""
 
+import functools
 import re
 from dataclasses import replace
 
@@ -7,7 +8,10 @@ import pytest
 
 from cutedsl_gemm import dispatch
 from cutedsl_gemm.generators import manifest
-from cutedsl_gemm.inspect import find_ptxas, inspect_instance, ptxas_performance_notes
+from cutedsl_gemm.inspect import find_ptxas, inspect_instance as _inspect_uncached, ptxas_performance_notes
+
+# Several tests read the same dispatched instances (e.g. the DeepSeek 128x128 tile): compile each once.
+inspect_instance = functools.lru_cache(maxsize=None)(_inspect_uncached)
 
 pytestmark = pytest.mark.compile
 
