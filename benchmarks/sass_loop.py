@@ -3,9 +3,9 @@
 The promoted main loops are paced by how fast the consumer warps issue their instructions (BENCHMARKS.md
 sessions 11-12), so the count per trip (two K tiles for the two-fragment loop) is the figure to watch when
 changing them. Compiles each instance for sm_90a (no GPU needed), disassembles the cubin with ``cuobjdump``
-(the CUDA toolkit's; the lent H100 has it, this machine may not), finds the innermost loops holding the
-WGMMAs and prints, per loop, the instruction count, the sum of the control codes' stall counts and the
-instruction mix; ``--listing`` prints the loop with its control codes (stall, yield, barriers, reuse).
+(the CUDA toolkit's; the lent H100 has it, this machine may not), finds the loops holding the WGMMAs (the
+K loop, then the persistent tile loop around it) and prints, per loop, the instruction count, the sum of the
+control codes' stall counts and the instruction mix; ``--listing`` prints the loop with its control codes (stall, yield, barriers, reuse).
 
     python -m benchmarks.sass_loop --recipes tensor,1x128_128x128 --shape 4096x4096x4096
     python -m benchmarks.sass_loop --cubins DIR          # disassemble cubins compiled elsewhere (*.cubin)
