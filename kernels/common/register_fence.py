@@ -19,7 +19,9 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 
 @dsl_user_op
-def _pin_b32(x: Int32, *, loc=None, ip=None) -> Int32:
+def pin_b32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """``x`` pinned at this point in program order: the compiler can neither sink its computation below it
+    nor rematerialize it later (stage_release.py keeps per-thread constants out of the K loop with it)."""
     # "=r,0": the output is tied to the input register; side effects keep it ordered with the WGMMA ops.
     return Int32(
         llvm.inline_asm(
@@ -39,4 +41,4 @@ def fence_registers(frag: cute.Tensor):
     """Pin every 32-bit register of ``frag`` here: no access to it moves across this point."""
     words = cute.recast_tensor(frag, Int32)
     for i in cutlass.range(cute.size(words), unroll_full=True):
-        words[i] = _pin_b32(words[i])
+        words[i] = pin_b32(words[i])

@@ -21,7 +21,7 @@ from cutlass import Int32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .register_fence import _pin_b32
+from .register_fence import pin_b32
 
 
 @dsl_user_op
@@ -69,7 +69,7 @@ class StageRelease:
         dst_rank = mainloop.consumer_mask  # None for a one-CTA cluster
         remote = dst_rank is not None
         addr = _mapa_shared_cluster(empty0, dst_rank) if remote else Int32(empty0)
-        return StageRelease(_pin_b32(addr), _pin_b32(Int32(mainloop.is_signaling_thread)), remote)
+        return StageRelease(pin_b32(addr), pin_b32(Int32(mainloop.is_signaling_thread)), remote)
 
     def release(self, index):
         """Arrive on the empty barrier of stage ``index`` (8 bytes per barrier)."""
@@ -87,8 +87,8 @@ class ConsumerMainloop:
     def create(mainloop) -> "ConsumerMainloop":
         return ConsumerMainloop(mainloop, StageRelease.create(mainloop))
 
-    def consumer_wait(self, state, try_wait_token=None):
-        self.pipeline.consumer_wait(state, try_wait_token)
+    def consumer_wait(self, state):
+        self.pipeline.consumer_wait(state)
 
     def consumer_release(self, state):
         self.stage_release.release(state.index)

@@ -22,6 +22,7 @@ the barrier therefore expects 1 (TMA expect_tx) + 32 arrivals.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
@@ -176,6 +177,29 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
                 for i in cutlass.range_constexpr(cute.size(acc)):
                     block = (off + 8 * (i // 4)) // SCALE_BLOCK
                     acc[i] = acc[i] + frag[i] * s[block][(i // 2) % 2]
+
+
+@dataclass(frozen=True)
+class TileScales:
+    """A consumer warp group's block-scale state for one output tile, built once per tile outside its K loop
+    (frozen: the DSL lets it into run-time loops without carrying it)."""
+
+    slots: tuple  # (A, W) scale slots of each stage, in shared memory (stage_scales fills them)
+    tile_coords: object  # each accumulator element's (row, column) inside the tile
+    origin_n: object  # the tile's first output column (places a 192-wide tile in its W scale blocks)
+    regs: tuple  # per K-tile fragment: the SCALE_REGS registers read_stage_scales fills
+    grans: tuple  # (A, W) scale granularity
+    tile_mn: tuple  # (bM, bN)
+
+    def read(self, slot, stage):
+        """Read the K tile in ``stage``'s scales for fragment ``slot`` (read_stage_scales)."""
+        read_stage_scales(self.regs[slot], self.slots[0], self.slots[1], self.tile_coords, self.grans,
+                          self.tile_mn, stage)
+
+    def promote(self, acc, frag, slot, stage):
+        """acc += frag, scaled (promote_block_scaled); ``stage`` still holds the K tile's W scales."""
+        promote_block_scaled(acc, frag, self.regs[slot], self.slots[1], self.tile_coords, self.grans,
+                             self.tile_mn, self.origin_n, stage)
 
 
 def _tile_offsets(tile_extent: int):

@@ -22,7 +22,7 @@ from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import (
-    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, is_block_scaled, promote_block_scaled, read_stage_scales, stage_scales,
+    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, TileScales, is_block_scaled, stage_scales,
 )
 # Re-exported: the manifest, inspect and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
@@ -391,7 +391,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 else:
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
-                        scales = (scale_slots, tile_coords, tn * bN, scale_regs)
+                        scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, self.scale_gran, (bM, bN))
                     if cutlass.const_expr(len(temps) == 2):
                         read_state, release_state = self._mainloop_promoted(
                             mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
@@ -527,9 +527,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         """Wait for the next K tile's stage; block-scaled, read its scales for fragment ``slot`` at once."""
         mainloop.consumer_wait(read_state)
         if cutlass.const_expr(scales is not None):
-            slots, tile_coords, _, regs = scales
-            bM, bN, _ = self.tile_shape_mnk
-            read_stage_scales(regs[slot], slots[0], slots[1], tile_coords, self.scale_gran, (bM, bN), read_state.index)
+            scales.read(slot, read_state.index)
 
     @cute.jit
     def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
@@ -542,10 +540,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
         # BENCHMARKS.md session 7.)
         if cutlass.const_expr(scales is not None):
-            slots, tile_coords, origin_n, regs = scales
-            bM, bN, _ = self.tile_shape_mnk
-            promote_block_scaled(acc, frag, regs[slot], slots[1], tile_coords, self.scale_gran, (bM, bN), origin_n,
-                                 release_state.index)
+            scales.promote(acc, frag, slot, release_state.index)
         else:
             self._promote(acc, frag)
         fence_registers(acc)
