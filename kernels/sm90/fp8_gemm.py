@@ -424,8 +424,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
     def _scheduler(self, tiles_m, tiles_n, splits, num_clusters):
         cm, cn = self.cfg.cluster_shape_mn
         if cutlass.const_expr(self.cfg.split_tail):
-            return LastWaveSplitScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits, num_clusters)
-        return PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.group_m, splits)
+            return LastWaveSplitScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.raster_group_m, splits, num_clusters)
+        return PersistentTileScheduler(tiles_m, tiles_n, (cm, cn), self.cfg.raster_group_m, splits)
 
     def _unit(self, sched, unit, cluster_coord, splits):
         """(tile_m, tile_n, k split, k splits of this tile) of a work unit."""

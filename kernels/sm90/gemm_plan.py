@@ -38,7 +38,8 @@ class Sm90GemmConfig:
     cluster_m: int = 2
     cluster_n: int = 1
     stages: int = 0  # 0: as many as shared memory allows
-    group_m: int = 8  # rasterisation group (cluster tiles)
+    # Rasterisation group in cluster rows (tile_scheduler.py); 0: ``raster_group_m``'s rule.
+    group_m: int = 0
     # "fast": WGMMA accumulates the whole K in its accumulator (torch's use_fast_accum=True). "promoted":
     # each 128-deep K tile goes into a fresh accumulator that is added into an fp32 one, bounding the error
     # of the tensor cores' reduced-precision FP8 accumulation (torch's default, use_fast_accum=False).
@@ -70,6 +71,17 @@ class Sm90GemmConfig:
     @property
     def cluster_shape_mn(self):
         return (self.cluster_m, self.cluster_n)
+
+    @property
+    def raster_group_m(self) -> int:
+        """Cluster rows walked before moving along N: a band of 16 CTA rows -- 8 rows of 2x1 clusters, 4 of
+        4x1. (4x1 clusters ran with 8, 32 CTA rows, until session 13: a wave then held the A rows of more
+        tiles than ran in step, and narrow outputs were 4-9% slower -- M=6144 N=576 K=7168 per-tensor 47.8-49.6
+        us against 46.2-46.3, DeepSeek recipe 50.7-51.3 against 47.6-49.5, M=8192 N=576 DeepSeek 76.0-76.4
+        against 70.0-70.4; BENCHMARKS.md.) One-row clusters keep 8 (not re-measured)."""
+        if self.group_m:
+            return self.group_m
+        return 16 // self.cluster_m if self.cluster_m > 2 else 8
 
 
 _DTYPES = {
