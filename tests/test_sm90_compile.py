@@ -253,6 +253,23 @@ def test_epilogue_buffers_take_only_what_the_stages_leave():
         Sm90Fp8Gemm.check_config(_replace(cfg, epi_stages=1))
 
 
+def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
+    """The persistent scheduler's raster group (gemm_plan.raster_group_m) spans 16 CTA rows for every
+    manifest row with clusters of 2 or 4 rows: 4x1 clusters walked 8 cluster rows (32 CTA rows) until session
+    13 and ran narrow outputs 4-9% slower (M=6144 N=576 K=7168 per-tensor 47.8-49.6 us vs 46.2-46.3 with 4).
+    One-row clusters keep 8; an explicit group_m overrides the rule."""
+    from dataclasses import replace as _replace
+
+    rows = {i.sm90_config() for i in manifest.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}
+    assert any(c.cluster_m == 4 for c in rows) and any(c.cluster_m == 2 for c in rows)
+    for cfg in rows:
+        if cfg.cluster_m > 1:
+            assert cfg.raster_group_m * cfg.cluster_m == 16, cfg
+        else:
+            assert cfg.raster_group_m == 8, cfg
+        assert _replace(cfg, group_m=3).raster_group_m == 3
+
+
 def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
     """Block scales cost the 192-wide tiles (one K-tile fragment) more than the 128-wide ones, so the
     block-scaled recipes have their own rates (dispatch.BLOCK_TILE_RATES, session 11 DeepSeek sweep, us):
