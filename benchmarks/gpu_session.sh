@@ -408,6 +408,27 @@ s12narrow)
     $tt --recipes tensor,1x128_128x128 --ms 6144 --nk 512x7168 --tiles 128x192c2x1lw,128x128c4x1,128x128c2x1lw,64x192c2x1so2 2>&1 | grep -v Warn | cut -c1-112
   done
   ;;
+s13)
+  # Session 13: 4x1 clusters walk 4 cluster rows per raster group (gemm_plan.raster_group_m). The sets through
+  # scaled_mm, each with cuBLAS in the same process: block-scaled, per-tensor / row-wise, fast accumulation.
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128,1x128_1x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_promoted.txt"
+  python3 -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row --fast-accum --out "$out/gemm_fast.json" > "$out/gemm_fast.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_fast.txt"
+  ;;
+s13audit)
+  # Session 13: every promoted tile on every DeepSeek-V3 shape (splits as dispatch would give them), to
+  # audit dispatch's picks against the best tile measured; per-tensor twice, DeepSeek recipe once.
+  dsv3=1536x7168,3072x1536,576x7168,7168x256,7168x2048,4608x7168,7168x2304,512x7168,4096x512
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --splits 0 --ms 1024,6144 --nk $dsv3"
+  t=128x192c2x1,128x144c2x1,128x128c2x1,128x128c4x1,128x96c2x1,128x96c1x2,128x128c1x2,64x192c2x1o2,64x192c2x1so2,64x128c1x2,64x96c2x2,64x64c1x2,128x192c2x1lw
+  for round in 1 2; do $tt --recipes tensor --tiles $t 2>&1 | grep -v Warn > "$out/audit_tensor_$round.txt"; done
+  tb=128x192c2x1,128x128c2x1,128x128c4x1,128x128c1x2,64x128c1x2,64x192c2x1o2,128x192c2x1lw,128x128c2x1lw
+  $tt --recipes 1x128_128x128 --tiles $tb 2>&1 | grep -v Warn > "$out/audit_block.txt"
+  tail -n 3 "$out"/audit_*.txt
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
