@@ -427,7 +427,8 @@ s13audit)
   for round in 1 2; do $tt --recipes tensor --tiles $t 2>&1 | grep -v Warn > "$out/audit_tensor_$round.txt"; done
   tb=128x192c2x1,128x128c2x1,128x128c4x1,128x128c1x2,64x128c1x2,64x192c2x1o2,128x192c2x1lw,128x128c2x1lw
   $tt --recipes 1x128_128x128 --tiles $tb 2>&1 | grep -v Warn > "$out/audit_block.txt"
-  tail -n 3 "$out"/audit_*.txt
+  python3 -m benchmarks.audit_picks "$out"/audit_tensor_*.txt | tail -n 1
+  python3 -m benchmarks.audit_picks "$out/audit_block.txt" | tail -n 1
   ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
