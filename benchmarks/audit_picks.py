@@ -18,6 +18,8 @@ from collections import defaultdict
 
 from cutedsl_gemm import dispatch
 
+from .tune_tiles import tile_label
+
 _SHAPE = re.compile(r"(\S+) M=(\d+) N=(\d+) K=(\d+): cuBLAS ([\d.na]+) us")
 _TIMING = re.compile(r"\s+tune\S*\s+(t\S+ c\S+)\s+(promoted|fast)\s+split\s+\d+\s+([\d.]+) us")
 
@@ -37,17 +39,15 @@ def parse(paths):
     return runs, cublas
 
 
-def tile_key(inst, last_wave: bool) -> str:
-    """``inst`` as tune_tiles prints it (t<M>x<N>[s]k<K> c<M>x<N>[o2][lw])."""
-    return (f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}"
-            f"{'o2' if inst.ctas_per_sm > 1 else ''}{'lw' if last_wave else ''}")
-
-
 def dispatch_key(recipe, accum, m, n, k, sms):
+    """The instance scaled_mm would launch (its last-wave split variant where it would use one), labelled as
+    tune_tiles prints it."""
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum=accum, n=n, sms=sms, k=k)
     size = inst.cluster_m * inst.cluster_n
     slots = dispatch.cluster_slots(sms, size) * size * inst.ctas_per_sm
-    return tile_key(inst, dispatch.last_wave_splits(inst, m, n, k, slots) > 1)
+    if dispatch.last_wave_splits(inst, m, n, k, slots) > 1:
+        inst = dispatch.last_wave_variant(inst)
+    return tile_label(inst)
 
 
 def main(argv=None):

@@ -54,6 +54,14 @@ def candidates(recipe, tiles, accums, split_variants=(True,)):
                   split_tail=tail, epi_stages=epi)
 
 
+def tile_label(inst) -> str:
+    """How this sweep prints an instance's tile (benchmarks.audit_picks reads it back): t<M>x<N>[s]k<K>
+    c<M>x<N>[o2][lw][e<n>]."""
+    return (f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}"
+            f"{'o2' if inst.ctas_per_sm > 1 else ''}{'lw' if inst.split_tail else ''}"
+            f"{f'e{inst.epi_stages}' if inst.epi_stages else ''}")
+
+
 def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
     """A call of ``inst``'s compiled kernel that bypasses dispatch, on this device's cluster limit, with
     ``want_splits`` K splits (0: dispatch.choose_splits; 1 where the instance has no split-K):
@@ -119,7 +127,7 @@ def main(argv=None):
                     err = R.rel_error(out, ref)
                     t = bench(call) * 1e3
                     gbs = bytes_moved / t / 1e3
-                    shape = f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}{'o2' if inst.ctas_per_sm > 1 else ''}{'lw' if inst.split_tail else ''}{f'e{inst.epi_stages}' if inst.epi_stages else ''}"
+                    shape = tile_label(inst)
                     print(f"   {inst.schedule:13s} {shape:20s} {inst.accum:8s} split {splits:2d} {t:7.1f} us "
                           f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
 

@@ -258,8 +258,6 @@ def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
     manifest row with clusters of 2 or 4 rows: 4x1 clusters walked 8 cluster rows (32 CTA rows) until session
     13 and ran narrow outputs 4-9% slower (M=6144 N=576 K=7168 per-tensor 47.8-49.6 us vs 46.2-46.3 with 4).
     One-row clusters keep 8; an explicit group_m overrides the rule."""
-    from dataclasses import replace as _replace
-
     rows = {i.sm90_config() for i in manifest.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}
     assert any(c.cluster_m == 4 for c in rows) and any(c.cluster_m == 2 for c in rows)
     for cfg in rows:
@@ -267,7 +265,7 @@ def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
             assert cfg.raster_group_m * cfg.cluster_m == 16, cfg
         else:
             assert cfg.raster_group_m == 8, cfg
-        assert _replace(cfg, group_m=3).raster_group_m == 3
+        assert replace(cfg, group_m=3).raster_group_m == 3
 
 
 def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
