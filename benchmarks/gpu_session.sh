@@ -430,6 +430,35 @@ s13audit)
   python3 -m benchmarks.audit_picks "$out"/audit_tensor_*.txt | tail -n 1
   python3 -m benchmarks.audit_picks "$out/audit_block.txt" | tail -n 1
   ;;
+s14c22)
+  # Session 14: 2x2 clusters (both operands multicast) against dispatch's tiles on the narrow / long-K
+  # DeepSeek-V3 shapes, per-tensor twice and DeepSeek recipe once (splits as dispatch would give them).
+  t=128x96c2x1,128x112c2x2,128x128c2x2,128x96c2x2,128x64c2x2,128x144c2x2,128x192c2x2,128x128c4x1,64x96c2x2,128x112c2x1
+  tt="python3 -m benchmarks.tune_tiles --accums promoted --splits 0"
+  for round in 1 2; do
+    $tt --ms 1024 --nk 1536x7168,576x7168,512x7168,4608x7168,7168x2048,7168x2304 --recipes tensor --tiles $t 2>&1 | grep -v Warn > "$out/c22_1024_$round.txt"
+    $tt --ms 6144 --nk 576x7168,512x7168,1536x7168 --recipes tensor --tiles $t 2>&1 | grep -v Warn > "$out/c22_6144_$round.txt"
+  done
+  $tt --ms 1024,6144 --nk 1536x7168,576x7168,4608x7168,7168x2304 --recipes 1x128_128x128 \
+      --tiles 128x128c2x1,128x128c2x2,128x112c2x2,128x192c2x1,128x192c2x2,128x128c4x1,128x96c2x2 2>&1 | grep -v Warn > "$out/c22_block.txt"
+  cut -c1-112 "$out"/c22_1024_1.txt "$out"/c22_6144_1.txt
+  ;;
+s14pow)
+  # Session 14: per-tensor against the DeepSeek recipe on the same tiles (and cuBLAS's kernels): SM clock,
+  # tensor-pipe activity, issue-slot use (ncu, one profiled call each after a warm one).
+  for spec in "6144 1536 7168 tensor 128x192c2x1" "6144 1536 7168 1x128_128x128 128x192c2x1" \
+              "6144 1536 7168 1x128_128x128 128x128c2x1" "6144 1536 7168 tensor 128x128c2x1" \
+              "8192 8192 8192 tensor 128x192c2x1" "8192 8192 8192 1x128_128x128 128x192c2x1"; do
+    read -r m n k r tile <<< "$spec"
+    f="$out/ncu_${m}x${n}x${k}_${r}_${tile}.txt"
+    ncu --clock-control none --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
+        --metrics sm__cycles_elapsed.avg.per_second --print-details all --nvtx --nvtx-include profile/ \
+        python3 -m benchmarks.profile_shape --m $m --n $n --k $k --recipe $r --tile $tile --splits 1 --calls 2 > "$f" 2>&1
+    echo "== $spec"
+    grep -E "^  (kernel_|nvjet)|Duration  |SM Frequency|SM: Pipe Tensor Cycles Active|Issue Slots Busy" "$f" \
+      | sed -E 's/^  kernel_cutlass.*/  ours/' | cut -c1-120
+  done
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"
