@@ -58,6 +58,18 @@ def test_block_scales_ride_the_mainloop_pipeline(reports):
         assert rep.has(r"cp\.async\.mbarrier\.arrive\.noinc\.shared(::cta)?\.b64") == block, rep.name
 
 
+def test_straddling_w_block_scales_one_promotion_path():
+    """A 192-wide tile starts 0 or 64 columns into its first 128-wide W scale block: the DeepSeek recipe's
+    promotion picks each column group's scale with selects, in one copy of its FMAs (64 x 192 fragment:
+    96 per thread), not one copy per offset behind a branch (3-4% slower, BENCHMARKS.md session 14)."""
+    inst = dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 8192, "promoted",
+                                n=8192, sms=132, k=8192)
+    assert (inst.tile_m, inst.tile_n) == (128, 192), inst.name
+    rep = inspect_instance(inst)
+    assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) == 96, rep.name
+    assert rep.has(r"selp\.f32"), rep.name
+
+
 def test_stmatrix_only_for_16_bit_outputs(reports):
     for (recipe, a, b, out, bias, accum), rep in reports.items():
         assert rep.has(r"stmatrix") == (out != "fp32"), rep.name

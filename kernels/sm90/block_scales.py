@@ -157,7 +157,7 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
     The fragment layout is WGMMA's ((2 columns, 2 rows, N/8 column groups), 1, 1): element i sits in row
     half (i // 2) % 2 and column group i // 4, so the scale of each element is known at trace time except
     for a "block" W scale on tiles that straddle 128-column blocks (a 192-wide tile): there the tile's
-    offset into its first block (one of a few values) picks a branch in which it is known again.
+    offset into its first block (one of a few values) selects it.
     """
     bM, bN = tile_mn
     assert cute.size(acc) == bN // 2, "expected a 64 x N WGMMA accumulator per warp group"
@@ -170,13 +170,25 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
         for i in cutlass.range_constexpr(cute.size(acc)):
             acc[i] = acc[i] + frag[i] * s[(i // 2) % 2]
     else:
+        # Which W block a column group falls in depends on the tile's offset into its first block, one of
+        # a few run-time values: each (column group pattern, row half) picks its scale once per K tile with
+        # selects (two for a 192-wide tile). One copy of the promotion per offset, behind a branch, ran the
+        # DeepSeek recipe's 128x192 tiles 3-4% slower (BENCHMARKS.md, session 14).
         s = ((regs[0], regs[1]), (regs[2], regs[3]))
         offset = origin_n % SCALE_BLOCK
-        for off in _tile_offsets(bN):  # a trace-time list: one branch per possible offset
-            if offset == off:
-                for i in cutlass.range_constexpr(cute.size(acc)):
-                    block = (off + 8 * (i // 4)) // SCALE_BLOCK
-                    acc[i] = acc[i] + frag[i] * s[block][(i // 2) % 2]
+        offsets = _tile_offsets(bN)
+        picked = {}
+        for i in cutlass.range_constexpr(cute.size(acc)):
+            half = (i // 2) % 2
+            blocks = tuple((off + 8 * (i // 4)) // SCALE_BLOCK for off in offsets)  # per possible offset
+            key = (blocks, half)
+            if cutlass.const_expr(key not in picked):
+                scale = s[blocks[0]][half]
+                for j in cutlass.range_constexpr(1, len(offsets)):
+                    if cutlass.const_expr(blocks[j] != blocks[0]):
+                        scale = cutlass.select_(offset == offsets[j], s[blocks[j]][half], scale)
+                picked[key] = scale
+            acc[i] = acc[i] + frag[i] * picked[key]
 
 
 @dataclass(frozen=True)
