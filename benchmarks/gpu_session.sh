@@ -443,6 +443,14 @@ s14c22)
       --tiles 128x128c2x1,128x128c2x2,128x112c2x2,128x192c2x1,128x192c2x2,128x128c4x1,128x96c2x2 2>&1 | grep -v Warn > "$out/c22_block.txt"
   cut -c1-112 "$out"/c22_1024_1.txt "$out"/c22_6144_1.txt
   ;;
+s15final)
+  # Session 15: the block-scaled GPU tests and compile tier on the read-ahead loop, then the block-scaled sets
+  # through scaled_mm. (The A/B of the read-ahead and the variants dropped, run from uncommitted switches,
+  # is in BENCHMARKS.md with the tune_tiles commands it ran.)
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py tests/test_sm90_compile.py 2>&1 | tail -n 2
+  python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
+  ;;
 s14pow)
   # Session 14: per-tensor against the DeepSeek recipe on the same tiles (and cuBLAS's kernels): SM clock,
   # tensor-pipe activity, issue-slot use (ncu, one profiled call each after a warm one).

@@ -191,6 +191,39 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
             acc[i] = acc[i] + frag[i] * picked[key]
 
 
+@cute.jit
+def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexpr, tile_mn: cutlass.Constexpr,
+                    stage):
+    """Read-ahead form of ``read_stage_scales`` for ``block`` W scales: the raw scales of the K tile in
+    ``stage`` (A scale of row half 0, of row half 1, W block scale, second W block scale when the tile
+    straddles two) and no products, so nothing waits for the loads until the promotion
+    (``promote_raw_scales``). Reading the scales from global memory instead (L2), with the producer
+    staging none, ran 15-20% slower (BENCHMARKS.md session 15)."""
+    bM, bN = tile_mn
+    if cutlass.const_expr(grans[0] == "group"):
+        regs[0] = Float32(slots_a[(tile_coords[0][0], stage)])
+        regs[1] = Float32(slots_a[(tile_coords[2][0], stage)])
+    else:
+        regs[0] = Float32(slots_a[(0, stage)])
+        regs[1] = regs[0]
+    regs[2] = Float32(slots_b[(0, stage)])
+    if cutlass.const_expr(SCALE_BLOCK % bN != 0):
+        regs[3] = Float32(slots_b[(1, stage)])
+
+
+@cute.jit
+def promote_raw_scales(acc, frag, regs, tile_coords, grans: cutlass.Constexpr, tile_mn: cutlass.Constexpr,
+                       origin_n):
+    """``promote_block_scaled`` on the raw scales of ``read_raw_scales``: the (row half, W block) products
+    are formed here, a K tile after the loads were issued."""
+    bM, bN = tile_mn
+    prods = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32)
+    prods[0], prods[1] = regs[0] * regs[2], regs[1] * regs[2]
+    if cutlass.const_expr(SCALE_BLOCK % bN != 0):
+        prods[2], prods[3] = regs[0] * regs[3], regs[1] * regs[3]
+    promote_block_scaled(acc, frag, prods, None, tile_coords, grans, tile_mn, origin_n, None)
+
+
 @dataclass(frozen=True)
 class TileScales:
     """A consumer warp group's block-scale state for one output tile, built once per tile outside its K loop
@@ -202,16 +235,26 @@ class TileScales:
     regs: tuple  # per K-tile fragment: the SCALE_REGS registers read_stage_scales fills
     grans: tuple  # (A, W) scale granularity
     tile_mn: tuple  # (bM, bN)
+    ahead: bool = False  # raw scales read a K tile early (read_ahead), products formed in the promotion
 
     def read(self, slot, stage):
         """Read the K tile in ``stage``'s scales for fragment ``slot`` (read_stage_scales)."""
         read_stage_scales(self.regs[slot], self.slots[0], self.slots[1], self.tile_coords, self.grans,
                           self.tile_mn, stage)
 
+    def read_ahead(self, slot, stage):
+        """Raw scales of the K tile in ``stage`` into register set ``slot`` (read_raw_scales)."""
+        read_raw_scales(self.regs[slot], self.slots[0], self.slots[1], self.tile_coords, self.grans,
+                        self.tile_mn, stage)
+
     def promote(self, acc, frag, slot, stage):
         """acc += frag, scaled (promote_block_scaled); ``stage`` still holds the K tile's W scales."""
-        promote_block_scaled(acc, frag, self.regs[slot], self.slots[1], self.tile_coords, self.grans,
-                             self.tile_mn, self.origin_n, stage)
+        if self.ahead:
+            promote_raw_scales(acc, frag, self.regs[slot], self.tile_coords, self.grans, self.tile_mn,
+                               self.origin_n)
+        else:
+            promote_block_scaled(acc, frag, self.regs[slot], self.slots[1], self.tile_coords, self.grans,
+                                 self.tile_mn, self.origin_n, stage)
 
 
 def _tile_offsets(tile_extent: int):

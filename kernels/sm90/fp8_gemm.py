@@ -80,6 +80,10 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         # (kernel A, kernel B) scale granularity, or None; swapped operands swap their scales too.
         gran = BLOCK_RECIPES.get(cfg.recipe)
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
+        # The serial promoted loop (one fragment) reads block scales a K tile ahead where the W scales are
+        # per block (a few registers); per-column W scales are read from the stage in the promotion.
+        self.read_ahead = (self.block_scaled and cfg.accum == "promoted" and self.scale_gran[1] == "block"
+                           and cfg.tile_n > self.overlapped_promote_max_n)
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
@@ -359,7 +363,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
                 if cutlass.const_expr(self.block_scaled):
                     # Each fragment's K-tile scales, read when its stage is full (block_scales.read_stage_scales).
-                    scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_frags))
+                    n_sets = 2 if self.read_ahead else n_frags
+                    scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_sets))
             tile_coords = None
             if cutlass.const_expr(self.block_scaled):
                 # Each accumulator element's (row, column) inside the tile picks its scales.
@@ -391,8 +396,13 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 else:
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
-                        scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, self.scale_gran, (bM, bN))
-                    if cutlass.const_expr(len(temps) == 2):
+                        scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, self.scale_gran, (bM, bN),
+                                            self.read_ahead)
+                    if cutlass.const_expr(self.read_ahead):
+                        read_state, release_state = self._mainloop_serial_ahead(
+                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
+                        )
+                    elif cutlass.const_expr(len(temps) == 2):
                         read_state, release_state = self._mainloop_promoted(
                             mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
                         )
@@ -510,6 +520,47 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         return read_state, release_state
 
     @cute.jit
+    def _mainloop_serial_ahead(
+        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+    ):
+        """_mainloop_promoted_serial with each K tile's scales read from its stage while the K tile before it
+        runs on the tensor cores, instead of between its full barrier and its MMA issue, where the products
+        waiting on the shared-memory loads sat between the WGMMAs (3-4% on 192-wide DeepSeek tiles,
+        BENCHMARKS.md session 15). Two register sets alternate, so the loop runs two K tiles per trip."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        mainloop.consumer_wait(read_state)
+        scales.read_ahead(0, read_state.index)
+        for pair in cutlass.range(k_tiles // 2, unroll=1):
+            read_state, release_state = self._serial_ahead_step(
+                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, True
+            )
+            read_state, release_state = self._serial_ahead_step(
+                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales,
+                2 * pair + 2 < k_tiles,
+            )
+        if k_tiles % 2 == 1:
+            read_state, release_state = self._serial_ahead_step(
+                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, False
+            )
+        return read_state, release_state
+
+    @cute.jit
+    def _serial_ahead_step(
+        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
+        num_k_blocks: cutlass.Constexpr, scales, has_next,
+    ):
+        """Issue the K tile whose stage was waited for (scales in set ``slot``); if another follows, wait for
+        its stage and read its scales into the other set; then retire and promote this K tile."""
+        self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
+        read_state.advance()
+        if has_next:
+            mainloop.consumer_wait(read_state)
+            scales.read_ahead(1 - slot, read_state.index)
+        cute.nvgpu.warpgroup.wait_group(0)
+        return read_state, self._retire(acc, temps, 0, mainloop, release_state, scales, scale_slot=slot)
+
+    @cute.jit
     def _overlapped_step(
         self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
         num_k_blocks: cutlass.Constexpr, scales,
@@ -530,8 +581,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             scales.read(slot, read_state.index)
 
     @cute.jit
-    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
-        """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer."""
+    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales, scale_slot: cutlass.Constexpr = None):
+        """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer (its scales
+        in set ``scale_slot``, by default the fragment's)."""
         frag = temps[slot]
         # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
         # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
@@ -540,7 +592,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
         # BENCHMARKS.md session 7.)
         if cutlass.const_expr(scales is not None):
-            scales.promote(acc, frag, slot, release_state.index)
+            scales.promote(acc, frag, slot if scale_slot is None else scale_slot, release_state.index)
         else:
             self._promote(acc, frag)
         fence_registers(acc)
