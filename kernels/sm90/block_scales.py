@@ -1,6 +1,7 @@
 """Block scales for the Hopper FP8 GEMM: which scale each operand carries per 128-deep K block, how the
 producer stages them in shared memory, and how the consumers read them (into registers as soon as a stage
-is full, ``read_stage_scales``) and apply them when promoting a K tile (``promote_block_scaled``).
+is full, ``read_stage_scales``, or -- in the serial 192-wide loop -- a K tile ahead, ``read_raw_scales``) and
+apply them when promoting a K tile (``promote_block_scaled``).
 
 Per 128-deep K block ``kb`` an operand carries either
 
@@ -121,6 +122,25 @@ SCALE_REGS = 4  # per consumer thread and K-tile fragment: the scale products (o
 
 
 @cute.jit
+def _read_a_scales(slots_a, tile_coords, gran: cutlass.Constexpr, stage):
+    """The A scales of this thread's two row halves in ``stage``: the rows of its elements 0 and 2
+    (``group``), or the tile's one A block (a 64/128-row tile lies in one)."""
+    if cutlass.const_expr(gran == "group"):
+        return Float32(slots_a[(tile_coords[0][0], stage)]), Float32(slots_a[(tile_coords[2][0], stage)])
+    sa = Float32(slots_a[(0, stage)])
+    return sa, sa
+
+
+@cute.jit
+def _scale_products(dst, sa0, sa1, sb0, sb1, tile_n: cutlass.Constexpr):
+    """dst = (sa0, sa1) x the tile's first W block scale, then x the second for tiles that straddle two
+    (``sb1`` is read only then)."""
+    dst[0], dst[1] = sa0 * sb0, sa1 * sb0
+    if cutlass.const_expr(SCALE_BLOCK % tile_n != 0):
+        dst[2], dst[3] = sa0 * sb1, sa1 * sb1
+
+
+@cute.jit
 def read_stage_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexpr, tile_mn: cutlass.Constexpr,
                       stage):
     """Consumer side: this thread's scales of the K tile in ``stage``, read into ``regs`` as soon as the stage
@@ -132,20 +152,12 @@ def read_stage_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Conste
     scales alone (``promote_block_scaled`` reads the W scales from the stage then).
     """
     bM, bN = tile_mn
-    if cutlass.const_expr(grans[0] == "group"):
-        # The two rows this thread holds: those of elements 0 and 2.
-        sa = (Float32(slots_a[(tile_coords[0][0], stage)]), Float32(slots_a[(tile_coords[2][0], stage)]))
-    else:
-        sa0 = Float32(slots_a[(0, stage)])  # a 128-row tile lies in one A block
-        sa = (sa0, sa0)
+    sa = _read_a_scales(slots_a, tile_coords, grans[0], stage)
     if cutlass.const_expr(grans[1] == "group"):
         regs[0], regs[1] = sa[0], sa[1]
     else:
-        sb = Float32(slots_b[(0, stage)])  # the tile's first W block
-        regs[0], regs[1] = sa[0] * sb, sa[1] * sb
-        if cutlass.const_expr(SCALE_BLOCK % bN != 0):
-            sb1 = Float32(slots_b[(1, stage)])
-            regs[2], regs[3] = sa[0] * sb1, sa[1] * sb1
+        sb1 = Float32(slots_b[(1, stage)]) if cutlass.const_expr(SCALE_BLOCK % bN != 0) else None
+        _scale_products(regs, sa[0], sa[1], Float32(slots_b[(0, stage)]), sb1, bN)
 
 
 @cute.jit
@@ -200,12 +212,7 @@ def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexp
     (``promote_raw_scales``). Reading the scales from global memory instead (L2), with the producer
     staging none, ran 15-20% slower (BENCHMARKS.md session 15)."""
     bM, bN = tile_mn
-    if cutlass.const_expr(grans[0] == "group"):
-        regs[0] = Float32(slots_a[(tile_coords[0][0], stage)])
-        regs[1] = Float32(slots_a[(tile_coords[2][0], stage)])
-    else:
-        regs[0] = Float32(slots_a[(0, stage)])
-        regs[1] = regs[0]
+    regs[0], regs[1] = _read_a_scales(slots_a, tile_coords, grans[0], stage)
     regs[2] = Float32(slots_b[(0, stage)])
     if cutlass.const_expr(SCALE_BLOCK % bN != 0):
         regs[3] = Float32(slots_b[(1, stage)])
@@ -218,9 +225,8 @@ def promote_raw_scales(acc, frag, regs, tile_coords, grans: cutlass.Constexpr, t
     are formed here, a K tile after the loads were issued."""
     bM, bN = tile_mn
     prods = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32)
-    prods[0], prods[1] = regs[0] * regs[2], regs[1] * regs[2]
-    if cutlass.const_expr(SCALE_BLOCK % bN != 0):
-        prods[2], prods[3] = regs[0] * regs[3], regs[1] * regs[3]
+    sb1 = regs[3] if cutlass.const_expr(SCALE_BLOCK % bN != 0) else None
+    _scale_products(prods, regs[0], regs[1], regs[2], sb1, bN)
     promote_block_scaled(acc, frag, prods, None, tile_coords, grans, tile_mn, origin_n, None)
 
 
@@ -232,7 +238,7 @@ class TileScales:
     slots: tuple  # (A, W) scale slots of each stage, in shared memory (stage_scales fills them)
     tile_coords: object  # each accumulator element's (row, column) inside the tile
     origin_n: object  # the tile's first output column (places a 192-wide tile in its W scale blocks)
-    regs: tuple  # per K-tile fragment: the SCALE_REGS registers read_stage_scales fills
+    regs: tuple  # per K-tile fragment (per K tile in flight, reading ahead): SCALE_REGS registers each
     grans: tuple  # (A, W) scale granularity
     tile_mn: tuple  # (bM, bN)
     ahead: bool = False  # raw scales read a K tile early (read_ahead), products formed in the promotion

@@ -50,7 +50,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
     Promoted accumulation (the default) runs each 128-deep K tile into a fresh fragment and adds it into the
     fp32 accumulator; block-scaled recipes scale it while adding. Their scales ride in the K tile's stage
     (``block_scales.stage_scales``), and each consumer reads its few into registers as soon as the stage is
-    full, before issuing the tile's MMAs (``block_scales.read_stage_scales``).
+    full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the serial loop of
+    192-wide tiles, while the K tile before it runs (``_mainloop_serial_ahead``).
 
     ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
     128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
@@ -362,7 +363,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 n_frags = 2 if bN <= self.overlapped_promote_max_n else 1
                 temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
                 if cutlass.const_expr(self.block_scaled):
-                    # Each fragment's K-tile scales, read when its stage is full (block_scales.read_stage_scales).
+                    # Each fragment's K-tile scales, read when its stage is full (block_scales.read_stage_scales);
+                    # reading ahead, the scales of the K tile running and of the next one.
                     n_sets = 2 if self.read_ahead else n_frags
                     scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_sets))
             tile_coords = None
