@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from cutedsl_gemm.generators.manifest import INSTANCES, KernelInstance
 from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
-from cutedsl_gemm.kernels.sm90.block_scales import is_block_scaled
+from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
 
 
 class NoKernelError(ValueError):
@@ -54,6 +54,13 @@ PAIRED_TILE_RATES = {(64, 192): 400}
 # 196.7 us against 204.7 for 128x192, N=3072 K=1536 59.6 vs 62.6. 128x192 measured 952-985 (median 973);
 # 985 keeps 8192^3 on it (1013-1036 us against 1045-1066 for 128x128, whose 32nd wave holds 2 clusters).
 BLOCK_TILE_RATES = {(128, 128): 1000, (128, 192): 985, (64, 128): 730}
+# Recipes with per-block W scales (DeepSeek, 2D) read the 192-wide tile's scales a K tile ahead (session 15,
+# 3-4%), which lifts that tile to par with 128x128 (session 16 re-sweep of the 20 DeepSeek-V3 / square shapes:
+# the two tiles' per-area rates 0.95-1.01 apart, dispatch's picks best or within 2%) and past the 64x192 pair
+# at short K under a wave: M=1024 N=3072 K=1536 14.3 us against 15.3 (DeepSeek), M=3072 31.0 vs 33.3-33.8,
+# M=768 14.4 vs 14.7-15.3; 2D alike. 1x128 x 1x128 (per-column W scales, no read-ahead) keeps 985: there
+# 128x192 loses at M=3072 (40.1-40.7 vs 37.0-37.4) and ties under it (BENCHMARKS.md, session 16).
+BLOCK_W_TILE_RATES = {**BLOCK_TILE_RATES, (128, 192): 1000}
 BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}
 
 
@@ -72,7 +79,10 @@ def tile_rate(inst: KernelInstance) -> int:
         return (BLOCK_PAIRED_TILE_RATES if block else PAIRED_TILE_RATES)[(inst.tile_m, inst.tile_n)]
     if inst.swap_ab:
         return 1000
-    rates = BLOCK_TILE_RATES if block else FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
+    if block:
+        rates = BLOCK_W_TILE_RATES if BLOCK_RECIPES[inst.recipe][1] == "block" else BLOCK_TILE_RATES
+    else:
+        rates = FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
     rate = rates.get((inst.tile_m, inst.tile_n), 1000)
     if (inst.cluster_m, inst.cluster_n) == (4, 1):
         rate = rate * CLUSTER_4X1_RATE_GAIN // 1000

@@ -294,6 +294,13 @@ def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
         assert shape(pick(recipe, 8192, 8192, 8192)) == (128, 192, 2, 1)
         assert shape(pick(recipe, 1024, 512, 7168)) == (64, 128, 1, 2)
         assert pick(recipe, 1152, 512, 7168).tile_m == 128  # the 64-row block row ends at M=1024
+    # Per-block W scales (read a K tile ahead in the 192-wide loop) lift 128x192 past the 64x192 pair at short
+    # K under a wave (session 16: 14.3 vs 15.3 us); per-column W scales keep the pair (40.1 vs 37.0 at M=3072).
+    for m in (1024, 3072):
+        for recipe in ("1x128_128x128", "128x128_128x128"):
+            got = pick(recipe, m, 3072, 1536)
+            assert shape(got) == (128, 192, 2, 1) and got.ctas_per_sm == 1, (recipe, m, got.name)
+        assert pick("1x128_1x128", m, 3072, 1536).ctas_per_sm == 2
     block, tensor = pick("1x128_128x128", 6144, 7168, 2304), pick("tensor", 6144, 7168, 2304)
     assert dispatch.tile_rate(block) == dispatch.BLOCK_TILE_RATES[(128, 128)] != dispatch.TILE_RATES[(128, 128)]
     assert tensor.tile_n == 192  # the epilogue-scaled recipes keep 128x192 there
