@@ -451,6 +451,14 @@ s15final)
   python3 -m benchmarks.bench_gemm --sets square,dsv3 --recipes 1x128_128x128,128x128_128x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
   grep -A 8 "^geomeans" "$out/gemm_block.txt"
   ;;
+s16final)
+  # Session 16: the block-scaled GPU tests (the dispatch change moves M=768-3072 N=3072 K=1536 to 128x192), then
+  # the DeepSeek-V3 set through scaled_mm for the block-scaled and epilogue-scaled recipes. (The variants measured
+  # and dropped ran from uncommitted switches; BENCHMARKS.md gives the tune_tiles commands.)
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py 2>&1 | tail -n 2
+  python3 -m benchmarks.bench_gemm --sets dsv3 --recipes 1x128_128x128,128x128_128x128,tensor,row --out "$out/gemm_dsv3.json" > "$out/gemm_dsv3.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_dsv3.txt"
+  ;;
 s14pow)
   # Session 14: per-tensor against the DeepSeek recipe on the same tiles (and cuBLAS's kernels): SM clock,
   # tensor-pipe activity, issue-slot use (ncu, one profiled call each after a warm one).
