@@ -94,3 +94,32 @@ def test_per_tensor_scale_views_are_kept_and_refreshed():
     assert id(elem) not in L._SCALAR_VIEWS
     one = torch.ones(1)
     assert L.kernel_views("tensor", 1, one, t)[0] is one  # already (1,)
+
+
+def test_block_w_scale_views_are_kept_and_refreshed():
+    """The (column blocks, Kb) view of torch's padded W block scales is kept per tensor (weights outlive
+    calls); a new storage or an in-place restride makes a new one; A scales are passed as they are when
+    nothing is padded, sliced when they are."""
+    from cutedsl_gemm import scale_layouts as L
+
+    kb = 3
+    sa = torch.rand(256, kb)
+    sb = torch.rand(4, 2)  # Kb padded to 4, N/128 = 2
+    va, vb = L.kernel_views("1x128_128x128", kb, sa, sb)
+    assert va is sa
+    assert vb.shape == (2, kb) and torch.equal(vb, sb[:kb].t())
+    assert L.kernel_views("1x128_128x128", kb, sa, sb)[1] is vb  # kept
+    sb.mul_(2.0)
+    assert torch.equal(L.kernel_views("1x128_128x128", kb, sa, sb)[1], sb[:kb].t())  # sees in-place updates
+    sb.set_(torch.rand(4, 2).untyped_storage(), 0, (4, 2), (2, 1))  # new storage: a new view
+    v2 = L.kernel_views("1x128_128x128", kb, sa, sb)[1]
+    assert v2 is not vb and torch.equal(v2, sb[:kb].t())
+    sb.as_strided_((4, 2), (1, 4))  # same pointer, other strides: a new view
+    v3 = L.kernel_views("1x128_128x128", kb, sa, sb)[1]
+    assert v3 is not v2 and torch.equal(v3, sb[:kb].t())
+    assert L.kernel_views("1x128_128x128", 2, sa, sb)[1].shape == (2, 2)  # another Kb: not the kept view
+    padded_a = torch.rand(256, 4)
+    assert torch.equal(L.kernel_views("1x128_128x128", kb, padded_a, sb)[0], padded_a[:, :kb])
+    big = torch.rand(1 << 19, 2)  # 4 MiB of scales: not kept (the view would pin the buffer)
+    L.kernel_views("1x128_128x128", kb, sa, big)
+    assert id(big) not in L._W_BLOCK_VIEWS
