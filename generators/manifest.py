@@ -224,8 +224,8 @@ TABLE: Tuple[TileConfig, ...] = (
     # one-wave shapes are paced by operand delivery (BENCHMARKS.md, session 14). Per-tensor M=1024 N=1536
     # K=7168 22.8-23.2 us against 24.6 for 128x96 c2x1 (cuBLAS 20.7-20.8), N=1280 K=8192 24.6-24.9 vs 25.8-25.9;
     # row-wise 23.8-24.0 vs 24.4-25.2 and 24.8-25.4 vs 26.7-27.0. With fewer rows its fewer CTAs lose (M=768
-    # N=1536 21.5-22.3 vs 21.0-21.2, M=512 N=3072 K=3072 14.7-14.8 vs 12.9-13.6, M=256 5-8% slower) and with
-    # more its 30 cluster slots cost waves, so it serves M 897-1024 only (session 16).
+    # N=1536 21.5-22.3 vs 21.0-21.2, M=512 N=3072 K=3072 14.7-14.8 vs 12.9-13.6, M=256 5-8% slower); more rows
+    # were not measured. So it serves M 897-1024 only (session 16).
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 112, cluster_m=2, cluster_n=2,
                accum="promoted", m_min=897, m_max=1024),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
