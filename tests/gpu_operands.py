@@ -46,14 +46,14 @@ def distinct_kernels(recipes):
     return list(seen.values())
 
 
-def launch_directly(inst, qa, b, scale_a, scale_b, mnk):
-    """Run ``inst``'s compiled kernel bypassing dispatch (kernel scale views), K split 3 ways where it can,
-    into a NaN-poisoned bf16 output, and return the output."""
+def launch_directly(inst, qa, b, scale_a, scale_b, mnk, splits=3):
+    """Run ``inst``'s compiled kernel bypassing dispatch (kernel scale views), K split ``splits`` ways where
+    it can, into a NaN-poisoned bf16 output, and return the output."""
     from benchmarks.tune_tiles import direct_call
 
     m, n, _ = mnk
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    splits = 3 if inst.can_split_k else 1
+    splits = splits if inst.can_split_k else 1
     call, used, _ = direct_call(inst, qa, b, scale_a, scale_b, out, mnk, splits)
     call()
     torch.cuda.synchronize()
