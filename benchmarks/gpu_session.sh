@@ -459,6 +459,18 @@ s16final)
   python3 -m benchmarks.bench_gemm --sets dsv3 --recipes 1x128_128x128,128x128_128x128,tensor,row --out "$out/gemm_dsv3.json" > "$out/gemm_dsv3.txt" 2>&1
   grep -A 8 "^geomeans" "$out/gemm_dsv3.txt"
   ;;
+s17final)
+  # Session 17: the per-tensor scales read once per CTA. The epilogue-scaled sets through scaled_mm (two rounds),
+  # the per-tensor decode set and layer chain (the decode kernels now wait for the previous grid in their
+  # consumers too). Run after `tests`. (The variants measured and dropped ran from uncommitted switches.)
+  for r in 1 2; do
+    python3 -m benchmarks.bench_gemm --sets dsv3,square --recipes tensor,row --out "$out/gemm_dsv3_$r.json" > "$out/gemm_dsv3_$r.txt" 2>&1
+    grep -A 5 "geomeans" "$out/gemm_dsv3_$r.txt"
+  done
+  python3 -m benchmarks.bench_gemm --sets llama70b_decode --recipes tensor --out "$out/decode.json" > "$out/decode.txt" 2>&1
+  grep -A 2 "geomeans" "$out/decode.txt"
+  python3 -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes tensor 2>&1 | tail -n 8
+  ;;
 s14pow)
   # Session 14: per-tensor against the DeepSeek recipe on the same tiles (and cuBLAS's kernels): SM clock,
   # tensor-pipe activity, issue-slot use (ncu, one profiled call each after a warm one).

@@ -98,6 +98,21 @@ def test_wgmma_never_serialized():
         assert not notes, f"{inst.name}: {notes}"
 
 
+def test_per_tensor_scales_read_once_before_the_tile_loop():
+    """The per-tensor scale product is loaded before the first tile's MMAs, not in every tile's epilogue,
+    where the loads' latency sat between each tile's main loop and its multiply (2-3% on the DeepSeek-V3
+    set, BENCHMARKS.md session 17); kernels launched with programmatic dependent launch wait for the
+    previous grid before reading them (it may be writing them)."""
+    for m, n, k in ((6144, 7168, 2304), (1024, 512, 7168), (16, 8192, 8192)):
+        inst = dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+        ptx = inspect_instance(inst).ptx
+        loads = [x.start() for x in re.finditer(r"ld\.global\.(?:nc\.)?[bf]32\s", ptx)]
+        assert len(loads) == 2 and max(loads) < ptx.index("wgmma.mma_async"), inst.name
+        if inst.sm90_config().pdl:
+            waits = [x.start() for x in re.finditer(r"griddepcontrol\.wait", ptx)]
+            assert any(w < min(loads) for w in waits), f"{inst.name}: scales read before griddepcontrol.wait"
+
+
 def test_144_wide_promoted_tiles_overlap_their_promotion():
     """128x144 promoted tiles keep two K-tile fragments (3 x 72 fp32 registers per consumer thread): the
     producer drops to 24 registers so the consumers get 240, and the main loop retires one K tile

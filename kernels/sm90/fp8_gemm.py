@@ -387,6 +387,14 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mmas = (tiled_mma_fresh, tiled_mma)
             tiles_done = Int32(0)
+            alpha = None
+            if cutlass.const_expr(self.cfg.recipe == "tensor"):
+                # Read the per-tensor scales once, before the first tile: loaded in each tile's epilogue, their
+                # L2 latency stood between the main loop and the first multiply of every tile (per-tensor
+                # DeepSeek-V3 set 2-3% slower; up to 9% at K=256, BENCHMARKS.md session 17).
+                if cutlass.const_expr(self.cfg.pdl):
+                    cute.arch.griddepcontrol_wait()  # the previous kernel may still be writing them
+                alpha = Float32(mSA[0]) * Float32(mSB[0])
             unit = cluster_id
             while unit < sched.num_units:
                 tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
@@ -427,7 +435,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                             self.num_mma_threads, epi_barrier, split_flag,
                         )
                 if owns_epilogue:
-                    self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn)
+                    self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha)
                     self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
                     tiles_done += 1
                 unit += num_clusters
@@ -625,8 +633,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn):
-        """acc <- acc * scale (+ bias) in fp32, with scale from the epilogue-scaled recipe."""
+    def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha):
+        """acc <- acc * scale (+ bias) in fp32, with scale from the epilogue-scaled recipe (per-tensor: the
+        product ``alpha`` read before the tile loop)."""
         bM, bN, _ = self.tile_shape_mnk
         M, N = mD.shape
         cD = cute.local_tile(cute.make_identity_tensor((M, N)), (bM, bN), (tm, tn))
@@ -634,7 +643,6 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         if cutlass.const_expr(self.block_scaled):
             pass  # applied per K tile in the main loop
         elif cutlass.const_expr(self.cfg.recipe == "tensor"):
-            alpha = Float32(mSA[0]) * Float32(mSB[0])
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] * alpha
         else:
