@@ -151,7 +151,7 @@ def read_stage_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Conste
     for tiles that straddle two; with per-column (``group``) W scales, which differ per element, the two A
     scales alone (``promote_block_scaled`` reads the W scales from the stage then).
     """
-    bM, bN = tile_mn
+    _, bN = tile_mn
     sa = _read_a_scales(slots_a, tile_coords, grans[0], stage)
     if cutlass.const_expr(grans[1] == "group"):
         regs[0], regs[1] = sa[0], sa[1]
@@ -171,7 +171,7 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
     for a "block" W scale on tiles that straddle 128-column blocks (a 192-wide tile): there the tile's
     offset into its first block (one of a few values) selects it.
     """
-    bM, bN = tile_mn
+    _, bN = tile_mn
     assert cute.size(acc) == bN // 2, "expected a 64 x N WGMMA accumulator per warp group"
     if cutlass.const_expr(grans[1] == "group"):
         for i in cutlass.range_constexpr(cute.size(acc)):
@@ -211,7 +211,7 @@ def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexp
     straddles two) and no products, so nothing waits for the loads until the promotion
     (``promote_raw_scales``). Reading the scales from global memory instead (L2), with the producer
     staging none, ran 15-20% slower (BENCHMARKS.md session 15)."""
-    bM, bN = tile_mn
+    _, bN = tile_mn
     regs[0], regs[1] = _read_a_scales(slots_a, tile_coords, grans[0], stage)
     regs[2] = Float32(slots_b[(0, stage)])
     if cutlass.const_expr(SCALE_BLOCK % bN != 0):
@@ -223,7 +223,7 @@ def promote_raw_scales(acc, frag, regs, tile_coords, grans: cutlass.Constexpr, t
                        origin_n):
     """``promote_block_scaled`` on the raw scales of ``read_raw_scales``: the (row half, W block) products
     are formed here, a K tile after the loads were issued."""
-    bM, bN = tile_mn
+    _, bN = tile_mn
     prods = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32)
     sb1 = regs[3] if cutlass.const_expr(SCALE_BLOCK % bN != 0) else None
     _scale_products(prods, regs[0], regs[1], regs[2], sb1, bN)
