@@ -104,3 +104,24 @@ def test_every_block_scaled_tile_on_a_shape_nothing_divides(inst):
     out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k))
     err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
     assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
+
+
+@pytest.mark.parametrize("k", [128, 384, 720], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("inst", distinct_kernels(RECIPES), ids=lambda i: i.name)
+def test_every_block_scaled_tile_with_several_tiles_per_cta(inst, k):
+    """The block-scaled form of test_sm90_gemm_gpu's several-tiles test: a 4000 x 3008 output gives every
+    persistent CTA several tiles in a row, so whatever carries from one tile's K loop to the next (pipeline
+    state, scale register sets, scales staged ahead of their K tile) is exercised for every row, with 1, 3 and 6
+    K tiles per tile (single, odd and even trip counts of the unrolled loops; 720 leaves a partial last K
+    block), unsplit, torch's scale layouts, NaN-poisoned output. The nothing-divides test above gives most
+    CTAs a single tile."""
+    from cutedsl_gemm import scale_layouts
+
+    m, n = 4000, 3008
+    qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
+    rec = cutedsl_gemm.recipe(inst.recipe)
+    scale_a, scale_b = _torch_layout(sa, rec.a.rows), _torch_layout(sw, rec.b.rows).t()
+    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
+    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=1)
+    err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
+    assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
