@@ -471,6 +471,12 @@ s17final)
   grep -A 2 "geomeans" "$out/decode.txt"
   python3 -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes tensor 2>&1 | tail -n 8
   ;;
+s18)
+  # Session 18 (no GPU was lent; prepared for the next session): the new several-tiles-per-CTA test for every
+  # block-scaled row on the committed kernels. (The scale-staging experiments prepared the same session are on
+  # the local branch exp/scale-ring, run by its exp/ring.sh; not on main.)
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py -k several_tiles 2>&1 | tail -n 3
+  ;;
 s14pow)
   # Session 14: per-tensor against the DeepSeek recipe on the same tiles (and cuBLAS's kernels): SM clock,
   # tensor-pipe activity, issue-slot use (ncu, one profiled call each after a warm one).
