@@ -93,15 +93,20 @@ def test_every_block_scaled_tile_on_a_shape_nothing_divides(inst):
     """Each block-scaled row launched directly (not only where dispatch sends the test shapes): M, N, K
     that no tile or scale block divides, torch's scale layouts, K split where the instance can,
     NaN-poisoned output."""
+    torch.manual_seed(7)
+    _check_launched_directly(inst, 333, 1040, 720, splits=3)
+
+
+def _check_launched_directly(inst, m, n, k, splits):
+    """Launch ``inst`` bypassing dispatch on fresh operands with torch's scale layouts and check it against
+    the reference on the dequantized inputs."""
     from cutedsl_gemm import scale_layouts
 
-    m, n, k = 333, 1040, 720
-    torch.manual_seed(7)
     qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
     rec = cutedsl_gemm.recipe(inst.recipe)
     scale_a, scale_b = _torch_layout(sa, rec.a.rows), _torch_layout(sw, rec.b.rows).t()
     _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
-    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k))
+    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=splits)
     err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
     assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
 
@@ -115,13 +120,4 @@ def test_every_block_scaled_tile_with_several_tiles_per_cta(inst, k):
     K tiles per tile (single, odd and even trip counts of the unrolled loops; 720 leaves a partial last K
     block), unsplit, torch's scale layouts, NaN-poisoned output. The nothing-divides test above gives most
     CTAs a single tile."""
-    from cutedsl_gemm import scale_layouts
-
-    m, n = 4000, 3008
-    qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
-    rec = cutedsl_gemm.recipe(inst.recipe)
-    scale_a, scale_b = _torch_layout(sa, rec.a.rows), _torch_layout(sw, rec.b.rows).t()
-    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
-    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=1)
-    err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
-    assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
+    _check_launched_directly(inst, 4000, 3008, k, splits=1)
