@@ -474,7 +474,7 @@ s17final)
 s18)
   # Session 18 (no GPU was lent; prepared for the next session): the new several-tiles-per-CTA test for every
   # block-scaled row on the committed kernels. (The scale-staging experiments prepared the same session are on
-  # the local branch exp/scale-ring, run by its exp/ring.sh; not on main.)
+  # the local branches exp/scale-ring -- exp/ring.sh, exp/land_ab.sh -- and land/lag1; not on main.)
   python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py -k several_tiles 2>&1 | tail -n 3
   ;;
 s14pow)
