@@ -111,13 +111,15 @@ def _check_launched_directly(inst, m, n, k, splits):
     assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
 
 
-@pytest.mark.parametrize("k", [128, 384, 720], ids=lambda k: f"k{k}")
+@pytest.mark.parametrize("k,splits", [(128, 1), (384, 1), (720, 1), (384, 3), (720, 3)],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("inst", distinct_kernels(RECIPES), ids=lambda i: i.name)
-def test_every_block_scaled_tile_with_several_tiles_per_cta(inst, k):
+def test_every_block_scaled_tile_with_several_tiles_per_cta(inst, k, splits):
     """The block-scaled form of test_sm90_gemm_gpu's several-tiles test: a 4000 x 3008 output gives every
     persistent CTA several tiles in a row, so whatever carries from one tile's K loop to the next (pipeline
     state, scale register sets, scales staged ahead of their K tile) is exercised for every row, with 1, 3 and 6
     K tiles per tile (single, odd and even trip counts of the unrolled loops; 720 leaves a partial last K
-    block), unsplit, torch's scale layouts, NaN-poisoned output. The nothing-divides test above gives most
+    block), unsplit and -- where the row can split K -- in 3 K splits (work units that start mid-K, one after
+    another on a CTA), torch's scale layouts, NaN-poisoned output. The nothing-divides test above gives most
     CTAs a single tile."""
-    _check_launched_directly(inst, 4000, 3008, k, splits=1)
+    _check_launched_directly(inst, 4000, 3008, k, splits=splits if inst.can_split_k else 1)
