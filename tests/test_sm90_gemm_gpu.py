@@ -151,10 +151,16 @@ def test_repeated_signature_still_checks_alignment_and_computes_fresh_data():
 def test_every_manifest_tile_on_a_shape_nothing_divides(inst):
     """Each row of the table launched directly (not only where dispatch sends the seed shapes): M, N, K
     that no tile divides, K split where the instance can, NaN-poisoned output."""
-    m, n, k = 333, 1040, 720
-    qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", "row")
-    out = launch_directly(inst, qa, qw.t(), sa, sb, (m, n, k))
-    err = R.rel_error(out, R.reference_gemm(*plain, "row"))
+    _check_launched_directly(inst, 333, 1040, 720, splits=3)
+
+
+def _check_launched_directly(inst, m, n, k, splits):
+    """Launch ``inst`` bypassing dispatch on fresh operands of its recipe (the kernel's scale views: (1,)
+    per tensor) and check it against the reference on the dequantized inputs."""
+    qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
+    _, sa_k, sb_k = scale_layouts.resolve(sa, sb, m, n, k)
+    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=splits)
+    err = R.rel_error(out, R.reference_gemm(*plain, inst.recipe))
     tol = 2e-3 if inst.accum == "promoted" else 4e-3
     assert err <= tol, f"{inst.name}: relative error {err:.3e} > {tol:.0e}"
 
@@ -167,11 +173,4 @@ def test_every_manifest_tile_with_several_tiles_per_cta(inst, k):
     (N a multiple of 16, as TMA needs; partial edge tiles for most tile shapes) gives every CTA several
     tiles, with 1, 3 and 6 K tiles each (the promoted loops' odd, even and single-K-tile paths), unsplit,
     into a NaN-poisoned output."""
-    m, n = 4000, 3008
-    recipe = inst.recipe
-    qa, qw, sa, sb, plain = _operands(m, n, k, "e4m3", "e4m3", recipe)
-    _, sa_k, sb_k = scale_layouts.resolve(sa, sb, m, n, k)  # the kernel's views ((1,) per-tensor scales)
-    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=1)
-    err = R.rel_error(out, R.reference_gemm(*plain, recipe))
-    tol = 2e-3 if inst.accum == "promoted" else 4e-3
-    assert err <= tol, f"{inst.name}: relative error {err:.3e} > {tol:.0e}"
+    _check_launched_directly(inst, 4000, 3008, k, splits=1)
