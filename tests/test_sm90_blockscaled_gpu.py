@@ -105,7 +105,9 @@ def _check_launched_directly(inst, m, n, k, splits):
     qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
     rec = cutedsl_gemm.recipe(inst.recipe)
     scale_a, scale_b = _torch_layout(sa, rec.a.rows), _torch_layout(sw, rec.b.rows).t()
-    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
+    # The recipe named: with one K block (K <= 128) 1x128 x 1x128 scales have the row-wise shapes, and the
+    # shapes alone resolve to the row-wise kernel's views (the same product), not this kernel's.
+    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k, *inst.recipe.split("_"))
     out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=splits)
     err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
     assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
