@@ -16,6 +16,7 @@ from cutedsl_gemm.dispatch import select_gemm
 from cutedsl_gemm.generators import catalog as C
 from cutedsl_gemm.generators import manifest as M
 from cutedsl_gemm.generators.runner import SelectionError, code_key, pick
+from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
 # Whatever the manifest dispatches to (its tiles change): the no-bias row-wise bf16 GEMM (the GPU test
 # runs it) and a tensor-wise fp32 one with bias (bias length is a third shared extent).
@@ -415,7 +416,8 @@ def test_catalog_refresh_compiles_only_what_is_missing(tmp_path, monkeypatch):
     rep = C.refresh(tmp_path, jobs=0)
     assert (rep.compiled, rep.failed) == (1, [])
     doc = (tmp_path / "kernels.md").read_text()
-    assert f"`{code_key(inst)}`" in doc and f"`wgmma.mma_async.sync.aligned.m64n{inst.tile_n}k32.f32.e4m3.e4m3`" in doc
+    wgmma_n = Sm90GemmPlan.wgmma_n(inst.sm90_config())  # 96 for a 192-wide promoted tile (two N halves)
+    assert f"`{code_key(inst)}`" in doc and f"`wgmma.mma_async.sync.aligned.m64n{wgmma_n}k32.f32.e4m3.e4m3`" in doc
     facts = C.load_sidecar(tmp_path)[code_key(inst)]
     assert facts["registers"] > 0 and facts["smem_bytes"] > 0 and facts["stages"] >= 2
     assert C.check(tmp_path) == []

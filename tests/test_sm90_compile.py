@@ -9,6 +9,7 @@ import pytest
 from cutedsl_gemm import dispatch
 from cutedsl_gemm.generators import manifest
 from cutedsl_gemm.inspect import find_ptxas, inspect_instance as _inspect_uncached, ptxas_performance_notes
+from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
 # Several tests read the same dispatched instances (e.g. the DeepSeek 128x128 tile): compile each once.
 inspect_instance = functools.lru_cache(maxsize=None)(_inspect_uncached)
@@ -30,7 +31,8 @@ def reports():
 
 def test_wgmma_with_the_operand_types(reports):
     for (recipe, a, b, out, bias, accum), rep in reports.items():
-        n = dispatch.select_gemm("sm_90a", recipe, a, b, out, bias, 4096, accum).tile_n
+        inst = dispatch.select_gemm("sm_90a", recipe, a, b, out, bias, 4096, accum)
+        n = Sm90GemmPlan.wgmma_n(inst.sm90_config())  # a 192-wide promoted tile issues 96-wide halves
         assert rep.has(rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{a}\.{b}"), rep.name
 
 
@@ -61,13 +63,14 @@ def test_block_scales_ride_the_mainloop_pipeline(reports):
 def test_straddling_w_block_scales_one_promotion_path():
     """A 192-wide tile starts 0 or 64 columns into its first 128-wide W scale block: the DeepSeek recipe's
     promotion picks each column group's scale with selects, in one copy of its FMAs per K tile of the loop
-    (64 x 192 fragment: 96 per thread; the read-ahead loop runs two K tiles per trip plus an odd last one:
-    3 copies), not one copy per offset behind a branch (3-4% slower, BENCHMARKS.md session 14)."""
+    (64 x 192 fragment: 96 per thread; the split-N loop promotes two K tiles per trip, an odd one after it
+    and the last in either of two drains: 5 copies), not one copy per offset behind a branch (3-4% slower,
+    BENCHMARKS.md session 14)."""
     inst = dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 8192, "promoted",
                                 n=8192, sms=132, k=8192)
     assert (inst.tile_m, inst.tile_n) == (128, 192), inst.name
     rep = inspect_instance(inst)
-    assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) == 3 * 96, rep.name
+    assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) == 5 * 96, rep.name
     assert rep.has(r"selp\.f32"), rep.name
 
 
@@ -346,9 +349,10 @@ def _op_sequence(ptx, keys):
 def test_block_scales_are_read_before_the_mmas_are_issued():
     """Block-scaled main loops never leave a promotion waiting on shared memory. Two fragments (128x128): a K
     tile's scale products are formed right after its stage's full barrier, before its MMAs, and the
-    promotion after the MMA wait is FFMAs only (BENCHMARKS.md session 11). One fragment (128x192): the next
-    K tile's stage is waited for and its scales read while this K tile's MMAs run (between commit and wait),
-    the products formed in the promotion -- formed before the issue they sat between the WGMMAs (session 15)."""
+    promotion after the MMA wait is FFMAs only (BENCHMARKS.md session 11). Split in N (128x192): a K tile's
+    stage wait is followed by its issue, and its scales are read right after its half 0 is committed, while
+    the previous K tile's half 1 runs, the products formed in the promotion -- formed before the issue they sat
+    between the WGMMAs (session 15)."""
     keys = ("mbarrier.try_wait", "ld.shared", "mul.f32", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group",
             "fma.rn.f32")
     for m, n, tile_n in ((4096, 4096, 128), (8192, 8192, 192)):
@@ -359,10 +363,68 @@ def test_block_scales_are_read_before_the_mmas_are_issued():
             assert "mbarrier.try_wait ld.shared mul.f32 wgmma.fence" in seq, (inst.name, seq)
             assert "wgmma.wait_group fma.rn.f32" in seq and "wgmma.wait_group mul.f32" not in seq, (inst.name, seq)
         else:
-            ahead = "wgmma.commit_group mbarrier.try_wait ld.shared wgmma.wait_group mul.f32 fma.rn.f32"
-            assert seq.count(ahead) == 2, (inst.name, seq)  # both K tiles of a loop trip
-            # Only an output tile's first K tile reads its scales before its issue (nothing runs before it).
-            assert seq.count("ld.shared wgmma.fence") == 1 and "mul.f32 wgmma.fence" not in seq, (inst.name, seq)
+            # The first K tile of an output tile, both of a loop trip and an odd last one.
+            assert seq.count("mbarrier.try_wait wgmma.fence") == 4, (inst.name, seq)
+            assert seq.count("wgmma.commit_group ld.shared wgmma.wait_group") == 4, (inst.name, seq)
+            assert "ld.shared wgmma.fence" not in seq and "mul.f32 wgmma.fence" not in seq, (inst.name, seq)
+
+
+def test_192_wide_promoted_tiles_promote_one_n_half_while_the_other_runs():
+    """Promoted 192-wide tiles have registers for one full K-tile fragment beside the accumulator; they issue
+    each K tile as two 96-wide halves and retire one at a time (wait_group 1), so a warp group's own MMAs run
+    through its promotions; only the drain after the loop waits for everything (wait_group 0), once for an
+    even and once for an odd K-tile count. No WGMMA is 192 wide."""
+    for recipe in ("tensor", "row", "1x128_128x128", "1x128_1x128"):
+        inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 8192, n=8192, sms=132, k=8192)
+        assert (inst.tile_n, inst.accum) == (192, "promoted"), inst.name
+        ptx = inspect_instance(inst).ptx
+        assert re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n96k32", ptx), inst.name
+        assert not re.search(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32", ptx), inst.name
+        waits = re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+);", ptx)
+        assert waits.count("0") == 2 and waits.count("1") == 8, (inst.name, waits)
+
+
+def test_split_n_halves_are_the_tiles_fragment_halves():
+    """The split-N loop adds half h's 96-wide fragment into elements 48h.. of the 192-wide accumulator and
+    gives half h the stage's W rows 96h..: for every consumer thread, element i of the 64 x 96 WGMMA's
+    fragment holds the same row, and the column 96h lower, as element 48h + i of the 64 x 192 one's."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    bm, bn = 128, 192
+    bad, checked = [], []
+
+    def tiled(n):
+        return sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, OperandMajorMode.K,
+                                                 OperandMajorMode.K, cutlass.Float32, (bm // 64, 1, 1), tiler_mn=(64, n))
+
+    @cute.jit
+    def check():
+        full, half = tiled(bn).tv_layout_C_tiled, tiled(bn // 2).tv_layout_C_tiled
+        n = cute.size(half, mode=[1])
+        assert cute.size(full, mode=[1]) == 2 * n
+        for t in cutlass.range_constexpr(bm // 64 * 128):
+            for h in cutlass.range_constexpr(2):
+                for i in cutlass.range_constexpr(n):
+                    # (thread, value) -> column-major index into the (bm, N) tile
+                    r, c = cute.idx2crd(half((t, i)), (bm, bn // 2))
+                    got = (int(r), int(c) + h * (bn // 2))
+                    want = tuple(int(x) for x in cute.idx2crd(full((t, h * n + i)), (bm, bn)))
+                    checked.append(1)
+                    if cutlass.const_expr(got != want):
+                        bad.append((t, h, i, got, want))
+        plain = cute.make_layout((bn, 128, 4))  # the stage's W tile (rows, K, stages), as the loop divides it
+        halves = cute.flat_divide(plain, (bn // 2,))
+        for h in cutlass.range_constexpr(2):
+            for r in cutlass.range_constexpr(bn // 2):
+                checked.append(1)
+                if cutlass.const_expr(int(halves((r, h, 5, 3))) != int(plain((h * (bn // 2) + r, 5, 3)))):
+                    bad.append(("W", h, r))
+
+    cute.compile(check, options="--gpu-arch sm_90a")  # the checks run while it traces
+    assert len(checked) == 256 * 96 + 192 and not bad, bad[:5]
 
 
 def _mma_issue_windows(ptx):
@@ -395,9 +457,9 @@ def test_mma_descriptors_come_from_the_warp_groups_uniform_slice():
         assert not any("cvt.u32.u16" in op for w in windows for op in w), inst.name
         masks = [sum(1 for op in w if re.match(r"and\.b32\s.*, 16320;", op)) for w in windows]
         if tile_n == 192:
-            # The one-fragment loop issues two K tiles per trip (the masks of both may sit in the first issue),
-            # then an odd last K tile after the loop.
-            assert len(masks) == 3 and sum(masks[:2]) <= 2, (inst.name, masks)
+            # Split in N: the output tile's first K tile, two per loop trip and an odd last one, two halves each
+            # (the first K tile's issue builds the bases).
+            assert len(masks) == 8 and max(masks[2:]) <= 1, (inst.name, masks)
         else:
             # The two-fragment loop issues its first K tile before the loop.
             assert max(masks[1:] or masks) <= 1, (inst.name, masks)

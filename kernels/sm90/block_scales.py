@@ -1,7 +1,8 @@
 """Block scales for the Hopper FP8 GEMM: which scale each operand carries per 128-deep K block, how the
 producer stages them in shared memory, and how the consumers read them (into registers as soon as a stage
-is full, ``read_stage_scales``, or -- in the serial 192-wide loop -- a K tile ahead, ``read_raw_scales``) and
-apply them when promoting a K tile (``promote_block_scaled``).
+is full, ``read_stage_scales``, or -- in the split-N loop of 192-wide tiles -- right after the K tile's first
+half is issued, ``read_raw_scales``) and apply them when promoting a K tile or half of one
+(``promote_block_scaled``).
 
 Per 128-deep K block ``kb`` an operand carries either
 
@@ -162,7 +163,7 @@ def read_stage_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Conste
 
 @cute.jit
 def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.Constexpr,
-                         tile_mn: cutlass.Constexpr, origin_n, stage):
+                         tile_mn: cutlass.Constexpr, origin_n, stage, elem_base: cutlass.Constexpr = 0):
     """acc += frag * sa(row) * sb(column) for one retired K tile of a 64 x N WGMMA fragment, ``regs`` holding
     what ``read_stage_scales`` read for it.
 
@@ -173,14 +174,19 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
     """
     _, bN = tile_mn
     assert cute.size(acc) == bN // 2, "expected a 64 x N WGMMA accumulator per warp group"
+    # ``frag`` may be one half of the tile's (the split-N loop): elements elem_base.. of ``acc``.
+    n = cute.size(frag)
+    assert elem_base + n <= bN // 2 and elem_base % 4 == 0, (elem_base, n, bN)
     if cutlass.const_expr(grans[1] == "group"):
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for f in cutlass.range_constexpr(n):
+            i = elem_base + f
             sb = Float32(slots_b[(tile_coords[i][1], stage)])
-            acc[i] = acc[i] + frag[i] * (regs[(i // 2) % 2] * sb)
+            acc[i] = acc[i] + frag[f] * (regs[(i // 2) % 2] * sb)
     elif cutlass.const_expr(SCALE_BLOCK % bN == 0):
         s = (regs[0], regs[1])  # the tile lies in one W block
-        for i in cutlass.range_constexpr(cute.size(acc)):
-            acc[i] = acc[i] + frag[i] * s[(i // 2) % 2]
+        for f in cutlass.range_constexpr(n):
+            i = elem_base + f
+            acc[i] = acc[i] + frag[f] * s[(i // 2) % 2]
     else:
         # Which W block a column group falls in depends on the tile's offset into its first block, one of
         # a few run-time values: each (column group pattern, row half) picks its scale once per K tile with
@@ -190,7 +196,8 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
         offset = origin_n % SCALE_BLOCK
         offsets = _tile_offsets(bN)
         picked = {}
-        for i in cutlass.range_constexpr(cute.size(acc)):
+        for f in cutlass.range_constexpr(n):
+            i = elem_base + f
             half = (i // 2) % 2
             blocks = tuple((off + 8 * (i // 4)) // SCALE_BLOCK for off in offsets)  # per possible offset
             key = (blocks, half)
@@ -200,16 +207,16 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
                     if cutlass.const_expr(blocks[j] != blocks[0]):
                         scale = cutlass.select_(offset == offsets[j], s[blocks[j]][half], scale)
                 picked[key] = scale
-            acc[i] = acc[i] + frag[i] * picked[key]
+            acc[i] = acc[i] + frag[f] * picked[key]
 
 
 @cute.jit
 def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexpr, tile_mn: cutlass.Constexpr,
                     stage):
-    """Read-ahead form of ``read_stage_scales`` for ``block`` W scales: the raw scales of the K tile in
+    """``read_stage_scales`` for ``block`` W scales without the products: the raw scales of the K tile in
     ``stage`` (A scale of row half 0, of row half 1, W block scale, second W block scale when the tile
-    straddles two) and no products, so nothing waits for the loads until the promotion
-    (``promote_raw_scales``). Reading the scales from global memory instead (L2), with the producer
+    straddles two), so nothing waits for the loads until the promotion (``promote_raw_scales``) -- with the
+    products formed at the read, ptxas placed the multiplies between the WGMMAs (session 15). Reading the scales from global memory instead (L2), with the producer
     staging none, ran 15-20% slower (BENCHMARKS.md session 15)."""
     _, bN = tile_mn
     regs[0], regs[1] = _read_a_scales(slots_a, tile_coords, grans[0], stage)
@@ -220,14 +227,14 @@ def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexp
 
 @cute.jit
 def promote_raw_scales(acc, frag, regs, tile_coords, grans: cutlass.Constexpr, tile_mn: cutlass.Constexpr,
-                       origin_n):
+                       origin_n, elem_base: cutlass.Constexpr = 0):
     """``promote_block_scaled`` on the raw scales of ``read_raw_scales``: the (row half, W block) products
-    are formed here, a K tile after the loads were issued."""
+    are formed here, well after the loads were issued."""
     _, bN = tile_mn
     prods = cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32)
     sb1 = regs[3] if cutlass.const_expr(SCALE_BLOCK % bN != 0) else None
     _scale_products(prods, regs[0], regs[1], regs[2], sb1, bN)
-    promote_block_scaled(acc, frag, prods, None, tile_coords, grans, tile_mn, origin_n, None)
+    promote_block_scaled(acc, frag, prods, None, tile_coords, grans, tile_mn, origin_n, None, elem_base)
 
 
 @dataclass(frozen=True)
@@ -238,29 +245,37 @@ class TileScales:
     slots: tuple  # (A, W) scale slots of each stage, in shared memory (stage_scales fills them)
     tile_coords: object  # each accumulator element's (row, column) inside the tile
     origin_n: object  # the tile's first output column (places a 192-wide tile in its W scale blocks)
-    regs: tuple  # per K-tile fragment (per K tile in flight, reading ahead): SCALE_REGS registers each
+    regs: tuple  # per K tile in flight: SCALE_REGS registers each
     grans: tuple  # (A, W) scale granularity
     tile_mn: tuple  # (bM, bN)
-    ahead: bool = False  # raw scales read a K tile early (read_ahead), products formed in the promotion
+    raw: bool = False  # raw scales (read_raw), products formed in the promotion
+
+    def read_any(self, slot, stage):
+        """The K tile in ``stage``'s scales into set ``slot``, raw or as products as this loop uses them."""
+        if self.raw:
+            self.read_raw(slot, stage)
+        else:
+            self.read(slot, stage)
 
     def read(self, slot, stage):
         """Read the K tile in ``stage``'s scales for fragment ``slot`` (read_stage_scales)."""
         read_stage_scales(self.regs[slot], self.slots[0], self.slots[1], self.tile_coords, self.grans,
                           self.tile_mn, stage)
 
-    def read_ahead(self, slot, stage):
+    def read_raw(self, slot, stage):
         """Raw scales of the K tile in ``stage`` into register set ``slot`` (read_raw_scales)."""
         read_raw_scales(self.regs[slot], self.slots[0], self.slots[1], self.tile_coords, self.grans,
                         self.tile_mn, stage)
 
-    def promote(self, acc, frag, slot, stage):
-        """acc += frag, scaled (promote_block_scaled); ``stage`` still holds the K tile's W scales."""
-        if self.ahead:
+    def promote(self, acc, frag, slot, stage, elem_base: cutlass.Constexpr = 0):
+        """acc += frag, scaled (promote_block_scaled); ``stage`` still holds the K tile's W scales.
+        ``frag`` may be the part of the tile's fragment that starts at element ``elem_base``."""
+        if self.raw:
             promote_raw_scales(acc, frag, self.regs[slot], self.tile_coords, self.grans, self.tile_mn,
-                               self.origin_n)
+                               self.origin_n, elem_base)
         else:
             promote_block_scaled(acc, frag, self.regs[slot], self.slots[1], self.tile_coords, self.grans,
-                                 self.tile_mn, self.origin_n, stage)
+                                 self.tile_mn, self.origin_n, stage, elem_base)
 
 
 def _tile_offsets(tile_extent: int):

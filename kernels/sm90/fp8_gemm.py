@@ -17,7 +17,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from ..common.last_wave_split import LastWaveSplitScheduler
-from ..common.register_fence import fence_registers
+from ..common.register_fence import fence_registers, pin_b32
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .split_k import k_tile_range, reduce_partials
@@ -48,10 +48,12 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
     M/N edges, so partial tiles need no predication).
 
     Promoted accumulation (the default) runs each 128-deep K tile into a fresh fragment and adds it into the
-    fp32 accumulator; block-scaled recipes scale it while adding. Their scales ride in the K tile's stage
-    (``block_scales.stage_scales``), and each consumer reads its few into registers as soon as the stage is
-    full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the serial loop of
-    192-wide tiles, while the K tile before it runs (``_mainloop_serial_ahead``).
+    fp32 accumulator; block-scaled recipes scale it while adding. Tiles up to 144 wide alternate two such
+    fragments; 192-wide tiles, which have registers for one, issue each K tile as two 96-wide halves into two
+    half fragments and promote one half while the other runs (``_mainloop_split_n``). Block scales ride in the
+    K tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
+    stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the split-N
+    loop, right after issuing the K tile's first half.
 
     ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
     128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
@@ -81,10 +83,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         # (kernel A, kernel B) scale granularity, or None; swapped operands swap their scales too.
         gran = BLOCK_RECIPES.get(cfg.recipe)
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
-        # The serial promoted loop (one fragment) reads block scales a K tile ahead where the W scales are
-        # per block (a few registers); per-column W scales are read from the stage in the promotion.
-        self.read_ahead = (self.block_scaled and cfg.accum == "promoted" and self.scale_gran[1] == "block"
-                           and cfg.tile_n > self.overlapped_promote_max_n)
+        self.split_n = self.split_n_loop(cfg)
+        # The split-N loop reads per-block scales raw (a few registers), products formed in the promotion.
+        self.raw_scales = self.split_n and self.block_scaled and self.scale_gran[1] == "block"
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
@@ -112,21 +113,10 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         bM, bN, bK = self.tile_shape_mnk
         cm, cn = self.cfg.cluster_shape_mn
 
-        def make_tiled_mma():
-            return sm90_utils.make_trivial_tiled_mma(
-                self.a_dtype,
-                self.b_dtype,
-                self.a_layout.sm90_mma_major_mode(),
-                self.b_layout.sm90_mma_major_mode(),
-                self.acc_dtype,
-                (bM // 64, 1, 1),
-                tiler_mn=(64, bN),
-            )
-
-        tiled_mma = make_tiled_mma()
+        tiled_mma = self._make_tiled_mma(bN)
         # A second MMA whose first K block overwrites its fragment (ACCUMULATE off): the promoted main loop
         # starts each K tile with it, so fragments never need zeroing.
-        tiled_mma_fresh = make_tiled_mma()
+        tiled_mma_fresh = self._make_tiled_mma(bN)
         a_smem = sm90_utils.make_smem_layout_a(self.a_layout, self.tile_shape_mnk, self.a_dtype, self.ab_stages)
         b_smem = sm90_utils.make_smem_layout_b(self.b_layout, self.tile_shape_mnk, self.b_dtype, self.ab_stages)
         d_smem = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, self.epi_stages)
@@ -177,6 +167,18 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             preferred_smem_carveout=100 if self.cfg.ctas_per_sm > 1 else None,
             stream=stream,
             use_pdl=self.cfg.pdl,
+        )
+
+    def _make_tiled_mma(self, n):
+        """The warp groups' WGMMA over bM x n (64 x n per warp group)."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype,
+            self.b_dtype,
+            self.a_layout.sm90_mma_major_mode(),
+            self.b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            (self.tile_shape_mnk[0] // 64, 1, 1),
+            tiler_mn=(64, n),
         )
 
     def _kernel_operands(self, mA, mB, mD, mSA, mSB):
@@ -359,14 +361,28 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             temps = None
             scale_regs = None
-            if cutlass.const_expr(self.cfg.accum == "promoted"):
+            half_mmas = None
+            if cutlass.const_expr(self.split_n):
+                # Fresh and accumulating 64 x bN/2 MMAs, and their operands: A as before, W by halves of the
+                # stage's tile. A 64 x N WGMMA fragment lists its N/8 column groups in order, four values each,
+                # so a half's fragment is elements bN/4 * h.. of the tile's (test_split_n_halves_are_...).
+                half_mmas = (self._make_tiled_mma(bN // 2), self._make_tiled_mma(bN // 2))
+                half_wg = half_mmas[1].get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
+                tCrA = half_mmas[1].make_fragment_A(half_wg.partition_A(sA))
+                sB_halves = cute.flat_divide(sB, (bN // 2,))  # (bN/2, 2, bK, stages)
+                tCrB = tuple(
+                    half_mmas[1].make_fragment_B(half_wg.partition_B(sB_halves[(None, h, None, None)]))
+                    for h in range(2)
+                )
+                half_shape = half_mmas[1].get_slice(mma_tidx).partition_C(cute.make_identity_tensor((bM, bN // 2))).shape
+                temps = tuple(cute.make_rmem_tensor(half_shape, self.acc_dtype) for _ in range(2))
+            elif cutlass.const_expr(self.cfg.accum == "promoted"):
                 n_frags = 2 if bN <= self.overlapped_promote_max_n else 1
                 temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
-                if cutlass.const_expr(self.block_scaled):
-                    # Each fragment's K-tile scales, read when its stage is full (block_scales.read_stage_scales);
-                    # reading ahead, the scales of the K tile running and of the next one.
-                    n_sets = 2 if self.read_ahead else n_frags
-                    scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_sets))
+            if cutlass.const_expr(self.cfg.accum == "promoted" and self.block_scaled):
+                # The scales of each K tile in flight (read_stage_scales / read_raw_scales): one set per
+                # fragment, or, split in N, the K tile running and the one before it.
+                scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(len(temps)))
             tile_coords = None
             if cutlass.const_expr(self.block_scaled):
                 # Each accumulator element's (row, column) inside the tile picks its scales.
@@ -386,6 +402,10 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mmas = (tiled_mma_fresh, tiled_mma)
+            if cutlass.const_expr(self.split_n):
+                half_mmas[1].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+                half_mmas[0].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+                mmas = half_mmas
             tiles_done = Int32(0)
             alpha = None
             if cutlass.const_expr(self.cfg.recipe == "tensor"):
@@ -407,9 +427,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
                         scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, self.scale_gran, (bM, bN),
-                                            self.read_ahead)
-                    if cutlass.const_expr(self.read_ahead):
-                        read_state, release_state = self._mainloop_serial_ahead(
+                                            self.raw_scales)
+                    if cutlass.const_expr(self.split_n):
+                        read_state, release_state = self._mainloop_split_n(
                             mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
                         )
                     elif cutlass.const_expr(len(temps) == 2):
@@ -518,7 +538,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
     ):
         """As _mainloop_promoted with a single K-tile fragment: each K tile is retired (wait_group(0))
-        and promoted before the next is issued; the other consumer warp group's MMAs fill the gap."""
+        and promoted before the next is issued; the other CTA's MMAs fill the gap. Only the paired 64x192
+        tiles with per-column W scales run it (the split-N loop spills there)."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         for _ in cutlass.range(k_tiles, unroll=1):
@@ -528,47 +549,6 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             cute.nvgpu.warpgroup.wait_group(0)
             release_state = self._retire(acc, temps, 0, mainloop, release_state, scales)
         return read_state, release_state
-
-    @cute.jit
-    def _mainloop_serial_ahead(
-        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
-    ):
-        """_mainloop_promoted_serial with each K tile's scales read from its stage while the K tile before it
-        runs on the tensor cores, instead of between its full barrier and its MMA issue, where the products
-        waiting on the shared-memory loads sat between the WGMMAs (3-4% on 192-wide DeepSeek tiles,
-        BENCHMARKS.md session 15). Two register sets alternate, so the loop runs two K tiles per trip."""
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        mainloop.consumer_wait(read_state)
-        scales.read_ahead(0, read_state.index)
-        for pair in cutlass.range(k_tiles // 2, unroll=1):
-            read_state, release_state = self._serial_ahead_step(
-                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, True
-            )
-            read_state, release_state = self._serial_ahead_step(
-                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales,
-                2 * pair + 2 < k_tiles,
-            )
-        if k_tiles % 2 == 1:
-            read_state, release_state = self._serial_ahead_step(
-                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, False
-            )
-        return read_state, release_state
-
-    @cute.jit
-    def _serial_ahead_step(
-        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
-        num_k_blocks: cutlass.Constexpr, scales, has_next,
-    ):
-        """Issue the K tile whose stage was waited for (scales in set ``slot``); if another follows, wait for
-        its stage and read its scales into the other set; then retire and promote this K tile."""
-        self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
-        read_state.advance()
-        if has_next:
-            mainloop.consumer_wait(read_state)
-            scales.read_ahead(1 - slot, read_state.index)
-        cute.nvgpu.warpgroup.wait_group(0)
-        return read_state, self._retire(acc, temps, 0, mainloop, release_state, scales, scale_slot=slot)
 
     @cute.jit
     def _overlapped_step(
@@ -584,6 +564,103 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         return read_state, release_state
 
     @cute.jit
+    def _mainloop_split_n(
+        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+    ):
+        """_mainloop_promoted_serial for tiles with room for one full K-tile fragment (192 wide), without its
+        gaps: each K tile is issued as two N halves (two commit groups) into two half fragments; half 0 of K tile
+        t-1 is promoted while its half 1 runs, its half 1 while K tile t's half 0 runs, so the warp group always
+        has MMAs of its own queued while it promotes (the serial loop leaves the tensor cores to the other warp
+        group then). A K tile's scales are read right after its half 0 is issued, never between its stage wait
+        and its issue (session 15 found the products of scales read there sitting between the WGMMAs). Two scale
+        sets alternate (K tile t-1's are in use until its half 1 is promoted): unrolled by two."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        mainloop.consumer_wait(read_state)
+        self._issue_half(mmas, temps[0], tCrA, tCrB, read_state.index, 0, num_k_blocks)
+        self._issue_half(mmas, temps[1], tCrA, tCrB, read_state.index, 1, num_k_blocks)
+        self._read_scales(scales, 0, read_state.index)
+        read_state.advance()
+        for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
+            read_state, release_state = self._split_n_step(
+                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
+            )
+            read_state, release_state = self._split_n_step(
+                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
+            )
+        if (k_tiles - 1) % 2 == 1:
+            read_state, release_state = self._split_n_step(
+                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
+            )
+            release_state = self._split_n_drain(acc, temps, 1, mainloop, release_state, scales)
+        else:
+            release_state = self._split_n_drain(acc, temps, 0, mainloop, release_state, scales)
+        return read_state, release_state
+
+    @cute.jit
+    def _split_n_step(
+        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
+        num_k_blocks: cutlass.Constexpr, scales,
+    ):
+        """Retire and promote the previous K tile (scales in set 1 - slot) half by half, issuing the next K tile's
+        halves in between (its scales into set ``slot``); the previous K tile's stage is released after its
+        half 1 (the per-column W scales of its promotion are read from the stage)."""
+        cute.nvgpu.warpgroup.wait_group(1)  # the previous K tile's half 0
+        self._promote_half(acc, temps, 0, scales, 1 - slot, release_state.index)
+        mainloop.consumer_wait(read_state)
+        self._issue_half(mmas, temps[0], tCrA, tCrB, read_state.index, 0, num_k_blocks)
+        self._read_scales(scales, slot, read_state.index)
+        cute.nvgpu.warpgroup.wait_group(1)  # the previous K tile's half 1
+        self._promote_half(acc, temps, 1, scales, 1 - slot, release_state.index)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        self._issue_half(mmas, temps[1], tCrA, tCrB, read_state.index, 1, num_k_blocks)
+        read_state.advance()
+        return read_state, release_state
+
+    @cute.jit
+    def _split_n_drain(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
+        """Retire and promote the last K tile (scales in set ``slot``) and release its stage."""
+        cute.nvgpu.warpgroup.wait_group(1)
+        self._promote_half(acc, temps, 0, scales, slot, release_state.index)
+        cute.nvgpu.warpgroup.wait_group(0)
+        self._promote_half(acc, temps, 1, scales, slot, release_state.index)
+        mainloop.consumer_release(release_state)
+        release_state.advance()
+        return release_state
+
+    @cute.jit
+    def _read_scales(self, scales, slot: cutlass.Constexpr, stage):
+        if cutlass.const_expr(scales is not None):
+            scales.read_any(slot, stage)
+
+    @cute.jit
+    def _issue_half(self, mmas, frag, tCrA, tCrB, stage, half: cutlass.Constexpr, num_k_blocks: cutlass.Constexpr):
+        """frag = A_tile @ W_half^T for one K tile, ``half`` of the tile's N, as one commit group."""
+        # The fragment was just read by ordinary instructions (its promotion): fence first.
+        cute.nvgpu.warpgroup.fence()
+        for kb in cutlass.range_constexpr(num_k_blocks):
+            cute.gemm(mmas[0] if kb == 0 else mmas[1], frag, tCrA[(None, None, kb, stage)],
+                      tCrB[half][(None, None, kb, stage)], frag)
+        cute.nvgpu.warpgroup.commit_group()
+
+    @cute.jit
+    def _promote_half(self, acc, temps, half: cutlass.Constexpr, scales, scale_slot: cutlass.Constexpr, stage):
+        """acc[the half's elements] += temps[half], scaled; fenced as _retire fences a whole fragment."""
+        frag = temps[half]
+        n = cute.size(frag)
+        base = half * n
+        fence_registers(frag)
+        if cutlass.const_expr(scales is not None):
+            scales.promote(acc, frag, scale_slot, stage, base)
+        else:
+            for i in cutlass.range_constexpr(n):
+                acc[base + i] = acc[base + i] + frag[i]
+        words = cute.recast_tensor(acc, Int32)
+        for i in cutlass.range_constexpr(n):
+            words[base + i] = pin_b32(words[base + i])
+
+    @cute.jit
     def _wait_k_tile(self, mainloop, read_state, scales, slot: cutlass.Constexpr):
         """Wait for the next K tile's stage; block-scaled, read its scales for fragment ``slot`` at once."""
         mainloop.consumer_wait(read_state)
@@ -591,9 +668,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             scales.read(slot, read_state.index)
 
     @cute.jit
-    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales, scale_slot: cutlass.Constexpr = None):
-        """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer (its scales
-        in set ``scale_slot``, by default the fragment's)."""
+    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
+        """Add a finished K tile's fragment into ``acc`` (its scales in set ``slot``) and give its stage back
+        to the producer."""
         frag = temps[slot]
         # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
         # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
@@ -602,7 +679,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
         # BENCHMARKS.md session 7.)
         if cutlass.const_expr(scales is not None):
-            scales.promote(acc, frag, slot if scale_slot is None else scale_slot, release_state.index)
+            scales.promote(acc, frag, slot, release_state.index)
         else:
             self._promote(acc, frag)
         fence_registers(acc)

@@ -107,8 +107,8 @@ class Sm90GemmPlan:
     consumer_regs = 232
     default_overlap_max_n = 128
     # Promoted accumulation: up to 144 wide, two K-tile fragments alternate so a warp group promotes one
-    # while its next K tile runs; wider tiles (up to 192) have room for one, promote after each K tile
-    # retires, and rely on the other warp group's MMAs to keep the tensor cores busy meanwhile.
+    # while its next K tile runs; wider tiles (up to 192) have room for one, so they run each K tile as two
+    # N halves into two half fragments and promote one half while the other runs (Sm90Fp8Gemm._mainloop_split_n).
     overlapped_promote_max_n = 144
     # 144-wide tiles hold 3 x 72 fp32 fragments per consumer thread: the producer warp group gives up more
     # registers (24 / 240 per thread: 64,512 of the SM's 65,536 over 384 threads).
@@ -129,6 +129,21 @@ class Sm90GemmPlan:
             launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * threads)
             consumer = 2 * launched - producer
         return producer, consumer
+
+    @classmethod
+    def split_n_loop(cls, cfg: Sm90GemmConfig) -> bool:
+        """Whether the promoted K tiles run as two N halves (``Sm90Fp8Gemm._mainloop_split_n``): tiles too
+        wide for two full fragments, except the paired 64x192 tiles with per-column W scales, which keep a
+        24-40 byte stack frame there (216 registers) and run the serial loop."""
+        gran = BLOCK_RECIPES.get(cfg.recipe)
+        w_gran = (gran[::-1] if cfg.swap_ab else gran)[1] if gran else None
+        return (cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n
+                and not (cfg.ctas_per_sm > 1 and w_gran == "group"))
+
+    @classmethod
+    def wgmma_n(cls, cfg: Sm90GemmConfig) -> int:
+        """N of the kernel's ``wgmma.mma_async`` instructions."""
+        return cfg.tile_n // 2 if cls.split_n_loop(cfg) else cfg.tile_n
 
     @classmethod
     def check_config(cls, cfg: Sm90GemmConfig) -> None:
