@@ -515,23 +515,38 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self._wait_k_tile(mainloop, read_state, scales, 0)
         self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
+        return self._alternate_slots(self._overlapped_step, self._overlapped_drain, mmas, acc, temps, tCrA, tCrB,
+                                     mainloop, read_state, release_state, k_tiles, num_k_blocks, scales)
+
+    @cute.jit
+    def _alternate_slots(
+        self, step: cutlass.Constexpr, drain: cutlass.Constexpr, mmas, acc, temps, tCrA, tCrB, mainloop,
+        read_state, release_state, k_tiles, num_k_blocks: cutlass.Constexpr, scales,
+    ):
+        """A two-slot promoted loop after its first K tile: ``step`` for each further K tile, alternating
+        register slots 1 and 0 (unrolled by two: register fragments cannot be indexed at run time), then
+        ``drain`` of the slot the last K tile used."""
         for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
-            read_state, release_state = self._overlapped_step(
+            read_state, release_state = step(
                 mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
-            read_state, release_state = self._overlapped_step(
+            read_state, release_state = step(
                 mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
         if (k_tiles - 1) % 2 == 1:
-            read_state, release_state = self._overlapped_step(
+            read_state, release_state = step(
                 mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
             )
-            cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._retire(acc, temps, 1, mainloop, release_state, scales)
+            release_state = drain(acc, temps, 1, mainloop, release_state, scales)
         else:
-            cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._retire(acc, temps, 0, mainloop, release_state, scales)
+            release_state = drain(acc, temps, 0, mainloop, release_state, scales)
         return read_state, release_state
+
+    @cute.jit
+    def _overlapped_drain(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
+        """Retire and promote the last K tile (fragment ``slot``)."""
+        cute.nvgpu.warpgroup.wait_group(0)
+        return self._retire(acc, temps, slot, mainloop, release_state, scales)
 
     @cute.jit
     def _mainloop_promoted_serial(
@@ -581,21 +596,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self._issue_half(mmas, temps[1], tCrA, tCrB, read_state.index, 1, num_k_blocks)
         self._read_scales(scales, 0, read_state.index)
         read_state.advance()
-        for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
-            read_state, release_state = self._split_n_step(
-                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
-            )
-            read_state, release_state = self._split_n_step(
-                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
-            )
-        if (k_tiles - 1) % 2 == 1:
-            read_state, release_state = self._split_n_step(
-                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
-            )
-            release_state = self._split_n_drain(acc, temps, 1, mainloop, release_state, scales)
-        else:
-            release_state = self._split_n_drain(acc, temps, 0, mainloop, release_state, scales)
-        return read_state, release_state
+        return self._alternate_slots(self._split_n_step, self._split_n_drain, mmas, acc, temps, tCrA, tCrB,
+                                     mainloop, read_state, release_state, k_tiles, num_k_blocks, scales)
 
     @cute.jit
     def _split_n_step(
