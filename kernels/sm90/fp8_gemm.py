@@ -49,8 +49,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
 
     Promoted accumulation (the default) runs each 128-deep K tile into a fresh fragment and adds it into the
     fp32 accumulator; block-scaled recipes scale it while adding. Tiles up to 144 wide alternate two such
-    fragments; 192-wide tiles, which have registers for one, issue each K tile as two 96-wide halves into two
-    half fragments and promote one half while the other runs (``_mainloop_split_n``). Block scales ride in the
+    fragments; 192-wide tiles have registers for one: block-scaled ones issue each K tile as two 96-wide
+    halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
+    others promote each K tile after it retires (``_mainloop_promoted_serial``). Block scales ride in the
     K tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
     stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the split-N
     loop, right after issuing the K tile's first half.
@@ -553,8 +554,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
     ):
         """As _mainloop_promoted with a single K-tile fragment: each K tile is retired (wait_group(0))
-        and promoted before the next is issued; the other CTA's MMAs fill the gap. Only the paired 64x192
-        tiles with per-column W scales run it (the split-N loop spills there)."""
+        and promoted before the next is issued; the other warp group's (or CTA's) MMAs fill the gap. The
+        192-wide tiles of the epilogue-scaled recipes and the paired 64x192 1x128 x 1x128 ones run it
+        (Sm90GemmPlan.split_n_loop)."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         for _ in cutlass.range(k_tiles, unroll=1):
