@@ -49,9 +49,10 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
 
     Promoted accumulation (the default) runs each 128-deep K tile into a fresh fragment and adds it into the
     fp32 accumulator; block-scaled recipes scale it while adding. Tiles up to 144 wide alternate two such
-    fragments; 192-wide tiles have registers for one: block-scaled ones issue each K tile as two 96-wide
+    fragments; 192-wide tiles have registers for one: the DeepSeek recipe's issue each K tile as two 96-wide
     halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
-    others promote each K tile after it retires (``_mainloop_promoted_serial``). Block scales ride in the
+    others promote each K tile after it retires (``_mainloop_promoted_serial``; ``_mainloop_serial_ahead``
+    where per-block W scales are read a K tile ahead). Block scales ride in the
     K tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
     stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the split-N
     loop, right after issuing the K tile's first half.
@@ -85,8 +86,12 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         gran = BLOCK_RECIPES.get(cfg.recipe)
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
         self.split_n = self.split_n_loop(cfg)
-        # The split-N loop reads per-block scales raw (a few registers), products formed in the promotion.
-        self.raw_scales = self.split_n and self.block_scaled and self.scale_gran[1] == "block"
+        # The other serial block-scaled tiles with per-block W scales read them a K tile ahead
+        # (_mainloop_serial_ahead); per-column W scales are read from the stage in the promotion.
+        self.read_ahead = (self.block_scaled and cfg.accum == "promoted" and self.scale_gran[1] == "block"
+                           and cfg.tile_n > self.overlapped_promote_max_n and not self.split_n)
+        # Both read per-block scales raw (a few registers), products formed in the promotion.
+        self.raw_scales = (self.split_n or self.read_ahead) and self.block_scaled and self.scale_gran[1] == "block"
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
@@ -382,8 +387,10 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                 temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
             if cutlass.const_expr(self.cfg.accum == "promoted" and self.block_scaled):
                 # The scales of each K tile in flight (read_stage_scales / read_raw_scales): one set per
-                # fragment, or, split in N, the K tile running and the one before it.
-                scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(len(temps)))
+                # fragment; split in N, the K tile running and the one before it; reading ahead, the K tile
+                # running and the next one.
+                n_sets = 2 if self.read_ahead else len(temps)
+                scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_sets))
             tile_coords = None
             if cutlass.const_expr(self.block_scaled):
                 # Each accumulator element's (row, column) inside the tile picks its scales.
@@ -429,7 +436,11 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
                     if cutlass.const_expr(self.block_scaled):
                         scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, self.scale_gran, (bM, bN),
                                             self.raw_scales)
-                    if cutlass.const_expr(self.split_n):
+                    if cutlass.const_expr(self.read_ahead):
+                        read_state, release_state = self._mainloop_serial_ahead(
+                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
+                        )
+                    elif cutlass.const_expr(self.split_n):
                         read_state, release_state = self._mainloop_split_n(
                             mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
                         )
@@ -554,9 +565,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
     ):
         """As _mainloop_promoted with a single K-tile fragment: each K tile is retired (wait_group(0))
-        and promoted before the next is issued; the other warp group's (or CTA's) MMAs fill the gap. The
-        192-wide tiles of the epilogue-scaled recipes and the paired 64x192 1x128 x 1x128 ones run it
-        (Sm90GemmPlan.split_n_loop)."""
+        and promoted before the next is issued; the other warp group's (or CTA's) MMAs fill the gap."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         for _ in cutlass.range(k_tiles, unroll=1):
@@ -566,6 +575,47 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             cute.nvgpu.warpgroup.wait_group(0)
             release_state = self._retire(acc, temps, 0, mainloop, release_state, scales)
         return read_state, release_state
+
+    @cute.jit
+    def _mainloop_serial_ahead(
+        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
+    ):
+        """_mainloop_promoted_serial with each K tile's scales read from its stage while the K tile before it
+        runs on the tensor cores, instead of between its full barrier and its MMA issue, where the products
+        waiting on the shared-memory loads sat between the WGMMAs (3-4% on 192-wide DeepSeek tiles,
+        BENCHMARKS.md session 15). Two register sets alternate, so the loop runs two K tiles per trip."""
+        num_k_blocks = cute.size(tCrA, mode=[2])
+        acc.fill(0.0)
+        mainloop.consumer_wait(read_state)
+        scales.read_raw(0, read_state.index)
+        for pair in cutlass.range(k_tiles // 2, unroll=1):
+            read_state, release_state = self._serial_ahead_step(
+                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, True
+            )
+            read_state, release_state = self._serial_ahead_step(
+                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales,
+                2 * pair + 2 < k_tiles,
+            )
+        if k_tiles % 2 == 1:
+            read_state, release_state = self._serial_ahead_step(
+                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, False
+            )
+        return read_state, release_state
+
+    @cute.jit
+    def _serial_ahead_step(
+        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
+        num_k_blocks: cutlass.Constexpr, scales, has_next,
+    ):
+        """Issue the K tile whose stage was waited for (scales in set ``slot``); if another follows, wait for
+        its stage and read its scales into the other set; then retire and promote this K tile."""
+        self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
+        read_state.advance()
+        if has_next:
+            mainloop.consumer_wait(read_state)
+            scales.read_raw(1 - slot, read_state.index)
+        cute.nvgpu.warpgroup.wait_group(0)
+        return read_state, self._retire(acc, temps, 0, mainloop, release_state, scales, scale_slot=slot)
 
     @cute.jit
     def _overlapped_step(
@@ -672,9 +722,9 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
             scales.read(slot, read_state.index)
 
     @cute.jit
-    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
-        """Add a finished K tile's fragment into ``acc`` (its scales in set ``slot``) and give its stage back
-        to the producer."""
+    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales, scale_slot: cutlass.Constexpr = None):
+        """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer (its scales
+        in set ``scale_slot``, by default the fragment's)."""
         frag = temps[slot]
         # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
         # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
@@ -683,7 +733,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
         # BENCHMARKS.md session 7.)
         if cutlass.const_expr(scales is not None):
-            scales.promote(acc, frag, slot, release_state.index)
+            scales.promote(acc, frag, slot if scale_slot is None else scale_slot, release_state.index)
         else:
             self._promote(acc, frag)
         fence_registers(acc)

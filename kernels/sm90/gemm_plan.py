@@ -107,9 +107,9 @@ class Sm90GemmPlan:
     consumer_regs = 232
     default_overlap_max_n = 128
     # Promoted accumulation: up to 144 wide, two K-tile fragments alternate so a warp group promotes one
-    # while its next K tile runs; wider tiles (up to 192) have room for one: block-scaled ones run each K tile
-    # as two N halves into two half fragments and promote one half while the other runs, the others promote
-    # each K tile after it retires and rely on the other warp group's MMAs meanwhile (split_n_loop).
+    # while its next K tile runs; wider tiles (up to 192) have room for one: the DeepSeek recipe's run each K
+    # tile as two N halves into two half fragments and promote one half while the other runs, the others
+    # promote each K tile after it retires and rely on the other warp group's MMAs meanwhile (split_n_loop).
     overlapped_promote_max_n = 144
     # 144-wide tiles hold 3 x 72 fp32 fragments per consumer thread: the producer warp group gives up more
     # registers (24 / 240 per thread: 64,512 of the SM's 65,536 over 384 threads).
@@ -133,17 +133,12 @@ class Sm90GemmPlan:
 
     @classmethod
     def split_n_loop(cls, cfg: Sm90GemmConfig) -> bool:
-        """Whether the promoted K tiles run as two N halves (``Sm90Fp8Gemm._mainloop_split_n``): block-scaled
-        tiles too wide for two full fragments (DeepSeek recipe 2-5% faster on 128x192 tiles, BENCHMARKS.md
-        session 19), except the paired 64x192 tiles with per-column W scales, which keep a 24-40 byte stack
-        frame there (216 registers). The epilogue-scaled recipes, whose promotion is plain adds, measured no
-        faster split (per-tensor DeepSeek-V3 set 1-2% slower) and keep the serial loop too."""
-        gran = BLOCK_RECIPES.get(cfg.recipe)
-        if not gran:
-            return False
-        w_gran = (gran[::-1] if cfg.swap_ab else gran)[1]
-        return (cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n
-                and not (cfg.ctas_per_sm > 1 and w_gran == "group"))
+        """Whether the promoted K tiles run as two N halves (``Sm90Fp8Gemm._mainloop_split_n``): the DeepSeek
+        recipe's (1x128 A x 128x128 W) tiles too wide for two full fragments, 0-8% faster split on 128x192
+        tiles. Measured and left serial (BENCHMARKS.md session 19): per-tensor (1-2% slower on the
+        DeepSeek-V3 set), 2D 128x128 x 128x128 (5-7% slower), 1x128 x 1x128 (3-11% slower)."""
+        return (cfg.recipe == "1x128_128x128" and not cfg.swap_ab and cfg.accum == "promoted"
+                and cfg.tile_n > cls.overlapped_promote_max_n)
 
     @classmethod
     def wgmma_n(cls, cfg: Sm90GemmConfig) -> int:
