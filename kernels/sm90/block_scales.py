@@ -1,7 +1,7 @@
 """Block scales for the Hopper FP8 GEMM: which scale each operand carries per 128-deep K block, how the
 producer stages them in shared memory, and how the consumers read them (into registers as soon as a stage
-is full, ``read_stage_scales``, or -- in the split-N loop of 192-wide tiles -- right after the K tile's first
-half is issued, ``read_raw_scales``) and apply them when promoting a K tile or half of one
+is full, ``read_stage_scales``, or -- in the 192-wide loops -- a K tile ahead or right after the K tile's
+first half is issued, ``read_raw_scales``) and apply them when promoting a K tile or half of one
 (``promote_block_scaled``).
 
 Per 128-deep K block ``kb`` an operand carries either
@@ -216,8 +216,8 @@ def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexp
     """``read_stage_scales`` for ``block`` W scales without the products: the raw scales of the K tile in
     ``stage`` (A scale of row half 0, of row half 1, W block scale, second W block scale when the tile
     straddles two), so nothing waits for the loads until the promotion (``promote_raw_scales``) -- with the
-    products formed at the read, ptxas placed the multiplies between the WGMMAs (session 15). Reading the scales from global memory instead (L2), with the producer
-    staging none, ran 15-20% slower (BENCHMARKS.md session 15)."""
+    products formed at the read, ptxas placed the multiplies between the WGMMAs (session 15). Reading the
+    scales from global memory instead (L2), with the producer staging none, ran 15-20% slower (session 15)."""
     _, bN = tile_mn
     regs[0], regs[1] = _read_a_scales(slots_a, tile_coords, grans[0], stage)
     regs[2] = Float32(slots_b[(0, stage)])

@@ -51,11 +51,11 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
     fp32 accumulator; block-scaled recipes scale it while adding. Tiles up to 144 wide alternate two such
     fragments; 192-wide tiles have registers for one: the DeepSeek recipe's issue each K tile as two 96-wide
     halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
-    others promote each K tile after it retires (``_mainloop_promoted_serial``; ``_mainloop_serial_ahead``
-    where per-block W scales are read a K tile ahead). Block scales ride in the
-    K tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
-    stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the split-N
-    loop, right after issuing the K tile's first half.
+    others promote each K tile after it retires (``_mainloop_promoted_serial``). Block scales ride in the K
+    tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
+    stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the 192-wide
+    loops, while the K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K tile's first
+    half (split in N).
 
     ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
     128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
