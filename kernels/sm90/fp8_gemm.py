@@ -17,9 +17,9 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
 
 from ..common.last_wave_split import LastWaveSplitScheduler
-from ..common.register_fence import fence_registers, pin_b32
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
+from .promoted_mainloops import PromotedMainloops
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import (
     BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, TileScales, is_block_scaled, stage_scales,
@@ -28,7 +28,7 @@ from .block_scales import (
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
 
 
-class Sm90Fp8Gemm(Sm90GemmPlan):
+class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     """Persistent cooperative WGMMA FP8 GEMM.
 
     | warp group | role | registers |
@@ -51,7 +51,8 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
     fp32 accumulator; block-scaled recipes scale it while adding. Tiles up to 144 wide alternate two such
     fragments; 192-wide tiles have registers for one: the DeepSeek recipe's issue each K tile as two 96-wide
     halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
-    others promote each K tile after it retires (``_mainloop_promoted_serial``). Block scales ride in the K
+    others promote each K tile after it retires (``_mainloop_promoted_serial``); the loops are in
+    ``promoted_mainloops.py``. Block scales ride in the K
     tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
     stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the 192-wide
     loops, while the K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K tile's first
@@ -91,7 +92,7 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         self.read_ahead = (self.block_scaled and cfg.accum == "promoted" and self.scale_gran[1] == "block"
                            and cfg.tile_n > self.overlapped_promote_max_n and not self.split_n)
         # Both read per-block scales raw (a few registers), products formed in the promotion.
-        self.raw_scales = (self.split_n or self.read_ahead) and self.block_scaled and self.scale_gran[1] == "block"
+        self.raw_scales = self.split_n or self.read_ahead
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
@@ -510,251 +511,6 @@ class Sm90Fp8Gemm(Sm90GemmPlan):
         mainloop.consumer_release(release_state)
         release_state.advance()
         return read_state, release_state
-
-    @cute.jit
-    def _mainloop_promoted(
-        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
-    ):
-        """acc = sum over K tiles of scale_t * (A_tile @ W_tile^T), each K tile in a fresh fragment.
-
-        ``scale_t`` is 1 for the epilogue-scaled recipes and the K tile's block scales otherwise. Two
-        fragments alternate so the tensor cores never wait for a promotion: while K tile t runs into one,
-        K tile t-1 (already retired: wait_group(1)) is added from the other into ``acc``. The loop is
-        unrolled by two because register fragments cannot be indexed at run time.
-        """
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        self._wait_k_tile(mainloop, read_state, scales, 0)
-        self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
-        read_state.advance()
-        return self._alternate_slots(self._overlapped_step, self._overlapped_drain, mmas, acc, temps, tCrA, tCrB,
-                                     mainloop, read_state, release_state, k_tiles, num_k_blocks, scales)
-
-    @cute.jit
-    def _alternate_slots(
-        self, step: cutlass.Constexpr, drain: cutlass.Constexpr, mmas, acc, temps, tCrA, tCrB, mainloop,
-        read_state, release_state, k_tiles, num_k_blocks: cutlass.Constexpr, scales,
-    ):
-        """A two-slot promoted loop after its first K tile: ``step`` for each further K tile, alternating
-        register slots 1 and 0 (unrolled by two: register fragments cannot be indexed at run time), then
-        ``drain`` of the slot the last K tile used."""
-        for _ in cutlass.range((k_tiles - 1) // 2, unroll=1):
-            read_state, release_state = step(
-                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
-            )
-            read_state, release_state = step(
-                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
-            )
-        if (k_tiles - 1) % 2 == 1:
-            read_state, release_state = step(
-                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales
-            )
-            release_state = drain(acc, temps, 1, mainloop, release_state, scales)
-        else:
-            release_state = drain(acc, temps, 0, mainloop, release_state, scales)
-        return read_state, release_state
-
-    @cute.jit
-    def _overlapped_drain(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
-        """Retire and promote the last K tile (fragment ``slot``)."""
-        cute.nvgpu.warpgroup.wait_group(0)
-        return self._retire(acc, temps, slot, mainloop, release_state, scales)
-
-    @cute.jit
-    def _mainloop_promoted_serial(
-        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
-    ):
-        """As _mainloop_promoted with a single K-tile fragment: each K tile is retired (wait_group(0))
-        and promoted before the next is issued; the other warp group's (or CTA's) MMAs fill the gap."""
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        for _ in cutlass.range(k_tiles, unroll=1):
-            self._wait_k_tile(mainloop, read_state, scales, 0)
-            self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
-            read_state.advance()
-            cute.nvgpu.warpgroup.wait_group(0)
-            release_state = self._retire(acc, temps, 0, mainloop, release_state, scales)
-        return read_state, release_state
-
-    @cute.jit
-    def _mainloop_serial_ahead(
-        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
-    ):
-        """_mainloop_promoted_serial with each K tile's scales read from its stage while the K tile before it
-        runs on the tensor cores, instead of between its full barrier and its MMA issue, where the products
-        waiting on the shared-memory loads sat between the WGMMAs (3-4% on 192-wide DeepSeek tiles,
-        BENCHMARKS.md session 15). Two register sets alternate, so the loop runs two K tiles per trip."""
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        mainloop.consumer_wait(read_state)
-        scales.read_raw(0, read_state.index)
-        for pair in cutlass.range(k_tiles // 2, unroll=1):
-            read_state, release_state = self._serial_ahead_step(
-                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, True
-            )
-            read_state, release_state = self._serial_ahead_step(
-                mmas, acc, temps, 1, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales,
-                2 * pair + 2 < k_tiles,
-            )
-        if k_tiles % 2 == 1:
-            read_state, release_state = self._serial_ahead_step(
-                mmas, acc, temps, 0, tCrA, tCrB, mainloop, read_state, release_state, num_k_blocks, scales, False
-            )
-        return read_state, release_state
-
-    @cute.jit
-    def _serial_ahead_step(
-        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
-        num_k_blocks: cutlass.Constexpr, scales, has_next,
-    ):
-        """Issue the K tile whose stage was waited for (scales in set ``slot``); if another follows, wait for
-        its stage and read its scales into the other set; then retire and promote this K tile."""
-        self._issue_k_tile(mmas, temps[0], tCrA, tCrB, read_state.index, num_k_blocks)
-        read_state.advance()
-        if has_next:
-            mainloop.consumer_wait(read_state)
-            scales.read_raw(1 - slot, read_state.index)
-        cute.nvgpu.warpgroup.wait_group(0)
-        return read_state, self._retire(acc, temps, 0, mainloop, release_state, scales, scale_slot=slot)
-
-    @cute.jit
-    def _overlapped_step(
-        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
-        num_k_blocks: cutlass.Constexpr, scales,
-    ):
-        """Issue the next K tile into fragment ``slot``, then retire the previous one from the other."""
-        self._wait_k_tile(mainloop, read_state, scales, slot)
-        self._issue_k_tile(mmas, temps[slot], tCrA, tCrB, read_state.index, num_k_blocks)
-        read_state.advance()
-        cute.nvgpu.warpgroup.wait_group(1)
-        release_state = self._retire(acc, temps, 1 - slot, mainloop, release_state, scales)
-        return read_state, release_state
-
-    @cute.jit
-    def _mainloop_split_n(
-        self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales
-    ):
-        """_mainloop_promoted_serial for tiles with room for one full K-tile fragment (192 wide), without its
-        gaps: each K tile is issued as two N halves (two commit groups) into two half fragments; half 0 of K tile
-        t-1 is promoted while its half 1 runs, its half 1 while K tile t's half 0 runs, so the warp group always
-        has MMAs of its own queued while it promotes (the serial loop leaves the tensor cores to the other warp
-        group then). A K tile's scales are read right after its half 0 is issued, never between its stage wait
-        and its issue (session 15 found the products of scales read there sitting between the WGMMAs). Two scale
-        sets alternate (K tile t-1's are in use until its half 1 is promoted): unrolled by two."""
-        num_k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
-        mainloop.consumer_wait(read_state)
-        self._issue_half(mmas, temps[0], tCrA, tCrB, read_state.index, 0, num_k_blocks)
-        self._issue_half(mmas, temps[1], tCrA, tCrB, read_state.index, 1, num_k_blocks)
-        self._read_scales(scales, 0, read_state.index)
-        read_state.advance()
-        return self._alternate_slots(self._split_n_step, self._split_n_drain, mmas, acc, temps, tCrA, tCrB,
-                                     mainloop, read_state, release_state, k_tiles, num_k_blocks, scales)
-
-    @cute.jit
-    def _split_n_step(
-        self, mmas, acc, temps, slot: cutlass.Constexpr, tCrA, tCrB, mainloop, read_state, release_state,
-        num_k_blocks: cutlass.Constexpr, scales,
-    ):
-        """Retire and promote the previous K tile (scales in set 1 - slot) half by half, issuing the next K tile's
-        halves in between (its scales into set ``slot``); the previous K tile's stage is released after its
-        half 1 (the per-column W scales of its promotion are read from the stage)."""
-        cute.nvgpu.warpgroup.wait_group(1)  # the previous K tile's half 0
-        self._promote_half(acc, temps, 0, scales, 1 - slot, release_state.index)
-        mainloop.consumer_wait(read_state)
-        self._issue_half(mmas, temps[0], tCrA, tCrB, read_state.index, 0, num_k_blocks)
-        self._read_scales(scales, slot, read_state.index)
-        cute.nvgpu.warpgroup.wait_group(1)  # the previous K tile's half 1
-        self._promote_half(acc, temps, 1, scales, 1 - slot, release_state.index)
-        mainloop.consumer_release(release_state)
-        release_state.advance()
-        self._issue_half(mmas, temps[1], tCrA, tCrB, read_state.index, 1, num_k_blocks)
-        read_state.advance()
-        return read_state, release_state
-
-    @cute.jit
-    def _split_n_drain(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales):
-        """Retire and promote the last K tile (scales in set ``slot``) and release its stage."""
-        cute.nvgpu.warpgroup.wait_group(1)
-        self._promote_half(acc, temps, 0, scales, slot, release_state.index)
-        cute.nvgpu.warpgroup.wait_group(0)
-        self._promote_half(acc, temps, 1, scales, slot, release_state.index)
-        mainloop.consumer_release(release_state)
-        release_state.advance()
-        return release_state
-
-    @cute.jit
-    def _read_scales(self, scales, slot: cutlass.Constexpr, stage):
-        if cutlass.const_expr(scales is not None):
-            scales.read_any(slot, stage)
-
-    @cute.jit
-    def _issue_half(self, mmas, frag, tCrA, tCrB, stage, half: cutlass.Constexpr, num_k_blocks: cutlass.Constexpr):
-        """frag = A_tile @ W_half^T for one K tile, ``half`` of the tile's N, as one commit group."""
-        # The fragment was just read by ordinary instructions (its promotion): fence first.
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            cute.gemm(mmas[0] if kb == 0 else mmas[1], frag, tCrA[(None, None, kb, stage)],
-                      tCrB[half][(None, None, kb, stage)], frag)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _promote_half(self, acc, temps, half: cutlass.Constexpr, scales, scale_slot: cutlass.Constexpr, stage):
-        """acc[the half's elements] += temps[half], scaled; fenced as _retire fences a whole fragment."""
-        frag = temps[half]
-        n = cute.size(frag)
-        base = half * n
-        fence_registers(frag)
-        if cutlass.const_expr(scales is not None):
-            scales.promote(acc, frag, scale_slot, stage, base)
-        else:
-            for i in cutlass.range_constexpr(n):
-                acc[base + i] = acc[base + i] + frag[i]
-        words = cute.recast_tensor(acc, Int32)
-        for i in cutlass.range_constexpr(n):
-            words[base + i] = pin_b32(words[base + i])
-
-    @cute.jit
-    def _wait_k_tile(self, mainloop, read_state, scales, slot: cutlass.Constexpr):
-        """Wait for the next K tile's stage; block-scaled, read its scales for fragment ``slot`` at once."""
-        mainloop.consumer_wait(read_state)
-        if cutlass.const_expr(scales is not None):
-            scales.read(slot, read_state.index)
-
-    @cute.jit
-    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales, scale_slot: cutlass.Constexpr = None):
-        """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer (its scales
-        in set ``scale_slot``, by default the fragment's)."""
-        frag = temps[slot]
-        # The fences keep the promotion between the wait_group that retired ``frag`` and the next MMA
-        # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
-        fence_registers(frag)
-        # Promote, then release in source order: per-column W scales are read from the stage. (ptxas hoists
-        # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
-        # BENCHMARKS.md session 7.)
-        if cutlass.const_expr(scales is not None):
-            scales.promote(acc, frag, slot if scale_slot is None else scale_slot, release_state.index)
-        else:
-            self._promote(acc, frag)
-        fence_registers(acc)
-        mainloop.consumer_release(release_state)
-        release_state.advance()
-        return release_state
-
-    @cute.jit
-    def _issue_k_tile(self, mmas, frag, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
-        """frag = A_tile @ W_tile^T for one K tile: the first K block overwrites, the rest accumulate."""
-        # The fragment was just read by ordinary instructions (the promotion): fence first.
-        cute.nvgpu.warpgroup.fence()
-        for kb in cutlass.range_constexpr(num_k_blocks):
-            coord = (None, None, kb, stage)
-            cute.gemm(mmas[0] if kb == 0 else mmas[1], frag, tCrA[coord], tCrB[coord], frag)
-        cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _promote(self, acc, frag):
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            acc[i] = acc[i] + frag[i]
 
     @cute.jit
     def _mma_k_tile(self, tiled_mma, acc, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
