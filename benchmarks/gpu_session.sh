@@ -493,6 +493,30 @@ s14pow)
       | sed -E 's/^  kernel_cutlass.*/  ours/' | cut -c1-120
   done
   ;;
+s20ties)
+  # Session 20: 128x192 against 128x128 (c2x1, with and without their last-wave splits where dispatch splits) on
+  # shapes where dispatch.wave_cost ties them for the block-W recipes (ROUND=1|2 names the output files).
+  t2=128x192c2x1,128x128c2x1; t4=$t2,128x192c2x1lw,128x128c2x1lw
+  for rec in ${RECIPES:-1x128_128x128 128x128_128x128}; do
+    f="$out/ties_${rec}_${ROUND:-1}.txt"; : > "$f"
+    tt="python3 -m benchmarks.tune_tiles --accums promoted --splits 0 --recipes $rec"
+    for spec in "768 7168x2048,8192x8192 $t2" "1024 4608x7168,6144x4096 $t4" "1536 4096x4096,8192x8192 $t2" \
+                "2048 3072x1536,6144x4096 $t2" "3072 8192x8192,4096x14336 $t2" "4096 1536x7168,3072x1536 $t2" \
+                "6144 7168x2048,3072x1536,8192x8192,6144x4096 $t4" "8192 4608x7168 $t4" "16384 3072x1536 $t2" \
+                "512 10240x8192 $t4" "1024 24576x1536 $t2" "1536 4096x14336 $t2" "6144 10240x8192 $t4" "16384 8192x8192 $t4"; do
+      read -r m nk tiles <<< "$spec"
+      $tt --ms $m --nk $nk --tiles $tiles 2>&1 | grep -v Warn >> "$f"
+    done
+    python3 -m benchmarks.audit_picks "$f" | tail -n 1
+  done
+  ;;
+s20final)
+  # Session 20: the block-scaled GPU tests and the AOT registry's, then the DeepSeek recipe through scaled_mm on
+  # the DeepSeek-V3, square and block_ties sets (dispatch's long-K rate moves ties at K >= dispatch.LONG_K to 128x192).
+  python3 -m pytest -m gpu -q -p no:warnings tests/test_sm90_blockscaled_gpu.py tests/test_generators.py 2>&1 | tail -n 3
+  python3 -m benchmarks.bench_gemm --sets dsv3,square,block_ties --recipes 1x128_128x128 --out "$out/gemm_block.json" > "$out/gemm_block.txt" 2>&1
+  grep -A 8 "^geomeans" "$out/gemm_block.txt"
+  ;;
 promoted)
   python3 -m benchmarks.bench_gemm --sets square,dsv3,llama70b_decode,llama70b_layers --recipes tensor,row --out "$out/gemm_promoted.json" > "$out/gemm_promoted.txt" 2>&1
   grep -A 12 "^geomeans" "$out/gemm_promoted.txt"

@@ -63,6 +63,16 @@ BLOCK_TILE_RATES = {(128, 128): 1000, (128, 192): 985, (64, 128): 730}
 # M=768 14.4 vs 14.7-15.3; 2D alike. 1x128 x 1x128 (per-column W scales, no read-ahead) keeps 985: there
 # 128x192 loses at M=3072 (40.1-40.7 vs 37.0-37.4) and ties under it (BENCHMARKS.md, session 16).
 BLOCK_W_TILE_RATES = {**BLOCK_TILE_RATES, (128, 192): 1000}
+# From K = 6144 (48 K tiles) the 192-wide tile of those recipes (the DeepSeek recipe's split in N since session
+# 19) is ahead of 128x128 where wave_cost ties the two -- 192 x 2 waves = 128 x 3 waves, common on LLM shapes,
+# where the table order gave 128x128: on 12 such shapes at K >= 7168, DeepSeek recipe, 128x192 ran 1-9% faster on
+# all but one (M=512 N=10240 K=8192: 1% slower), e.g. M=3072 N=8192 K=8192 331-345 us against 357-360,
+# 6144x8192x8192 689-696 against 749-757 (128x128 with its last-wave split). At K = 4096 the ties went both ways
+# (M=6144 N=6144: 128x192 4-7% slower; M=1024 / 2048, N=6144: 1-2% faster), at K = 1536-2304 to 128x128 or
+# even. Through scaled_mm the benchmarks' block_ties set ran 3.3% faster (geomean; the 2D recipe flat;
+# BENCHMARKS.md, session 20). 1001 decides those ties and no more.
+LONG_K = 6144
+BLOCK_W_LONG_K_TILE_RATES = {**BLOCK_W_TILE_RATES, (128, 192): 1001}
 BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}
 
 
@@ -73,16 +83,20 @@ BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}
 CLUSTER_4X1_RATE_GAIN = 1050
 
 
-def tile_rate(inst: KernelInstance) -> int:
-    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by recipe family and accumulation; 1000
-    where not measured, and for the memory-bound swapped decode tiles)."""
+def tile_rate(inst: KernelInstance, k: int = 0) -> int:
+    """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by recipe family, accumulation and, for the
+    block-W recipes, whether K >= ``LONG_K``; 1000 where not measured, and for the memory-bound swapped decode
+    tiles)."""
     block = is_block_scaled(inst.recipe)
     if inst.ctas_per_sm > 1:
         return (BLOCK_PAIRED_TILE_RATES if block else PAIRED_TILE_RATES)[(inst.tile_m, inst.tile_n)]
     if inst.swap_ab:
         return 1000
     if block:
-        rates = BLOCK_W_TILE_RATES if BLOCK_RECIPES[inst.recipe][1] == "block" else BLOCK_TILE_RATES
+        if BLOCK_RECIPES[inst.recipe][1] != "block":
+            rates = BLOCK_TILE_RATES
+        else:
+            rates = BLOCK_W_LONG_K_TILE_RATES if k >= LONG_K else BLOCK_W_TILE_RATES
     else:
         rates = FAST_TILE_RATES if inst.accum == "fast" else TILE_RATES
     rate = rates.get((inst.tile_m, inst.tile_n), 1000)
@@ -120,7 +134,7 @@ def wave_cost(inst: KernelInstance, m: int, n: int, sms: int, k: int = 0) -> int
     two-thirds the work each (48.5 vs 62.0 us); where outputs fill under a wave, smaller tiles put more SMs
     to work (M=1024, N=512, K=7168: 128 64x64 tiles 15.5 us, 24 128x192 tiles in 5 K splits 22.0 us)."""
     slots = cluster_slots(sms, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
-    cost = -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst)
+    cost = -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst, k)
     if k > 0:
         cost *= 1000 * -(-k // 128) + (0 if inst.ctas_per_sm > 1 else EPILOGUE_MILLI_K_BLOCKS)
     return cost

@@ -27,7 +27,7 @@ import jinja2
 
 from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, field_name
 from cutedsl_gemm.generators.manifest import KernelInstance
-from cutedsl_gemm.dispatch import EPILOGUE_MILLI_K_BLOCKS, tile_rate
+from cutedsl_gemm.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
 from cutedsl_gemm.generators.runner import code_key, pick, run_parallel
 
 LIB_NAME = "cutedsl_gemm_kernels"
@@ -142,10 +142,12 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int]
         "lib": LIB_NAME,
         "dsl_version": dsl_version(),
         "epilogue_milli_k_blocks": EPILOGUE_MILLI_K_BLOCKS,
+        "long_k": LONG_K,
         "fingerprint": source_fingerprint(),
         "kernels": [_c_plan(kernels[k], inst, max_splits) for k, inst in first.items()],
         "arg_fields": _arg_fields(next(iter(signatures))),
         "entries": [{"key": code_key(i), "fields": _fields(i), "name": i.name, "rate": tile_rate(i),
+                     "rate_long_k": tile_rate(i, LONG_K),
                      "split_k": kernels[code_key(i)]["split_k"]} for i in insts],
         "dsl_runtime": _dsl_runtime_library(),
     }

@@ -328,6 +328,22 @@ def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
     assert tensor.tile_n == 192  # the epilogue-scaled recipes keep 128x192 there
 
 
+def test_block_w_recipes_give_wave_ties_to_128x192_from_long_k():
+    """Where wave_cost ties 128x192 (two waves) with 128x128 (three), the per-block-W recipes take 128x192 from
+    K = dispatch.LONG_K (session 20: 1-9% faster at K >= 7168, mixed at K = 4096, behind at K = 1536) and keep
+    128x128 below it; 1x128 x 1x128 (per-column W scales) keeps its own rates."""
+    pick = lambda recipe, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 3072, n=8192, sms=132, k=k)
+    for recipe in ("1x128_128x128", "128x128_128x128"):
+        short, long_ = pick(recipe, dispatch.LONG_K - 128), pick(recipe, dispatch.LONG_K)
+        assert (short.tile_n, long_.tile_n) == (128, 192) and short.cluster_m == long_.cluster_m == 2, recipe
+        # a tie at the base rates: the long-K rate alone decides it
+        k = dispatch.LONG_K
+        assert dispatch.wave_cost(short, 3072, 8192, 132) == dispatch.wave_cost(long_, 3072, 8192, 132)
+        assert dispatch.wave_cost(long_, 3072, 8192, 132, k) < dispatch.wave_cost(short, 3072, 8192, 132, k)
+        assert dispatch.tile_rate(long_, k) > dispatch.tile_rate(long_, k - 1) == dispatch.tile_rate(short, k)
+    assert pick("1x128_1x128", dispatch.LONG_K).tile_n == 128
+
+
 def test_check_config_names_the_recipes_it_knows():
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig, Sm90GemmPlan
 
