@@ -510,6 +510,19 @@ s20ties)
     python3 -m benchmarks.audit_picks "$f" | tail -n 1
   done
   ;;
+s20prof)
+  # Session 20: where the DeepSeek recipe's 128x128 main loop loses its ~6% to per-tensor on the same tile: ncu
+  # warp-state sampling per SASS instruction (SourceCounters), one launch of each, exported as CSV for reading.
+  for r in tensor 1x128_128x128; do
+    ncu --clock-control none --section WarpStateStats --section SourceCounters --kernel-name regex:kernel_cutlass \
+        --launch-count 1 --nvtx --nvtx-include profile/ -f -o "$out/prof_$r" \
+        python3 -m benchmarks.profile_shape --m 6144 --n 7168 --k 2304 --recipe $r --tile 128x128c2x1 --splits 1 --calls 2 \
+        > "$out/prof_$r.log" 2>&1
+    ncu --import "$out/prof_$r.ncu-rep" --page source --csv --print-source sass > "$out/prof_${r}_sass.csv" 2>&1
+    ncu --import "$out/prof_$r.ncu-rep" --page details --print-details all > "$out/prof_${r}_details.txt" 2>&1
+    echo "== $r"; grep -E "Duration|Warp Cycles Per Issued|Stall" "$out/prof_${r}_details.txt" | head -n 12
+  done
+  ;;
 s20final)
   # Session 20: the block-scaled GPU tests and the AOT registry's, then the DeepSeek recipe through scaled_mm on
   # the DeepSeek-V3, square and block_ties sets (dispatch's long-K rate moves ties at K >= dispatch.LONG_K to 128x192).
