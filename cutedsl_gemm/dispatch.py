@@ -69,8 +69,8 @@ BLOCK_W_TILE_RATES = {**BLOCK_TILE_RATES, (128, 192): 1000}
 # all but one (M=512 N=10240 K=8192: 1% slower), e.g. M=3072 N=8192 K=8192 331-345 us against 357-360,
 # 6144x8192x8192 689-696 against 749-757 (128x128 with its last-wave split). At K = 4096 the ties went both ways
 # (M=6144 N=6144: 128x192 4-7% slower, 4-5% faster in a later call; M=1024 / 2048, N=6144: 1-2% faster), at
-# K = 1536-2304 to 128x128 or even. Through scaled_mm the benchmarks' block_ties set ran 3.3% faster (geomean; the 2D recipe flat;
-# BENCHMARKS.md, session 20). 1001 decides those ties and no more.
+# K = 1536-2304 to 128x128 or even. Through scaled_mm the benchmarks' block_ties set ran 3.3% faster (geomean;
+# the 2D recipe flat; BENCHMARKS.md, session 20). 1001 decides those ties and no more.
 LONG_K = 6144
 BLOCK_W_LONG_K_TILE_RATES = {**BLOCK_W_TILE_RATES, (128, 192): 1001}
 BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}

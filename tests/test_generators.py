@@ -32,7 +32,7 @@ PAIR = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promote
 # A narrow, tall output: 128x128 tiles in 4x1 clusters (30 cluster slots on 132 SMs, not 33)
 CLUSTER4 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=576, sms=132, k=7168).name
 # DeepSeek recipe, M=3072 N=8192: 128x192 in two waves ties 128x128 in three (wave_cost); the long-K rate
-# (dispatch.LONG_K) gives the tie to 128x192 from K = 4096, 128x128 keeps it below
+# (dispatch.LONG_K) gives the tie to 128x192 from K = LONG_K, 128x128 keeps it below
 DS_SHORT_K = select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=1536).name
 DS_LONG_K = select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=8192).name
 EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4, DS_SHORT_K, DS_LONG_K]))  # the AOT tests' instances
