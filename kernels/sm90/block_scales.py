@@ -250,13 +250,6 @@ class TileScales:
     tile_mn: tuple  # (bM, bN)
     raw: bool = False  # raw scales (read_raw), products formed in the promotion
 
-    def read_any(self, slot, stage):
-        """The K tile in ``stage``'s scales into set ``slot``, raw or as products as this loop uses them."""
-        if self.raw:
-            self.read_raw(slot, stage)
-        else:
-            self.read(slot, stage)
-
     def read(self, slot, stage):
         """Read the K tile in ``stage``'s scales for fragment ``slot`` (read_stage_scales)."""
         read_stage_scales(self.regs[slot], self.slots[0], self.slots[1], self.tile_coords, self.grans,

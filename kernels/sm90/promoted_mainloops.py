@@ -156,13 +156,14 @@ class PromotedMainloops:
         has MMAs of its own queued while it promotes (the serial loop leaves the tensor cores to the other warp
         group then). A K tile's scales are read right after its half 0 is issued, never between its stage wait
         and its issue (session 15 found the products of scales read there sitting between the WGMMAs). Two scale
-        sets alternate (K tile t-1's are in use until its half 1 is promoted): unrolled by two."""
+        sets alternate (K tile t-1's are in use until its half 1 is promoted): unrolled by two. Only the DeepSeek
+        recipe runs it (``Sm90GemmPlan.split_n_loop``), so ``scales`` always holds raw per-block scales."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         mainloop.consumer_wait(read_state)
         self._issue_k_tile(mmas, temps[0], tCrA, tCrB[0], read_state.index, num_k_blocks)
         self._issue_k_tile(mmas, temps[1], tCrA, tCrB[1], read_state.index, num_k_blocks)
-        self._read_scales(scales, 0, read_state.index)
+        scales.read_raw(0, read_state.index)
         read_state.advance()
         return self._alternate_slots(self._split_n_step, self._split_n_drain, mmas, acc, temps, tCrA, tCrB,
                                      mainloop, read_state, release_state, k_tiles, num_k_blocks, scales)
@@ -179,7 +180,7 @@ class PromotedMainloops:
         self._promote_half(acc, temps, 0, scales, 1 - slot, release_state.index)
         mainloop.consumer_wait(read_state)
         self._issue_k_tile(mmas, temps[0], tCrA, tCrB[0], read_state.index, num_k_blocks)
-        self._read_scales(scales, slot, read_state.index)
+        scales.read_raw(slot, read_state.index)
         cute.nvgpu.warpgroup.wait_group(1)  # the previous K tile's half 1
         self._promote_half(acc, temps, 1, scales, 1 - slot, release_state.index)
         mainloop.consumer_release(release_state)
@@ -200,22 +201,13 @@ class PromotedMainloops:
         return release_state
 
     @cute.jit
-    def _read_scales(self, scales, slot: cutlass.Constexpr, stage):
-        if cutlass.const_expr(scales is not None):
-            scales.read_any(slot, stage)
-
-    @cute.jit
     def _promote_half(self, acc, temps, half: cutlass.Constexpr, scales, scale_slot: cutlass.Constexpr, stage):
         """acc[the half's elements] += temps[half], scaled; fenced as _retire fences a whole fragment."""
         frag = temps[half]
         n = cute.size(frag)
         base = half * n
         fence_registers(frag)
-        if cutlass.const_expr(scales is not None):
-            scales.promote(acc, frag, scale_slot, stage, base)
-        else:
-            for i in cutlass.range_constexpr(n):
-                acc[base + i] = acc[base + i] + frag[i]
+        scales.promote(acc, frag, scale_slot, stage, base)
         # The accumulator's half only, unrolled at trace time (fence_registers' run-time-unrolled loop over a
         # range gave the split kernels different PTX than the one measured).
         words = cute.recast_tensor(acc, Int32)
