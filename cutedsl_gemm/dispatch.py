@@ -222,16 +222,25 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
 # K=2048: 35.3 -> 37.4 us (2), 4096^3: 118.0 -> 115.1 us (2), 117.9 us (3).
 MIN_K_TILES_FOR_LAST_WAVE_SPLIT = 48
 MAX_LAST_WAVE_SPLITS = 4
+# ... and only a few waves deep: the split variant runs its whole tiles 1-5% slower than the plain kernel at many
+# waves, more than the one partial wave it shortens is worth there (session 22, tune_tiles, two rounds, us, whole
+# -> split): per-tensor 128x192 c2x1 768x14336x7168 (3.4 waves) 126.6-127.3 -> 121.4-122.3, 4096x7168x7168 (9.2)
+# 335.5-338.4 -> 330.8-337.2, 8192x7168x7168 (18.4) 678.0-685.1 -> 699.6-727.2; DeepSeek 128x128 c2x1
+# 1024x7168x7168 (3.4) 93.7-93.9 -> 91.7-92.0, 4096x10240x7168 (19.4) 518.6-520.1 -> 541.0-541.4, 8192x7168x7168
+# (27) 748.3-753.8 -> 774.0-791.9 (session 20 alike at 17-23 waves).
+MAX_WAVES_FOR_LAST_WAVE_SPLIT = 4
 
 
 def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> int:
     """K splits for the last, partial wave of a problem larger than one wave (1: run it whole). With R
-    cluster tiles in that wave: min(cluster slots // R, 4), when K has >= 48 K tiles and the instance has a
-    last-wave split variant. M=6144, N=512, K=7168 at 128x192 c2x1: 72 cluster tiles on 66 slots, the
-    last 6 in 4 splits."""
+    cluster tiles in that wave: min(cluster slots // R, 4), when K has >= 48 K tiles, the problem is at most
+    4 waves deep and the instance has a last-wave split variant. M=6144, N=512, K=7168 at 128x192 c2x1: 72
+    cluster tiles on 66 slots, the last 6 in 4 splits."""
     if inst.swap_ab or not inst.can_split_k or inst.output_tiles(m, n) <= slots:
         return 1
     cslots = max(1, slots // (inst.cluster_m * inst.cluster_n))
+    if inst.cluster_tiles(m, n) > MAX_WAVES_FOR_LAST_WAVE_SPLIT * cslots:
+        return 1
     tail = inst.cluster_tiles(m, n) % cslots
     k_tiles = inst.k_tiles(k)
     if tail == 0 or k_tiles < MIN_K_TILES_FOR_LAST_WAVE_SPLIT or last_wave_variant(inst) is None:

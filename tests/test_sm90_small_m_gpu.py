@@ -123,14 +123,15 @@ def test_cuda_graph_capture_and_replay_with_new_inputs(recipe, n):
         assert err <= 2e-3, f"replay {seed}: relative error {err:.3e}"
 
 
-@pytest.mark.parametrize("recipe,m,n", [("tensor", 3200, 7296), ("row", 3200, 7296), ("1x128_128x128", 1000, 4304)])
+@pytest.mark.parametrize("recipe,m,n", [("tensor", 648, 14144), ("row", 648, 14144), ("1x128_128x128", 1000, 4304)])
 def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
     """A little more than whole waves of tiles: scaled_mm takes the instance's last-wave split variant,
-    which runs the full waves whole and splits the rest in K (M=3200 leaves the 2x1 clusters' last row half
-    empty, M=1000 its last tile partial; N=7296 and 4304 are no multiples of the 128 / 192-wide tiles; the
-    block-scaled shape runs 128x128 tiles, the last of their three waves split 4 ways). Shapes that moved:
-    1408 x 7104 (before session 10) to 128x128 tiles in 4x1 clusters and 1664 x 6080 to 128x144, which have
-    no last-wave variant; the block-scaled 1152 x 3392 (before session 13) to block 4x1 clusters (M > 1024)."""
+    which runs the full waves whole and splits the rest in K (M=648 and 1000 leave the last tile row
+    partial; N=14144 and 4304 are no multiples of the 192-wide tiles; all three run 128x192 c2x1, 3 waves and
+    24 cluster tiles, or one wave and 26 (the block-scaled shape, since session 20's long-K rate), the
+    rest split 2 ways). Shapes that moved: 1408 x 7104 (before session 10) to 128x128 tiles in 4x1 clusters and
+    1664 x 6080 to 128x144, which have no last-wave variant; the block-scaled 1152 x 3392 (before session 13)
+    to block 4x1 clusters (M > 1024); 3200 x 7296 (7 waves, session 22) past the split's four waves."""
     k = 6144
     torch.manual_seed(5)
     args, plain = _call_args(m, n, k, recipe)

@@ -127,6 +127,11 @@ def test_last_wave_split_variant():
     assert dispatch.last_wave_splits(row(1024, 4608), 1024, 4608, 7168, 132) == 1  # 128x96 has no such variant
     # whole waves, a last wave too full to split, a short K, under one wave, decode: not split this way
     assert dispatch.last_wave_splits(row(8192, 8192), 8192, 8192, 8192, 132) == 1  # 1376 = 20 x 66 + 56
+    # more than 4 waves deep (the variant's whole tiles cost more than the split saves); 3.4 waves still split
+    assert dispatch.last_wave_splits(inst, 8192, 7168, 7168, 132) == 1  # 1216 = 18 x 66 + 28
+    assert dispatch.last_wave_splits(inst, 4096, 7168, 7168, 132) == 1  # 608 = 9 x 66 + 14
+    assert dispatch.last_wave_splits(inst, 768, 14336, 7168, 132) == 2  # 225 = 3 x 66 + 27
+    assert dispatch.last_wave_splits(inst, 1056, 2304, 7168, 132) == 1  # exactly 4 waves (264): no tail
     assert dispatch.last_wave_splits(inst, 1024, 7168, 2048, 132) == 1
     assert dispatch.last_wave_splits(inst, 6144, 512, 4096, 132) == 1
     assert dispatch.last_wave_splits(row(1024, 512), 1024, 512, 7168, 132) == 1
