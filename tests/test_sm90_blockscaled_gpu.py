@@ -125,3 +125,45 @@ def test_every_block_scaled_tile_with_several_tiles_per_cta(inst, k, splits):
     another on a CTA), torch's scale layouts, NaN-poisoned output. The nothing-divides test above gives most
     CTAs a single tile."""
     _check_launched_directly(inst, 4000, 3008, k, splits=splits if inst.can_split_k else 1)
+
+
+def _deepseek_192_rows():
+    from cutedsl_gemm.generators.manifest import select
+
+    rows = {i.name: i for i in select(arch="sm_90a", recipe="1x128_128x128", a_dtype="e4m3", b_dtype="e4m3")
+            if (i.tile_m, i.tile_n, i.cluster_m, i.split_tail) == (128, 192, 2, False)}
+    return list(rows.values())  # an fp32 output's "out" and "fp32" bias kinds are one row
+
+
+@pytest.mark.parametrize("inst", _deepseek_192_rows(), ids=lambda i: i.name)
+def test_deepseek_192_wide_rows_every_output_and_bias(inst):
+    """The DeepSeek recipe's 128x192 rows run 4 A/W stages, which leaves each output dtype a different number
+    of epilogue buffers (6 bf16 / fp16 slices, 3 fp32): every output dtype and bias kind, launched directly on
+    a 2000 x 3008 x 1008 problem (several tiles per CTA, partial last tiles and K block), unsplit and in 3 K
+    splits, NaN-poisoned output."""
+    from benchmarks.tune_tiles import direct_call
+    from cutedsl_gemm import api, scale_layouts
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[inst.out_dtype]
+    m, n, k = 2000, 3008, 1008
+    torch.manual_seed(11)
+    qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
+    scale_a, scale_b = _torch_layout(sa, 1), _torch_layout(sw, 128).t()
+    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k, "1x128", "128x128")
+    bias = None
+    if inst.bias_dtype is not None:
+        bias = torch.randn(n, device="cuda").to({"bf16": torch.bfloat16, "fp16": torch.float16,
+                                                  "fp32": torch.float32}[inst.bias_dtype])
+    ref = R.reference_gemm(qa, sa, qw, sw, inst.recipe, bias=bias)
+    for splits in (1, 3):
+        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
+        call, used, _ = direct_call(inst, qa, qw.t(), sa_k, sb_k, out, (m, n, k), splits)
+        if bias is not None:  # direct_call passes the no-bias stand-in; launch again with the bias
+            fn = api._compiled(inst)
+            ws = api._split_buffers(inst, m, n, used, 0)
+            call = lambda: fn(qa, qw.t(), out, sa_k, sb_k, bias, *ws, used, api._launch_clusters(0, inst))
+        call()
+        torch.cuda.synchronize()
+        assert used == splits
+        err = R.rel_error(out, ref)
+        assert err <= TOL[dtype], f"{inst.name}, {splits} splits: relative error {err:.3e} > {TOL[dtype]:.0e}"
