@@ -222,7 +222,7 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
 # K=2048: 35.3 -> 37.4 us (2), 4096^3: 118.0 -> 115.1 us (2), 117.9 us (3).
 MIN_K_TILES_FOR_LAST_WAVE_SPLIT = 48
 MAX_LAST_WAVE_SPLITS = 4
-# ... and only a few waves deep: the split variant runs its whole tiles 1-5% slower than the plain kernel at many
+# ... and only a few waves deep: the split variant runs its whole tiles 1-4% slower than the plain kernel at many
 # waves, more than the one partial wave it shortens is worth there (session 22, tune_tiles, two rounds, us, whole
 # -> split): per-tensor 128x192 c2x1 768x14336x7168 (3.4 waves) 126.6-127.3 -> 121.4-122.3, 4096x7168x7168 (9.2)
 # 335.5-338.4 -> 330.8-337.2, 8192x7168x7168 (18.4) 678.0-685.1 -> 699.6-727.2; DeepSeek 128x128 c2x1
