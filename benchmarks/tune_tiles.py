@@ -62,7 +62,7 @@ def tile_label(inst) -> str:
             f"{f'e{inst.epi_stages}' if inst.epi_stages else ''}")
 
 
-def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
+def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits, bias=None):
     """A call of ``inst``'s compiled kernel that bypasses dispatch, on this device's cluster limit, with
     ``want_splits`` K splits (0: dispatch.choose_splits; 1 where the instance has no split-K):
     (call, splits, max clusters). ``sa_k``/``sb_k`` are the kernel's scale views."""
@@ -81,7 +81,8 @@ def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits):
     else:
         splits = dispatch.normalize_splits(want_splits, inst.k_tiles(k))
     ws = api._split_buffers(inst, m, n, splits, 0)
-    return (lambda: fn(qa, b, out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)), splits, clusters
+    bias = api._dummy_bias(0) if bias is None else bias  # instances built without a bias never read it
+    return (lambda: fn(qa, b, out, sa_k, sb_k, bias, *ws, splits, clusters)), splits, clusters
 
 
 def main(argv=None):

@@ -239,9 +239,10 @@ def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -
     if inst.swap_ab or not inst.can_split_k or inst.output_tiles(m, n) <= slots:
         return 1
     cslots = max(1, slots // (inst.cluster_m * inst.cluster_n))
-    if inst.cluster_tiles(m, n) > MAX_WAVES_FOR_LAST_WAVE_SPLIT * cslots:
+    ctiles = inst.cluster_tiles(m, n)
+    if ctiles > MAX_WAVES_FOR_LAST_WAVE_SPLIT * cslots:
         return 1
-    tail = inst.cluster_tiles(m, n) % cslots
+    tail = ctiles % cslots
     k_tiles = inst.k_tiles(k)
     if tail == 0 or k_tiles < MIN_K_TILES_FOR_LAST_WAVE_SPLIT or last_wave_variant(inst) is None:
         return 1

@@ -5,6 +5,9 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm import reference as R
+from cutedsl_gemm.validation import OUT_NAMES
+
+TORCH_DTYPES = {name: dtype for dtype, name in OUT_NAMES.items()}  # "bf16" -> torch.bfloat16, ...
 
 
 def block_magnitudes(rows, k, rb, device):
@@ -46,15 +49,16 @@ def distinct_kernels(recipes):
     return list(seen.values())
 
 
-def launch_directly(inst, qa, b, scale_a, scale_b, mnk, splits=3):
+def launch_directly(inst, qa, b, scale_a, scale_b, mnk, splits=3, bias=None):
     """Run ``inst``'s compiled kernel bypassing dispatch (kernel scale views), K split ``splits`` ways where
-    it can, into a NaN-poisoned bf16 output, and return the output."""
+    it can, into a NaN-poisoned output of the instance's dtype (with ``bias`` where it has one), and return
+    the output."""
     from benchmarks.tune_tiles import direct_call
 
     m, n, _ = mnk
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = torch.full((m, n), float("nan"), dtype=TORCH_DTYPES[inst.out_dtype], device="cuda")
     splits = splits if inst.can_split_k else 1
-    call, used, _ = direct_call(inst, qa, b, scale_a, scale_b, out, mnk, splits)
+    call, used, _ = direct_call(inst, qa, b, scale_a, scale_b, out, mnk, splits, bias=bias)
     call()
     torch.cuda.synchronize()
     assert used == splits, f"{inst.name}: ran {used} K splits, meant {splits}"

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import cutedsl_gemm
 from cutedsl_gemm import reference as R
 
-from gpu_operands import block_scaled_operands as _operands, distinct_kernels, launch_directly, torch_scale_layout as _torch_layout
+from gpu_operands import (TORCH_DTYPES, block_scaled_operands as _operands, distinct_kernels, launch_directly,
+                          torch_scale_layout as _torch_layout)
 
 pytestmark = pytest.mark.gpu
 
@@ -98,8 +99,9 @@ def test_every_block_scaled_tile_on_a_shape_nothing_divides(inst):
 
 
 def _check_launched_directly(inst, m, n, k, splits):
-    """Launch ``inst`` bypassing dispatch on fresh operands with torch's scale layouts and check it against
-    the reference on the dequantized inputs."""
+    """Launch ``inst`` bypassing dispatch on fresh operands with torch's scale layouts (and a random bias
+    where the instance has one) and check it against the reference on the dequantized inputs, to the
+    tolerance of its output dtype."""
     from cutedsl_gemm import scale_layouts
 
     qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
@@ -108,9 +110,11 @@ def _check_launched_directly(inst, m, n, k, splits):
     # The recipe named: with one K block (K <= 128) 1x128 x 1x128 scales have the row-wise shapes, and the
     # shapes alone resolve to the row-wise kernel's views (the same product), not this kernel's.
     _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k, *inst.recipe.split("_"))
-    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=splits)
-    err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe))
-    assert err <= TOL[torch.bfloat16], f"{inst.name}: relative error {err:.3e} > 2e-3"
+    bias = None if inst.bias_dtype is None else torch.randn(n, device="cuda").to(TORCH_DTYPES[inst.bias_dtype])
+    out = launch_directly(inst, qa, qw.t(), sa_k, sb_k, (m, n, k), splits=splits, bias=bias)
+    err = R.rel_error(out, R.reference_gemm(qa, sa, qw, sw, inst.recipe, bias=bias))
+    tol = TOL[out.dtype]
+    assert err <= tol, f"{inst.name}, {splits} splits: relative error {err:.3e} > {tol:.0e}"
 
 
 @pytest.mark.parametrize("k,splits", [(128, 1), (384, 1), (720, 1), (384, 3), (720, 3)],
@@ -141,29 +145,6 @@ def test_deepseek_192_wide_rows_every_output_and_bias(inst):
     of epilogue buffers (6 bf16 / fp16 slices, 3 fp32): every output dtype and bias kind, launched directly on
     a 2000 x 3008 x 1008 problem (several tiles per CTA, partial last tiles and K block), unsplit and in 3 K
     splits, NaN-poisoned output."""
-    from benchmarks.tune_tiles import direct_call
-    from cutedsl_gemm import api, scale_layouts
-
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[inst.out_dtype]
-    m, n, k = 2000, 3008, 1008
     torch.manual_seed(11)
-    qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
-    scale_a, scale_b = _torch_layout(sa, 1), _torch_layout(sw, 128).t()
-    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k, "1x128", "128x128")
-    bias = None
-    if inst.bias_dtype is not None:
-        bias = torch.randn(n, device="cuda").to({"bf16": torch.bfloat16, "fp16": torch.float16,
-                                                  "fp32": torch.float32}[inst.bias_dtype])
-    ref = R.reference_gemm(qa, sa, qw, sw, inst.recipe, bias=bias)
     for splits in (1, 3):
-        out = torch.full((m, n), float("nan"), dtype=dtype, device="cuda")
-        call, used, _ = direct_call(inst, qa, qw.t(), sa_k, sb_k, out, (m, n, k), splits)
-        if bias is not None:  # direct_call passes the no-bias stand-in; launch again with the bias
-            fn = api._compiled(inst)
-            ws = api._split_buffers(inst, m, n, used, 0)
-            call = lambda: fn(qa, qw.t(), out, sa_k, sb_k, bias, *ws, used, api._launch_clusters(0, inst))
-        call()
-        torch.cuda.synchronize()
-        assert used == splits
-        err = R.rel_error(out, ref)
-        assert err <= TOL[dtype], f"{inst.name}, {splits} splits: relative error {err:.3e} > {TOL[dtype]:.0e}"
+        _check_launched_directly(inst, 2000, 3008, 1008, splits)
