@@ -16,9 +16,12 @@ are all read in place.
 Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles. A tile's ``group``
 scales that form one contiguous, 16-byte aligned run (torch's M-contiguous layout with M % 4 == 0) go in one
 ``cp.async.bulk`` whose bytes count in the stage's transactions; otherwise (other layouts, the last partial
-tile, and ``block`` scales, one or two per tile) the producer warp's 32 lanes copy them with 4-byte
-``cp.async``. Every lane then signals the stage's full barrier with ``cp.async.mbarrier.arrive.noinc`` --
-the barrier therefore expects 1 (TMA expect_tx) + 32 arrivals.
+tile, and ``block`` scales, one or two per tile) the 32 lanes copy them with 4-byte ``cp.async``. The copies
+are issued by the scale warp (warp 1 of the producer warp group), not the TMA warp, which keeps the TMA
+warp's path from a freed stage to its next TMA issue short. Every scale-warp lane then signals the stage's
+full barrier with ``cp.async.mbarrier.arrive.noinc`` -- the barrier therefore expects 1 (the TMA warp's
+expect_tx) + 32 arrivals. Lane 0 posts a bulk copy's bytes (expect_tx) before its own arrival, so the phase
+cannot complete without them, whichever warp gets to the barrier first.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ BLOCK_RECIPES = {
     "1x128_1x128": ("group", "group"),
 }
 SCALE_BLOCK = 128  # K (and, for "block", M/N) extent of one scale
-PRODUCER_LANES = 32  # lanes of the producer warp that arrive on the full barrier after their cp.async
+PRODUCER_LANES = 32  # lanes of the scale warp that arrive on the full barrier after their cp.async
 
 
 def is_block_scaled(recipe: str) -> bool:
@@ -72,7 +75,7 @@ def stage_scales(
     """Producer side: copy one K tile's scales of one operand into its slots of a stage.
 
     ``scales`` is the operand's scale tensor (rows or row blocks, Kb); ``slots`` the (tile extent, stages)
-    fp32 shared-memory tensor; ``bar`` the stage's full barrier. Called by all 32 lanes of the producer warp.
+    fp32 shared-memory tensor; ``bar`` the stage's full barrier. Called by all 32 lanes of the scale warp.
     """
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
     if cutlass.const_expr(granularity == "group"):

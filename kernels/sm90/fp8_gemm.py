@@ -33,12 +33,13 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
     | warp group | role | registers |
     |---|---|---|
-    | 0 (warp 0) | TMA producer: A and W tiles (and block scales) into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles |
+    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles |
+    | 0, warp 1 | block-scaled recipes: scale producer, each K tile's A and W scales into its stage (``_scale_producer``) | as warp 0 |
     | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM |
 
     | pipeline | producer -> consumer | stages |
     |---|---|---|
-    | mainloop (PipelineTmaAsync) | TMA warp -> both consumer warp groups | ``stages`` (>= 4 where smem allows) |
+    | mainloop (PipelineTmaAsync) | TMA warp (+ scale warp) -> both consumer warp groups | ``stages`` (>= 4 where smem allows) |
     | epilogue store (PipelineTmaStore) | consumer warp groups -> TMA store engine | ``epi_stages`` output slices (>= 2, up to a tile) |
 
     Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
@@ -52,11 +53,11 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     fragments; 192-wide tiles have registers for one: the DeepSeek recipe's issue each K tile as two 96-wide
     halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
     others promote each K tile after it retires (``_mainloop_promoted_serial``); the loops are in
-    ``promoted_mainloops.py``. Block scales ride in the K
-    tile's stage (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the
-    stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the 192-wide
-    loops, while the K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K tile's first
-    half (split in N).
+    ``promoted_mainloops.py``. Block scales ride in the K tile's stage, staged there by producer warp 1
+    (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the stage is full,
+    before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the 192-wide loops, while the
+    K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K tile's first half (split in
+    N).
 
     ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
     128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
@@ -266,7 +267,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         )
         # Every consumer warp releases a stage to each CTA that multicast into it.
         consumer_arrivals = (cm + cn - 1) * self.num_mma_warp_groups * 4
-        # Block scales: every producer lane also arrives (after its cp.async copies land).
+        # Block scales: every scale-warp lane also arrives (after its cp.async copies land).
         producer_arrivals = 1 + PRODUCER_LANES if self.block_scaled else 1
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mainloop_barriers.data_ptr(),
@@ -320,7 +321,6 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             if warp_idx == 0:
                 sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                lane = cute.arch.lane_idx()
                 unit = cluster_id
                 if cutlass.const_expr(self.cfg.pdl):
                     # Wait for the previous kernel (its writes are then visible) before the first load.
@@ -338,16 +338,16 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                         kt = k_begin + i
                         mainloop.producer_acquire(state)
                         bar = mainloop.producer_get_barrier(state)
-                        if cutlass.const_expr(self.block_scaled):
-                            stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane, bar)
-                            stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane, bar)
-                            cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                         cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
                         cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
                         mainloop.producer_commit(state)
                         state.advance()
                     unit += num_clusters
                 mainloop.producer_tail(state)
+            if cutlass.const_expr(self.block_scaled):
+                if warp_idx == 1:
+                    self._scale_producer(mainloop, mSA, mSB, scale_slots, tiles_m, tiles_n, splits, num_clusters,
+                                         cluster_id, cluster_coord, k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             # Releases with the signalling lane and the mapped barrier address worked out once (stage_release.py).
@@ -473,6 +473,35 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                     tiles_done += 1
                 unit += num_clusters
             store_pipe.producer_tail()
+
+    @cute.jit
+    def _scale_producer(self, mainloop, mSA, mSB, scale_slots, tiles_m, tiles_n, splits, num_clusters, cluster_id,
+                        cluster_coord, k_tiles):
+        """Warp 1 of the producer warp group: stages every K tile's block scales into its stage, walking the same
+        work units and stages as the TMA warp. It waits for a stage to be empty as the TMA warp does (a wait
+        does not consume the phase), and its 32 lanes arrive on the stage's full barrier once their copies land.
+        Kept off the TMA warp because the work between a freed stage and its TMA issue is on the refill path:
+        staging the scales there measured 1-2.7% slower (BENCHMARKS.md, session 24)."""
+        bM, bN, _ = self.tile_shape_mnk
+        sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
+        lane = cute.arch.lane_idx()
+        unit = cluster_id
+        if cutlass.const_expr(self.cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # the scales may be written by the previous kernel
+        while unit < sched.num_units:
+            tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
+            k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
+            for i in cutlass.range(k_count, unroll=1):
+                kt = k_begin + i
+                mainloop.sync_object_empty.wait(state.index, state.phase)
+                bar = mainloop.producer_get_barrier(state)
+                stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane, bar)
+                stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane, bar)
+                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                state.advance()
+            unit += num_clusters
+        cute.arch.cp_async_wait_group(0)
 
     def _scheduler(self, tiles_m, tiles_n, splits, num_clusters):
         cm, cn = self.cfg.cluster_shape_mn
