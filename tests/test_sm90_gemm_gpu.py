@@ -8,11 +8,10 @@ from cutedsl_gemm import reference as R
 from cutedsl_gemm import scale_layouts
 from cutedsl_gemm.jit import KERNEL_CACHE
 from cutedsl_gemm.dispatch import select_gemm
-from gpu_operands import distinct_kernels, launch_directly
+from gpu_operands import OUT_TOL as TOL, distinct_kernels, launch_directly
 
 pytestmark = pytest.mark.gpu
 
-TOL = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 2e-4}
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 # (M, N, K, A fmt, B fmt, out dtype, recipe, bias)
