@@ -20,8 +20,11 @@ tile, and ``block`` scales, one or two per tile) the 32 lanes copy them with 4-b
 are issued by the scale warp (warp 1 of the producer warp group), not the TMA warp, which keeps the TMA
 warp's path from a freed stage to its next TMA issue short. Every scale-warp lane then signals the stage's
 full barrier with ``cp.async.mbarrier.arrive.noinc`` -- the barrier therefore expects 1 (the TMA warp's
-expect_tx) + 32 arrivals. Lane 0 posts a bulk copy's bytes (expect_tx) before its own arrival, so the phase
-cannot complete without them, whichever warp gets to the barrier first.
+expect_tx) + 32 arrivals. Suspected race: lane 0 posts a bulk copy's bytes with a bare
+``mbarrier.expect_tx``, which is not ordered with the arrivals; reaching the barrier late, it would let the
+phase complete before the bulk copy lands. Stale A scales were seen with 32 producer registers on the DeepSeek
+64x192 pairs (not with per-row copies, and not at the 40 registers they run with); BENCHMARKS.md session 24
+names the fix waiting for its GPU run.
 """
 
 from __future__ import annotations
