@@ -14,17 +14,16 @@ for ``block``, with run-time strides, so torch's outer-dim-major / padded layout
 are all read in place.
 
 Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles. A tile's ``group``
-scales that form one contiguous, 16-byte aligned run (torch's M-contiguous layout with M % 4 == 0) go in one
-``cp.async.bulk`` whose bytes count in the stage's transactions; otherwise (other layouts, the last partial
-tile, and ``block`` scales, one or two per tile) the 32 lanes copy them with 4-byte ``cp.async``. The copies
-are issued by the scale warp (warp 1 of the producer warp group), not the TMA warp, which keeps the TMA
-warp's path from a freed stage to its next TMA issue short. Every scale-warp lane then signals the stage's
-full barrier with ``cp.async.mbarrier.arrive.noinc`` -- the barrier therefore expects 1 (the TMA warp's
-expect_tx) + 32 arrivals. Suspected race: lane 0 posts a bulk copy's bytes with a bare
-``mbarrier.expect_tx``, which is not ordered with the arrivals; reaching the barrier late, it would let the
-phase complete before the bulk copy lands. Stale A scales were seen with 32 producer registers on the DeepSeek
-64x192 pairs (not with per-row copies, and not at the 40 registers they run with); BENCHMARKS.md session 24
-names the fix waiting for its GPU run.
+scales that form one contiguous, 16-byte aligned run (torch's M-contiguous layout with M % 4 == 0) go in
+16-byte ``cp.async`` copies, four rows per lane; otherwise (other layouts, the last partial tile, and
+``block`` scales, one or two per tile) the 32 lanes copy them with 4-byte ``cp.async``. The copies are
+issued by the scale warp (warp 1 of the producer warp group), not the TMA warp, which keeps the TMA warp's
+path from a freed stage to its next TMA issue short. Every scale-warp lane then signals the stage's full
+barrier with ``cp.async.mbarrier.arrive.noinc`` once its copies land -- the barrier therefore expects 1 (the
+TMA warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk``
+counted in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs
+at 32 producer registers, also with the bytes posted by an arrival, and never with ``cp.async`` copies:
+BENCHMARKS.md, sessions 24-25.)
 """
 
 from __future__ import annotations
@@ -43,6 +42,7 @@ BLOCK_RECIPES = {
     "1x128_1x128": ("group", "group"),
 }
 SCALE_BLOCK = 128  # K (and, for "block", M/N) extent of one scale
+ROWS_PER_VECTOR = 4  # fp32 scales per 16-byte cp.async
 PRODUCER_LANES = 32  # lanes of the scale warp that arrive on the full barrier after their cp.async
 
 
@@ -73,12 +73,12 @@ def stage_scales(
     kt: cutlass.Int32,
     stage,
     lane,
-    bar,
 ):
     """Producer side: copy one K tile's scales of one operand into its slots of a stage.
 
     ``scales`` is the operand's scale tensor (rows or row blocks, Kb); ``slots`` the (tile extent, stages)
-    fp32 shared-memory tensor; ``bar`` the stage's full barrier. Called by all 32 lanes of the scale warp.
+    fp32 shared-memory tensor. Called by all 32 lanes of the scale warp, which then arrive on the stage's full
+    barrier as their copies land.
     """
     atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=32)
     if cutlass.const_expr(granularity == "group"):
@@ -86,23 +86,25 @@ def stage_scales(
         row0 = tile * tile_extent
         src = scales.iterator.toint() + cute.crd2idx((row0, kt), scales.layout) * 4
         # A whole tile of row scales that is one contiguous, 16-byte aligned run (torch's M-contiguous
-        # layout with M % 4 == 0) goes in one bulk copy, counted in the stage's transaction bytes: per-row
-        # 4-byte cp.async copies cost the DeepSeek recipe ~13% against one copy per tile (BENCHMARKS.md,
-        # session 6). Other layouts and the last, partial tile take the per-row copies.
-        if scales.layout.stride[0] == 1 and row0 + tile_extent <= rows and src % 16 == 0:
-            if lane == 0:
-                bulk = cute.make_copy_atom(cute.nvgpu.cpasync.CopyBulkG2SOp(), Float32,
-                                           num_bits_per_copy=tile_extent * 32)
-                dst = slots.iterator.toint() + cute.crd2idx((0, stage), slots.layout) * 4
-                cute.arch.mbarrier_expect_tx(bar, tile_extent * 4)
-                cute.copy(
-                    bulk,
-                    cute.make_tensor(cute.make_ptr(Float32, src, cute.AddressSpace.gmem, assumed_align=16),
-                                     cute.make_layout(tile_extent)),
-                    cute.make_tensor(cute.make_ptr(Float32, dst, cute.AddressSpace.smem, assumed_align=16),
-                                     cute.make_layout(tile_extent)),
-                    mbar_ptr=bar,
-                )
+        # layout with M % 4 == 0) goes in 16-byte copies: per-row 4-byte copies cost the DeepSeek recipe
+        # ~13% when the TMA warp issued them (BENCHMARKS.md, session 6). Other layouts and the last, partial
+        # tile take the per-row copies.
+        if (tile_extent % ROWS_PER_VECTOR == 0 and scales.layout.stride[0] == 1 and row0 + tile_extent <= rows
+                and src % 16 == 0):
+            vec = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
+            chunks = tile_extent // ROWS_PER_VECTOR
+            dst0 = slots.iterator.toint() + cute.crd2idx((0, stage), slots.layout) * 4
+            for j in cutlass.range_constexpr(-(-chunks // PRODUCER_LANES)):
+                c = lane + j * PRODUCER_LANES
+                if c < chunks:
+                    r = c * ROWS_PER_VECTOR
+                    cute.copy(
+                        vec,
+                        cute.make_tensor(cute.make_ptr(Float32, src + r * 4, cute.AddressSpace.gmem, assumed_align=16),
+                                         cute.make_layout(ROWS_PER_VECTOR)),
+                        cute.make_tensor(cute.make_ptr(Float32, dst0 + r * 4, cute.AddressSpace.smem, assumed_align=16),
+                                         cute.make_layout(ROWS_PER_VECTOR)),
+                    )
         else:
             for j in cutlass.range_constexpr(-(-tile_extent // PRODUCER_LANES)):
                 r = lane + j * PRODUCER_LANES

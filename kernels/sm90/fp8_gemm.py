@@ -496,8 +496,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 kt = k_begin + i
                 mainloop.sync_object_empty.wait(state.index, state.phase)
                 bar = mainloop.producer_get_barrier(state)
-                stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane, bar)
-                stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane, bar)
+                stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane)
+                stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 state.advance()
             unit += num_clusters
