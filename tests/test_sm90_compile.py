@@ -264,6 +264,18 @@ def test_two_ctas_per_sm_compile_for_half_an_sm():
         manifest.expand([manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128, ctas_per_sm=2)])
 
 
+def test_block_scaled_pairs_give_the_consumers_224_registers_and_do_not_spill():
+    """Block-scaled tiles with two CTAs per SM: the producer warp group (TMA warp and scale warp) drops to 32
+    registers so the consumers get 224. At 40 / 216 the DeepSeek recipe's fp32-output 64x192 pair spilled
+    12 bytes once the scale warp came in (session 24)."""
+    inst = next(i for i in manifest.INSTANCES if i.recipe == "1x128_128x128" and i.ctas_per_sm == 2
+                and i.out_dtype == "fp32" and i.bias_dtype == "fp32")
+    rep = inspect_instance(inst)
+    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32\b")
+    assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+224\b")
+    assert 0 < rep.registers <= 128 and rep.frame_bytes == 0, (rep.registers, rep.frame_bytes)
+
+
 def test_epilogue_buffers_take_only_what_the_stages_leave():
     """The output slice buffers (Sm90GemmConfig.epi_stages = 0) grow into the shared memory the A/W stages
     leave, up to a whole tile, and never cost a stage: 128x128 bf16 buffers its whole tile (4 slices) at the

@@ -33,9 +33,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
     | warp group | role | registers |
     |---|---|---|
-    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles |
+    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
     | 0, warp 1 | block-scaled recipes: scale producer, each K tile's A and W scales into its stage (``_scale_producer``) | as warp 0 |
-    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM |
+    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled) |
 
     | pipeline | producer -> consumer | stages |
     |---|---|---|

@@ -114,6 +114,9 @@ class Sm90GemmPlan:
     # 144-wide tiles hold 3 x 72 fp32 fragments per consumer thread: the producer warp group gives up more
     # registers (24 / 240 per thread: 64,512 of the SM's 65,536 over 384 threads).
     wide_overlap_regs = (24, 240)
+    # Block-scaled tiles with two CTAs per SM: their producers (TMA warp and scale warp) fit in 32 registers, and
+    # at 40 the DeepSeek recipe's fp32-output 64x192 consumers spilled 12 bytes (session 24).
+    paired_block_producer_regs = 32
     max_promoted_tile_n = 192
     max_paired_tile_n = 192
     min_epi_stages = 2  # the A/W stages are sized to leave room for two output slices (one store in flight)
@@ -125,6 +128,8 @@ class Sm90GemmPlan:
         if cfg.accum == "promoted" and cls.default_overlap_max_n < cfg.tile_n <= cls.overlapped_promote_max_n:
             producer, consumer = cls.wide_overlap_regs
         if cfg.ctas_per_sm > 1:
+            if is_block_scaled(cfg.recipe):
+                producer = cls.paired_block_producer_regs
             # The registers one CTA is launched with, moved from the producer to the consumer warp group.
             threads = (1 + cfg.tile_m // 64) * cls.num_threads_per_warp_group
             launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * threads)
