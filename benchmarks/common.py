@@ -21,8 +21,8 @@ SETS = {
     "llama70b_layers": [(m, n, k) for (n, k) in ((10240, 8192), (57344, 8192), (8192, 28672)) for m in (1, 16, 64)],
     "square": [(4096, 4096, 4096), (8192, 8192, 8192)],
     # LLM shapes where dispatch.wave_cost ties 128x192 with 128x128 for the block-W recipes (session 20): eight
-    # at K >= dispatch.LONG_K, where 128x192 now wins the tie, two at K = 4096 and two at K = 1536, where 128x128
-    # keeps it
+    # at K >= dispatch.LONG_K, where 128x192 wins the tie, two at K = 4096 and two at K = 1536, where 128x128
+    # keeps it for the 2D recipe (the DeepSeek recipe takes 128x192 at every K since session 25)
     "block_ties": [(768, 8192, 8192), (1024, 4608, 7168), (1024, 6144, 4096), (1536, 8192, 8192), (1536, 4096, 14336),
                    (2048, 6144, 4096), (3072, 8192, 8192), (4096, 1536, 7168), (6144, 8192, 8192), (8192, 4608, 7168),
                    (2048, 3072, 1536), (6144, 3072, 1536)],

@@ -73,6 +73,12 @@ BLOCK_W_TILE_RATES = {**BLOCK_TILE_RATES, (128, 192): 1000}
 # the 2D recipe flat; BENCHMARKS.md, session 20). 1001 decides those ties and no more.
 LONG_K = 6144
 BLOCK_W_LONG_K_TILE_RATES = {**BLOCK_W_TILE_RATES, (128, 192): 1001}
+# The DeepSeek recipe takes those ties at every K since producer warp 1 stages the block scales (session 24, which
+# sped its 192-wide tile up more than 128x128): on 12 tie and near-tie shapes at K = 1536-4096 (M = 3072 / 6144)
+# 128x192 ran 0-8% faster in both rounds but one (M=6144 N=6144 K=4096: 244 / 259 us against 255 / 257); through
+# scaled_mm the dsv3 set's three tie shapes ran 2-4% faster, the set 42.9 / 42.7 -> 42.6 / 42.5 us (BENCHMARKS.md,
+# session 25). The 2D recipe was not re-measured and keeps the long-K switch.
+DEEPSEEK_TILE_RATES = BLOCK_W_LONG_K_TILE_RATES
 BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}
 
 
@@ -85,7 +91,7 @@ CLUSTER_4X1_RATE_GAIN = 1050
 
 def tile_rate(inst: KernelInstance, k: int = 0) -> int:
     """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by recipe family, accumulation and, for the
-    block-W recipes, whether K >= ``LONG_K``; 1000 where not measured, and for the memory-bound swapped decode
+    2D recipe, whether K >= ``LONG_K``; 1000 where not measured, and for the memory-bound swapped decode
     tiles)."""
     block = is_block_scaled(inst.recipe)
     if inst.ctas_per_sm > 1:
@@ -95,6 +101,8 @@ def tile_rate(inst: KernelInstance, k: int = 0) -> int:
     if block:
         if BLOCK_RECIPES[inst.recipe][1] != "block":
             rates = BLOCK_TILE_RATES
+        elif inst.recipe == "1x128_128x128":
+            rates = DEEPSEEK_TILE_RATES
         else:
             rates = BLOCK_W_LONG_K_TILE_RATES if k >= LONG_K else BLOCK_W_TILE_RATES
     else:

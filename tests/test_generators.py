@@ -31,11 +31,12 @@ SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "pro
 PAIR = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=7168, sms=132, k=256).name
 # A narrow, tall output: 128x128 tiles in 4x1 clusters (30 cluster slots on 132 SMs, not 33)
 CLUSTER4 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=576, sms=132, k=7168).name
-# DeepSeek recipe, M=3072 N=8192: 128x192 in two waves ties 128x128 in three (wave_cost); the long-K rate
-# (dispatch.LONG_K) gives the tie to 128x192 from K = LONG_K, 128x128 keeps it below
-DS_SHORT_K = select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=1536).name
-DS_LONG_K = select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=8192).name
-EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4, DS_SHORT_K, DS_LONG_K]))  # the AOT tests' instances
+# 2D recipe, M=3072 N=8192: 128x192 in two waves ties 128x128 in three (wave_cost); the long-K rate
+# (dispatch.LONG_K) gives the tie to 128x192 from K = LONG_K, 128x128 keeps it below (the DeepSeek recipe gives
+# it to 128x192 at every K)
+BLOCK2D_SHORT_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=1536).name
+BLOCK2D_LONG_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=8192).name
+EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4, BLOCK2D_SHORT_K, BLOCK2D_LONG_K]))  # the AOT tests' instances
 
 
 def _instance(name):
@@ -213,12 +214,12 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
         assert got.contents.name.decode() == by_python.name, (m, n, kdim)
     assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 576,
                                  7168, 132).contents.name.decode() == CLUSTER4
-    # the block-W recipes' long-K rate: C switches at the same K as dispatch.tile_rate
-    assert (_instance(DS_SHORT_K).tile_n, _instance(DS_LONG_K).tile_n) == (128, 192)
-    for kdim, want in ((1536, DS_SHORT_K), (dispatch.LONG_K - 128, DS_SHORT_K), (dispatch.LONG_K, DS_LONG_K), (8192, DS_LONG_K)):
-        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"1x128_128x128", b"e4m3", b"e4m3", b"bf16", None, b"promoted",
+    # the 2D recipe's long-K rate: C switches at the same K as dispatch.tile_rate
+    assert (_instance(BLOCK2D_SHORT_K).tile_n, _instance(BLOCK2D_LONG_K).tile_n) == (128, 192)
+    for kdim, want in ((1536, BLOCK2D_SHORT_K), (dispatch.LONG_K - 128, BLOCK2D_SHORT_K), (dispatch.LONG_K, BLOCK2D_LONG_K), (8192, BLOCK2D_LONG_K)):
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"128x128_128x128", b"e4m3", b"e4m3", b"bf16", None, b"promoted",
                                     3072, 8192, kdim, 132)
-        by_python = min((_instance(x) for x in (DS_SHORT_K, DS_LONG_K)), key=lambda i: dispatch.wave_cost(i, 3072, 8192, 132, kdim))
+        by_python = min((_instance(x) for x in (BLOCK2D_SHORT_K, BLOCK2D_LONG_K)), key=lambda i: dispatch.wave_cost(i, 3072, 8192, 132, kdim))
         assert got.contents.name.decode() == by_python.name == want, kdim
         assert got.contents.rate_long_k == dispatch.tile_rate(_instance(want), dispatch.LONG_K)
     kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST, 0, 0, 0)

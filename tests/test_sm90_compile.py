@@ -318,13 +318,13 @@ def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
 def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
     """Block scales cost the 192-wide tiles (one K-tile fragment) more than the 128-wide ones, so the
     block-scaled recipes have their own rates (dispatch.BLOCK_TILE_RATES, session 11 DeepSeek sweep, us):
-    M=6144 N=7168 K=2304 128x128 196.7 vs 128x192 204.7, while 8192^3 stays on 128x192 (1013-1036 vs
-    1045-1066); 64x128 tiles in 1x2 clusters for outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5),
-    up to M=1024 only."""
+    M=6144 N=7168 K=2304 128x128 196.7 vs 128x192 204.7 (a wave_cost tie the DeepSeek recipe gives to 128x192
+    since session 25), while 8192^3 stays on 128x192 (1013-1036 vs 1045-1066); 64x128 tiles in 1x2 clusters for
+    outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5), up to M=1024 only."""
     pick = lambda recipe, m, n, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     for recipe in ("1x128_128x128", "128x128_128x128", "1x128_1x128"):
-        assert shape(pick(recipe, 6144, 7168, 2304)) == (128, 128, 2, 1)
+        assert shape(pick(recipe, 6144, 7168, 2304)) == ((128, 192, 2, 1) if recipe == "1x128_128x128" else (128, 128, 2, 1))
         assert shape(pick(recipe, 8192, 8192, 8192)) == (128, 192, 2, 1)
         assert shape(pick(recipe, 1024, 512, 7168)) == (64, 128, 1, 2)
         assert pick(recipe, 1152, 512, 7168).tile_m == 128  # the 64-row block row ends at M=1024
@@ -335,24 +335,30 @@ def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
             got = pick(recipe, m, 3072, 1536)
             assert shape(got) == (128, 192, 2, 1) and got.ctas_per_sm == 1, (recipe, m, got.name)
         assert pick("1x128_1x128", m, 3072, 1536).ctas_per_sm == 2
-    block, tensor = pick("1x128_128x128", 6144, 7168, 2304), pick("tensor", 6144, 7168, 2304)
+    block, tensor = pick("128x128_128x128", 6144, 7168, 2304), pick("tensor", 6144, 7168, 2304)
     assert dispatch.tile_rate(block) == dispatch.BLOCK_TILE_RATES[(128, 128)] != dispatch.TILE_RATES[(128, 128)]
     assert tensor.tile_n == 192  # the epilogue-scaled recipes keep 128x192 there
 
 
-def test_block_w_recipes_give_wave_ties_to_128x192_from_long_k():
-    """Where wave_cost ties 128x192 (two waves) with 128x128 (three), the per-block-W recipes take 128x192 from
-    K = dispatch.LONG_K (session 20: 1-9% faster at K >= 7168, mixed at K = 4096, behind at K = 1536) and keep
-    128x128 below it; 1x128 x 1x128 (per-column W scales) keeps its own rates."""
+def test_block_w_recipes_give_wave_ties_to_128x192():
+    """Where wave_cost ties 128x192 (two waves) with 128x128 (three), the 2D recipe takes 128x192 from
+    K = dispatch.LONG_K (session 20: 1-9% faster at K >= 7168, mixed at K = 4096, behind at K = 1536) and keeps
+    128x128 below it; the DeepSeek recipe takes 128x192 at every K (session 25, after the scale warp: 0-8% faster
+    at K = 1536-4096); 1x128 x 1x128 (per-column W scales) keeps its own rates."""
     pick = lambda recipe, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 3072, n=8192, sms=132, k=k)
-    for recipe in ("1x128_128x128", "128x128_128x128"):
-        short, long_ = pick(recipe, dispatch.LONG_K - 128), pick(recipe, dispatch.LONG_K)
-        assert (short.tile_n, long_.tile_n) == (128, 192) and short.cluster_m == long_.cluster_m == 2, recipe
-        # a tie at the base rates: the long-K rate alone decides it
-        k = dispatch.LONG_K
-        assert dispatch.wave_cost(short, 3072, 8192, 132) == dispatch.wave_cost(long_, 3072, 8192, 132)
-        assert dispatch.wave_cost(long_, 3072, 8192, 132, k) < dispatch.wave_cost(short, 3072, 8192, 132, k)
-        assert dispatch.tile_rate(long_, k) > dispatch.tile_rate(long_, k - 1) == dispatch.tile_rate(short, k)
+    short, long_ = pick("128x128_128x128", dispatch.LONG_K - 128), pick("128x128_128x128", dispatch.LONG_K)
+    assert (short.tile_n, long_.tile_n) == (128, 192) and short.cluster_m == long_.cluster_m == 2
+    # a tie at the base rates: the long-K rate alone decides it
+    k = dispatch.LONG_K
+    assert dispatch.wave_cost(short, 3072, 8192, 132) == dispatch.wave_cost(long_, 3072, 8192, 132)
+    assert dispatch.wave_cost(long_, 3072, 8192, 132, k) < dispatch.wave_cost(short, 3072, 8192, 132, k)
+    assert dispatch.tile_rate(long_, k) > dispatch.tile_rate(long_, k - 1) == dispatch.tile_rate(short, k)
+    for k in (1536, 2304, dispatch.LONG_K - 128, dispatch.LONG_K, 8192):
+        deepseek = pick("1x128_128x128", k)
+        assert (deepseek.tile_m, deepseek.tile_n, deepseek.cluster_m) == (128, 192, 2), (k, deepseek.name)
+    # the dsv3 set's tie shapes
+    for m, n, k in ((6144, 3072, 1536), (6144, 7168, 2048), (6144, 7168, 2304)):
+        assert dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k).tile_n == 192
     assert pick("1x128_1x128", dispatch.LONG_K).tile_n == 128
 
 
