@@ -120,6 +120,33 @@ def stage_scales(
                 _copy_one(atom, scales, (first + lane, kt), slots, (lane, stage))
 
 
+@dataclass(frozen=True)
+class ScaleStaging:
+    """Warp 1's part of the producer walk (``Sm90Fp8Gemm._walk_producer_stages``) in the block-scaled kernels:
+    once a stage is empty, copy its K tile's A and W scales into it and arrive on its full barrier as the copies
+    land. It waits as the TMA warp does (a wait does not consume the phase). Kept off the TMA warp because the
+    work between a freed stage and its TMA issue is on the refill path: staging the scales there measured
+    1-2.7% slower (BENCHMARKS.md, session 24). Frozen: the DSL lets it into run-time loops without carrying it."""
+
+    mainloop: object
+    scales_a: cute.Tensor
+    scales_w: cute.Tensor
+    slots: tuple  # (A, W) scale slots of each stage
+    grans: tuple  # (A, W) scale granularity
+    tile_mn: tuple  # (bM, bN)
+    lane: object
+
+    def unit_views(self, tm, tn):
+        return None
+
+    def fill_stage(self, views, tm, tn, kt, state):
+        self.mainloop.sync_object_empty.wait(state.index, state.phase)
+        bar = self.mainloop.producer_get_barrier(state)
+        stage_scales(self.scales_a, self.slots[0], self.grans[0], self.tile_mn[0], tm, kt, state.index, self.lane)
+        stage_scales(self.scales_w, self.slots[1], self.grans[1], self.tile_mn[1], tn, kt, state.index, self.lane)
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+
 @cute.jit
 def _copy_one(atom, scales: cute.Tensor, src_coord, slots: cute.Tensor, dst_coord):
     src = cute.make_tensor(scales.iterator + cute.crd2idx(src_coord, scales.layout), cute.make_layout(1))

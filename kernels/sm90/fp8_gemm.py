@@ -9,6 +9,8 @@ can be as narrow as 16, instead of zero-filling 128-row A tiles.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -22,7 +24,7 @@ from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .promoted_mainloops import PromotedMainloops
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import (
-    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, TileScales, is_block_scaled, stage_scales,
+    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, is_block_scaled,
 )
 # Re-exported: the manifest, inspect and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
@@ -34,7 +36,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     | warp group | role | registers |
     |---|---|---|
     | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
-    | 0, warp 1 | block-scaled recipes: scale producer, each K tile's A and W scales into its stage (``_scale_producer``) | as warp 0 |
+    | 0, warp 1 | block-scaled recipes: scale producer, each K tile's A and W scales into its stage (``block_scales.ScaleStaging``) | as warp 0 |
     | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled) |
 
     | pipeline | producer -> consumer | stages |
@@ -319,35 +321,17 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
-                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-                unit = cluster_id
-                if cutlass.const_expr(self.cfg.pdl):
-                    # Wait for the previous kernel (its writes are then visible) before the first load.
-                    # Everything this grid reads or writes follows the producer's loads, so this orders the
-                    # whole kernel after it. (Loading weight tiles before the wait measured ~0.5 us faster
-                    # back to back, but would read a weight the previous kernel is still writing -- FP8
-                    # training quantizes W right before its GEMM.)
-                    cute.arch.griddepcontrol_wait()
-                while unit < sched.num_units:
-                    tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
-                    tAgA_t = tAgA[(None, tm, None)]
-                    tBgB_t = tBgB[(None, tn, None)]
-                    k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
-                    for i in cutlass.range(k_count, unroll=1):
-                        kt = k_begin + i
-                        mainloop.producer_acquire(state)
-                        bar = mainloop.producer_get_barrier(state)
-                        cute.copy(tma_a, tAgA_t[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar, mcast_mask=a_mcast_mask)
-                        cute.copy(tma_b, tBgB_t[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar, mcast_mask=b_mcast_mask)
-                        mainloop.producer_commit(state)
-                        state.advance()
-                    unit += num_clusters
+                loads = TmaLoads(mainloop, tma_a, tma_b, tAgA, tBgB, tAsA, tBsB, a_mcast_mask, b_mcast_mask)
+                state = self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
+                                                   k_tiles, loads)
                 mainloop.producer_tail(state)
             if cutlass.const_expr(self.block_scaled):
                 if warp_idx == 1:
-                    self._scale_producer(mainloop, mSA, mSB, scale_slots, tiles_m, tiles_n, splits, num_clusters,
-                                         cluster_id, cluster_coord, k_tiles)
+                    staging = ScaleStaging(mainloop, mSA, mSB, scale_slots, self.scale_gran, (bM, bN),
+                                           cute.arch.lane_idx())
+                    self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
+                                               k_tiles, staging)
+                    cute.arch.cp_async_wait_group(0)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             # Releases with the signalling lane and the mapped barrier address worked out once (stage_release.py).
@@ -475,33 +459,29 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             store_pipe.producer_tail()
 
     @cute.jit
-    def _scale_producer(self, mainloop, mSA, mSB, scale_slots, tiles_m, tiles_n, splits, num_clusters, cluster_id,
-                        cluster_coord, k_tiles):
-        """Warp 1 of the producer warp group: stages every K tile's block scales into its stage, walking the same
-        work units and stages as the TMA warp. It waits for a stage to be empty as the TMA warp does (a wait
-        does not consume the phase), and its 32 lanes arrive on the stage's full barrier once their copies land.
-        Kept off the TMA warp because the work between a freed stage and its TMA issue is on the refill path:
-        staging the scales there measured 1-2.7% slower (BENCHMARKS.md, session 24)."""
-        bM, bN, _ = self.tile_shape_mnk
+    def _walk_producer_stages(self, tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord, k_tiles, role):
+        """The producer warps' walk: this cluster's work units in schedule order, each unit's K tiles, one mainloop
+        stage per K tile. Warp 0 (``TmaLoads``) and, for the block-scaled recipes, warp 1 (``ScaleStaging``) both
+        take it, so they fill the same stages with the same K tiles: ``role.unit_views(tm, tn)`` once per unit,
+        ``role.fill_stage(views, tm, tn, kt, state)`` per K tile. Returns the producer state past the last stage."""
         sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        lane = cute.arch.lane_idx()
         unit = cluster_id
         if cutlass.const_expr(self.cfg.pdl):
-            cute.arch.griddepcontrol_wait()  # the scales may be written by the previous kernel
+            # Wait for the previous kernel (its writes are then visible) before the first load. Everything this
+            # grid reads or writes follows the producers' loads, so this orders the whole kernel after it.
+            # (Loading weight tiles before the wait measured ~0.5 us faster back to back, but would read a
+            # weight the previous kernel is still writing -- FP8 training quantizes W right before its GEMM.)
+            cute.arch.griddepcontrol_wait()
         while unit < sched.num_units:
             tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
+            views = role.unit_views(tm, tn)
             k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
             for i in cutlass.range(k_count, unroll=1):
-                kt = k_begin + i
-                mainloop.sync_object_empty.wait(state.index, state.phase)
-                bar = mainloop.producer_get_barrier(state)
-                stage_scales(mSA, scale_slots[0], self.scale_gran[0], bM, tm, kt, state.index, lane)
-                stage_scales(mSB, scale_slots[1], self.scale_gran[1], bN, tn, kt, state.index, lane)
-                cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+                role.fill_stage(views, tm, tn, k_begin + i, state)
                 state.advance()
             unit += num_clusters
-        cute.arch.cp_async_wait_group(0)
+        return state
 
     def _scheduler(self, tiles_m, tiles_n, splits, num_clusters):
         cm, cn = self.cfg.cluster_shape_mn
@@ -618,3 +598,34 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 store_pipe.producer_commit()
                 store_pipe.producer_acquire()
             epi_barrier.arrive_and_wait()
+
+
+@dataclass(frozen=True)
+class TmaLoads:
+    """Warp 0's part of the producer walk (``Sm90Fp8Gemm._walk_producer_stages``): each K tile's A and W tiles by
+    TMA, multicast across the cluster (frozen: the DSL lets it into run-time loops without carrying it)."""
+
+    mainloop: object
+    tma_a: object
+    tma_b: object
+    tAgA: object  # A tiles in global memory, (TMA box, tile row, K tile)
+    tBgB: object  # W tiles, (TMA box, tile column, K tile)
+    tAsA: object  # their stage slots in shared memory
+    tBsB: object
+    a_mcast_mask: object
+    b_mcast_mask: object
+
+    def unit_views(self, tm, tn):
+        """The unit's A rows and W columns, all K tiles."""
+        return self.tAgA[(None, tm, None)], self.tBgB[(None, tn, None)]
+
+    def fill_stage(self, views, tm, tn, kt, state):
+        """Acquire the stage (wait until it is empty, post its bytes) and issue K tile ``kt``'s loads."""
+        tAgA_t, tBgB_t = views
+        self.mainloop.producer_acquire(state)
+        bar = self.mainloop.producer_get_barrier(state)
+        cute.copy(self.tma_a, tAgA_t[(None, kt)], self.tAsA[(None, state.index)], tma_bar_ptr=bar,
+                  mcast_mask=self.a_mcast_mask)
+        cute.copy(self.tma_b, tBgB_t[(None, kt)], self.tBsB[(None, state.index)], tma_bar_ptr=bar,
+                  mcast_mask=self.b_mcast_mask)
+        self.mainloop.producer_commit(state)
