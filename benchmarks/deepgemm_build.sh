@@ -8,9 +8,9 @@
 #   mkdir -p p/DeepGEMM p/cutlass p/fmt && git -C DeepGEMM archive HEAD | tar x -C p/DeepGEMM &&
 #   git -C cutlass archive HEAD include | tar x -C p/cutlass && git -C fmt archive HEAD include | tar x -C p/fmt &&
 #   tar czf SRC.tgz -C p DeepGEMM cutlass fmt          (~3 MB; carry it to the device)
-# Two fixes for the lent machine's toolchain: the extension is built with the system g++ (the image's /opt/gcc
-# g++ is newer than the libstdc++ python loads: the build succeeds and the first JIT call segfaults in
-# libstdc++'s locale code), and DeepGEMM's std::regex include scan is replaced by a plain string scan.
+# Two fixes for the lent machine's toolchain: the extension is built with /usr/bin/g++ (built with the image's
+# default /opt/gcc/bin/g++ wrapper, the build succeeds and the first JIT call segfaults in libstdc++'s locale
+# code; not looked into further), and DeepGEMM's std::regex include scan is replaced by a plain string scan.
 set -euo pipefail
 src=${1:?usage: deepgemm_build.sh SRC.tgz}
 rm -rf /tmp/dg && mkdir -p /tmp/dg && tar xzf "$src" -C /tmp/dg
