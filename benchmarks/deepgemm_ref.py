@@ -24,7 +24,7 @@ import time
 
 import torch
 
-from .common import SETS
+from .common import SETS, torch_block_layout
 
 RECIPE = "1x128_128x128"
 SHAPES = SETS["dsv3"] + SETS["square"]
@@ -40,7 +40,7 @@ def warm_one(m, n, k):
     a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
     w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
     kb = -(-k // 128)
-    sa = torch.ones(kb, m, device="cuda").t()  # M-major, as F.scaled_mm's BlockWise1x128
+    sa = torch_block_layout(torch.ones(m, kb, device="cuda"), "1x128")  # M-major, as DeepGEMM takes it
     sw = torch.ones(-(-n // 128), kb, device="cuda")
     d = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
     _dg_call(deep_gemm, a, sa, w, sw, d)()
@@ -99,24 +99,13 @@ def compare(shapes, rounds):
 
 def profile(m, n, k, tile):
     import deep_gemm
-    from cutedsl_gemm import api
     from .common import make_operands
-    from .tune_tiles import candidates, direct_call
+    from .profile_shape import forced_tile_call, run_profiled
 
     qa, qw, sa, sb, plain = make_operands(m, n, k, RECIPE)
-    inst = next(candidates(RECIPE, [tile], ["promoted"]))
-    _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
-    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-    ours, _, _ = direct_call(inst, qa, qw.t(), sa_k, sb_k, out, (m, n, k), 1)
+    ours, inst, _, _ = forced_tile_call(RECIPE, tile, "promoted", qa, qw.t(), sa, sb, (m, n, k), 1)
     d = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-    dg = _dg_call(deep_gemm, qa, sa, qw, plain[3].contiguous(), d)
-    for _ in range(3):
-        ours(), dg()
-    torch.cuda.synchronize()
-    torch.cuda.nvtx.range_push("profile")
-    ours(), dg()
-    torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
+    run_profiled([ours, _dg_call(deep_gemm, qa, sa, qw, plain[3].contiguous(), d)], 4)
     print(inst.name)
 
 

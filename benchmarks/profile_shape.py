@@ -17,6 +17,29 @@ from .common import cublas_call, make_operands
 from .tune_tiles import candidates, direct_call
 
 
+def forced_tile_call(recipe, tile, accum, qa, b, sa, sb, mnk, splits):
+    """Our kernel for ``tile`` (a ``tune_tiles`` spec) launched directly on these operands, bypassing dispatch:
+    (call, instance, K splits, grid clusters at most). ``splits`` 0: as dispatch would split."""
+    m, n, k = mnk
+    inst = next(candidates(recipe, [tile], [accum]))
+    _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    call, splits, clusters = direct_call(inst, qa, b, sa_k, sb_k, out, mnk, splits)
+    return call, inst, splits, clusters
+
+
+def run_profiled(fns, calls):
+    """``calls`` rounds of ``fns``, the last round inside the NVTX range ``profile``."""
+    for i in range(calls):
+        if i == calls - 1:
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push("profile")
+        for fn in fns:
+            fn()
+    torch.cuda.nvtx.range_pop()
+    torch.cuda.synchronize()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m", type=int, default=16)
@@ -34,20 +57,10 @@ def main():
     if args.tile is None:
         ours = lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, split_k=args.splits)
     else:
-        inst = next(candidates(args.recipe, [args.tile], [args.accum]))
-        _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
-        out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
-        ours, splits, clusters = direct_call(inst, qa, b, sa_k, sb_k, out, (m, n, k), args.splits or 0)
+        ours, inst, splits, clusters = forced_tile_call(args.recipe, args.tile, args.accum, qa, b, sa, sb, (m, n, k),
+                                                        args.splits or 0)
         print(f"{inst.name}: {splits} splits, grid of {clusters} clusters at most")
-    theirs = cublas_call(args.recipe, qa, b, sa, sb)
-    for i in range(args.calls):
-        if i == args.calls - 1:
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push("profile")
-        ours()
-        theirs()
-    torch.cuda.nvtx.range_pop()
-    torch.cuda.synchronize()
+    run_profiled([ours, cublas_call(args.recipe, qa, b, sa, sb)], args.calls)
 
 
 if __name__ == "__main__":
