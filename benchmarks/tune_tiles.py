@@ -8,7 +8,10 @@ same data, next to cuBLAS for the same recipe. The manifest's rows are chosen fr
 A tile spec is TMxTN c CMxCN, then optional ``s`` (swap A and W: tile_m runs over N), ``k256`` (K depth
 per stage), ``st<stages>``, ``o2`` (two CTAs per SM, 64-row tiles), ``lw`` (the last-wave split variant;
 with ``--splits 0`` it splits as dispatch would) and ``e<n>`` (n epilogue output buffers; default: as many
-as fit beside the stages). ``--splits``: K splits to force (0 = the dispatch heuristic).
+as fit beside the stages). ``--splits``: K splits to force (0 = the dispatch heuristic). ``--rounds R`` times
+cuBLAS and every candidate R times, interleaved, and prints medians with their spread: on the lent H100 the
+same kernel's time moves 5-10% between and within calls (clock at the power cap), more than most tile
+differences.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import statistics
 from dataclasses import replace
 
 import torch
@@ -96,6 +100,7 @@ def main(argv=None):
     p.add_argument("--splits", default="1", help="K splits to run each candidate with; 0 = dispatch.choose_splits")
     p.add_argument("--floor", action="store_true", help="also time a read-only pass over W (the bandwidth floor)")
     p.add_argument("--flush", default=common.FLUSH, choices=("read", "zero"), help="L2 eviction before each run (common.bench)")
+    p.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per shape (medians printed)")
     args = p.parse_args(argv)
     common.FLUSH = args.flush
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -108,29 +113,48 @@ def main(argv=None):
                 _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
                 ref = R.reference_gemm(*plain, recipe)
                 bytes_moved = m * k + n * k + m * n * 2
+                cublas = cublas_call(recipe, qa, b, sa, sb)
                 try:
-                    t_c = bench(cublas_call(recipe, qa, b, sa, sb)) * 1e3
+                    cublas()
                 except (RuntimeError, ValueError):  # e.g. cuBLAS blockwise refuses M=1
-                    t_c = float("nan")
-                tflops = lambda t: 2 * m * n * k / t / 1e6
-                print(f"{recipe} M={m} N={n} K={k}: cuBLAS {t_c:.1f} us ({bytes_moved / t_c / 1e3:.0f} GB/s, {tflops(t_c):.0f} TFLOPS)")
-                if args.floor:
-                    words = qw.view(torch.int32)
-                    t_f = bench(lambda: torch.amax(words)) * 1e3
-                    print(f"   read-only amax over W: {t_f:.1f} us ({qw.numel() / t_f / 1e3:.0f} GB/s)")
+                    cublas = None
                 variants = (True, False) if args.split_variants else (True,)
+                runs = []  # (instance, splits, call, error), each compiled and checked before any timing
                 for inst, want in itertools.product(
                         candidates(recipe, args.tiles.split(","), args.accums.split(","), variants),
                         map(int, args.splits.split(","))):
                     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
                     call, splits, _ = direct_call(inst, qa, b, sa_k, sb_k, out, (m, n, k), want)
                     call()
-                    err = R.rel_error(out, ref)
-                    t = bench(call) * 1e3
+                    runs.append((inst, splits, call, R.rel_error(out, ref)))
+                times = interleaved_times([cublas] + [r[2] for r in runs], args.rounds)
+                t_c = times[0][0]
+                tflops = lambda t: 2 * m * n * k / t / 1e6
+                print(f"{recipe} M={m} N={n} K={k}: cuBLAS {t_c:.1f} us{times[0][1]} ({bytes_moved / t_c / 1e3:.0f} GB/s, "
+                      f"{tflops(t_c):.0f} TFLOPS)")
+                if args.floor:
+                    words = qw.view(torch.int32)
+                    t_f = bench(lambda: torch.amax(words)) * 1e3
+                    print(f"   read-only amax over W: {t_f:.1f} us ({qw.numel() / t_f / 1e3:.0f} GB/s)")
+                for (inst, splits, _, err), (t, spread) in zip(runs, times[1:]):
                     gbs = bytes_moved / t / 1e3
                     shape = tile_label(inst)
-                    print(f"   {inst.schedule:13s} {shape:20s} {inst.accum:8s} split {splits:2d} {t:7.1f} us "
+                    print(f"   {inst.schedule:13s} {shape:20s} {inst.accum:8s} split {splits:2d} {t:7.1f} us{spread} "
                           f"{gbs:6.0f} GB/s {100 * gbs / (HBM_TBPS * 1e3):5.1f}% {tflops(t):6.0f} TFLOPS x{t_c / t:5.2f} err {err:.1e}")
+
+
+def interleaved_times(calls, rounds):
+    """(median us, printed spread) per call (None: not timed, nan): ``rounds`` rounds, each timing every call
+    once in order, so drift in the clock spreads over all of them instead of favouring the ones timed first."""
+    samples = [[] for _ in calls]
+    for _ in range(rounds):
+        for got, call in zip(samples, calls):
+            got.append(bench(call) * 1e3 if call is not None else float("nan"))
+    out = []
+    for got in samples:
+        spread = f" [{min(got):.1f}-{max(got):.1f}]" if rounds > 1 and got[0] == got[0] else ""
+        out.append((statistics.median(got), spread))
+    return out
 
 
 if __name__ == "__main__":
