@@ -11,10 +11,25 @@
 # Two fixes for the lent machine's toolchain: the extension is built with /usr/bin/g++ (built with the image's
 # default /opt/gcc/bin/g++ wrapper, the build succeeds and the first JIT call segfaults in libstdc++'s locale
 # code; not looked into further), and DeepGEMM's std::regex include scan is replaced by a plain string scan.
+#
+#   bash benchmarks/deepgemm_build.sh SRC.tgz 128B   # the same with its TMA descriptors' L2 promotion at 128B (or NONE)
+#
+# DeepGEMM encodes every TMA descriptor with CU_TENSOR_MAP_L2_PROMOTION_L2_256B; the second argument rewrites that
+# before building (session 27: its times did not move with 256B, 128B or NONE).
 set -euo pipefail
-src=${1:?usage: deepgemm_build.sh SRC.tgz}
+src=${1:?usage: deepgemm_build.sh SRC.tgz [256B|128B|NONE]}
+promo=${2:-256B}
 rm -rf /tmp/dg && mkdir -p /tmp/dg && tar xzf "$src" -C /tmp/dg
 cd /tmp/dg/DeepGEMM
+case $promo in
+  256B) ;;
+  128B|NONE)
+    want=CU_TENSOR_MAP_L2_PROMOTION_$([ "$promo" = NONE ] && echo NONE || echo L2_128B)
+    sed -i "s/CU_TENSOR_MAP_L2_PROMOTION_L2_256B/$want/" csrc/jit_kernels/impls/runtime_utils.hpp
+    grep -q "$want" csrc/jit_kernels/impls/runtime_utils.hpp || { echo "no L2 promotion to rewrite in runtime_utils.hpp"; exit 1; }
+    ;;
+  *) echo "L2 promotion must be 256B, 128B or NONE, got $promo"; exit 1 ;;
+esac
 cp -r ../cutlass/include/cute ../cutlass/include/cutlass deep_gemm/include/
 python3 - <<'EOF'
 p = "csrc/jit/include_parser.hpp"
