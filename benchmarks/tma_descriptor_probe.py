@@ -19,6 +19,7 @@ import ctypes
 import torch
 import cutlass
 import cutlass.cute as cute
+from cutlass.tensor_utils import LayoutEnum
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
@@ -34,7 +35,7 @@ def _copy_descriptor(tma_atom: cute.CopyAtom, dst: cute.Tensor):
 
 @cute.jit
 def _probe(mA: cute.Tensor, dst: cute.Tensor, stream):
-    smem = sm90_utils.make_smem_layout_a(cutlass.utils.LayoutEnum.from_tensor(mA), (128, 128, 128),
+    smem = sm90_utils.make_smem_layout_a(LayoutEnum.from_tensor(mA), (128, 128, 128),
                                          cutlass.Float8E4M3FN, 1)
     tma, _ = cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mA,
                                                     cute.slice_(smem, (None, None, 0)), (128, 128))

@@ -7,6 +7,7 @@ them, compiled for its own arch) and ``blackwell`` GEMM tests (need an sm_100 de
 
 import os
 import re
+import warnings
 
 import pytest
 import torch
@@ -569,3 +570,17 @@ def test_blockscaled_gemm_bias_bf16_and_scaled_mm_adapter(recipe):
                            [qw.scales, qw.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
                            output_dtype=torch.float32)
     assert rel_error(via, ref - bias.double()) < 1e-5
+
+
+@pytest.mark.compile
+def test_sm100_kernels_trace_without_deprecated_dsl_names(sm100_env):
+    """As the Hopper GEMM (test_sm90_compile): the f8f6f4 and block-scaled kernels, 2-CTA with bias, trace
+    without a DeprecationWarning (4.8 deprecated ``tcgen05.OperandMajorMode``, ``utils.TmemAllocator``, ...)."""
+    from cutedsl_gemm import sm100
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sm100.build(sm100.Sm100Config(out_dtype="BFloat16", has_bias=True, use_2cta=True))
+        bs.build(bs.BlockScaledConfig("mxf4nvf4", KIND_BLOCK["mxf4nvf4"], "BFloat16", True, True))
+    found = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)})
+    assert not found, found

@@ -21,6 +21,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
+from cutlass.tensor_utils import LayoutEnum
 from cutlass.experimental import primitives as prims
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
 from cutlass.utils.gemm.sm100 import (
@@ -120,7 +122,7 @@ class Sm100F8F6F4Gemm:
         self.num_c_stage = 2
         self.group_m = 8
         self.smem_capacity = 232448  # sm_100 dynamic shared memory per CTA
-        self.c_layout = utils.LayoutEnum.ROW_MAJOR
+        self.c_layout = LayoutEnum.ROW_MAJOR
         # Static part of the instruction descriptor: fp32 accumulator, K-major A and B, M and N.
         # a_format (bits 7-9) and b_format (bits 10-12) are OR-ed in at run time.
         self.idesc_static = self._static_idesc(self.mma_tiler[0], tile_n)
@@ -149,8 +151,9 @@ class Sm100F8F6F4Gemm:
         # issued with the low-level primitive so its type fields can be run-time values.
         self.tiled_mma = utils.sm100.make_trivial_tiled_mma(
             cutlass.Float8E4M3FN,
-            tcgen05.OperandMajorMode.K,
-            tcgen05.OperandMajorMode.K,
+            cutlass.Float8E4M3FN,
+            cute.nvgpu.OperandMajorMode.K,
+            cute.nvgpu.OperandMajorMode.K,
             self.acc_dtype,
             self.cta_group,
             self.mma_tiler[:2],
@@ -190,7 +193,7 @@ class Sm100F8F6F4Gemm:
         self.b_stage_bytes = cute.size_in_bytes(cutlass.Uint8, b_one)
         acc_shape = self.tiled_mma.partition_shape_C(self.mma_tiler[:2])
         acc_fake = self.tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
-        self.num_tmem_alloc_cols = utils.get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
+        self.num_tmem_alloc_cols = get_num_tmem_alloc_cols(acc_fake, arch="sm_100")
         if self.scaling is not None:  # [scaling hook 4] scale columns after the accumulators
             self.num_tmem_alloc_cols = self.scaling.geom.tmem_cols(self.num_acc_stage * self.mma_tiler[1])
         # Upper bound (both operands 8-bit); the TMA warp sets the real per-stage count at run time.
@@ -384,7 +387,7 @@ class Sm100F8F6F4Gemm:
             tmem_dealloc_mbar: cutlass.Int64
             tmem_holding_buf: cutlass.Int32
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(SharedStorage)
 
         ab_producer, ab_consumer = pipeline.PipelineTmaUmma.create(
@@ -406,7 +409,7 @@ class Sm100F8F6F4Gemm:
             cta_layout_vmnk=cluster_layout_vmnk,
             defer_sync=True,
         )
-        tmem = utils.TmemAllocator(
+        tmem = TmemAllocator(
             storage.tmem_holding_buf.ptr,
             barrier_for_retrieve=pipeline.NamedBarrier(
                 barrier_id=self.tmem_alloc_sync_bar_id,

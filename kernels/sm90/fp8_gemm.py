@@ -14,9 +14,10 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
 
 from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.stage_release import ConsumerMainloop
@@ -117,9 +118,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         stream,
     ):
         mA, mB, mD, mSA, mSB = self._kernel_operands(mA, mB, mD, mSA, mSB)
-        self.a_layout = utils.LayoutEnum.from_tensor(mA)
-        self.b_layout = utils.LayoutEnum.from_tensor(mB)
-        self.d_layout = utils.LayoutEnum.from_tensor(mD)
+        self.a_layout = LayoutEnum.from_tensor(mA)
+        self.b_layout = LayoutEnum.from_tensor(mB)
+        self.d_layout = LayoutEnum.from_tensor(mD)
         bM, bN, bK = self.tile_shape_mnk
         cm, cn = self.cfg.cluster_shape_mn
 
@@ -262,7 +263,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         a_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1) if cn > 1 else 0
         b_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=0) if cm > 1 else 0
 
-        smem = utils.SmemAllocator()
+        smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
             self.b_dtype, cute.slice_(b_smem, (None, None, 0))
