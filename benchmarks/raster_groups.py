@@ -40,6 +40,8 @@ def main(argv=None):
     p.add_argument("--shapes", default=None, help="MxNxK,... (default: the dsv3 and square sets)")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     groups = [int(g) for g in args.groups.split(",")]
     shapes = ([tuple(map(int, s.split("x"))) for s in args.shapes.split(",")] if args.shapes
               else SETS["dsv3"] + SETS["square"])

@@ -10,8 +10,8 @@ per stage), ``st<stages>``, ``o2`` (two CTAs per SM, 64-row tiles), ``lw`` (the 
 with ``--splits 0`` it splits as dispatch would) and ``e<n>`` (n epilogue output buffers; default: as many
 as fit beside the stages). ``--splits``: K splits to force (0 = the dispatch heuristic). ``--rounds R`` times
 cuBLAS and every candidate R times, interleaved, and prints medians with their spread: on the lent H100 the
-same kernel's time moves 5-10% between and within calls (clock at the power cap), more than most tile
-differences.
+same kernel's time moves by 5-20% between and within calls at 8192^3 (clock at the power cap), more than most
+tile differences.
 """
 
 from __future__ import annotations
@@ -102,6 +102,8 @@ def main(argv=None):
     p.add_argument("--flush", default=common.FLUSH, choices=("read", "zero"), help="L2 eviction before each run (common.bench)")
     p.add_argument("--rounds", type=int, default=1, help="interleaved timing rounds per shape (medians printed)")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     common.FLUSH = args.flush
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for recipe in args.recipes.split(","):
