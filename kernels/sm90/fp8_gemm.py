@@ -170,7 +170,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
-            cluster=(cm, cn, 1),
+            # 1x1 "clusters" launch as a plain grid: with the cluster attribute the hardware placed their CTAs so
+            # that 1x1 tiles ran up to 13% slower where many CTAs share operands (M=1024, N=3072, K=1536, 128x96:
+            # 17.3 -> 15.0 us; BENCHMARKS.md session 27). A 1-CTA launch is still an implicit 1-CTA cluster.
+            cluster=(cm, cn, 1) if cm * cn > 1 else None,
             smem=self.shared_storage.size_in_bytes(),
             # With 2, ptxas caps registers at 128 per thread so that two CTAs fit; the carveout (all shared
             # memory) is given here, or the DSL would ask the driver for it while compiling.
