@@ -34,11 +34,9 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
 # waves decide, rate 1000. 128x144 keeps 920 though session 10 gave it the overlapped promotion: over large
 # outputs it then sustains 0.94-1.04 of 128x192 (median 0.97), but at 970 dispatch sent it shapes it loses
 # (M=1408 N=4608 K=4096 58.5 us against 50.0 for the 64x192 pair, M=1664 N=6144 86.4 vs 75.7 for 128x192,
-# N=8192 K=1024 5-6% behind 128x128) more often than ones it wins (BENCHMARKS.md, session 10). 128x112 exists
-# only in 2x2 clusters for M 897-1024 (generators/manifest.py): its rate carries the 2x2 clusters' halved L2
-# bytes, which wave_cost does not model, and beats 128x96 c2x1 where both fill one wave (M=1024 N=1536).
+# N=8192 K=1024 5-6% behind 128x128) more often than ones it wins (BENCHMARKS.md, session 10).
 TILE_RATES = {(128, 192): 1000, (128, 144): 920, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 96): 570,
-              (64, 64): 500, (128, 112): 1020}
+              (64, 64): 500}
 # The same over fast-accumulation tiles (no promotion; 128x256 fits): M=6144 with N=1536 / 3072 / 4608 / 7168,
 # 4096x8192x8192 and 8192^3, per mille of 128x192 fast (BENCHMARKS.md, session 7). 64-row tiles gain nothing
 # from skipping the promotion: they are bound by their own bytes per MMA.

@@ -182,20 +182,34 @@ TABLE: Tuple[TileConfig, ...] = (
     # K-tile fragments next to the accumulator, so its tiles are at most 192 wide; fast accumulation affords
     # 128x256 tiles. The promoted rows compete by dispatch.wave_cost (waves x area / measured tile rate):
     # 128x192 for large outputs, 128x128 / 128x96 where they make fewer or fuller waves (M=6144, N=512: 48.5
-    # vs 62.0 us; M=1024, N=1536: 24.1 vs 33.2 unsplit), and 64-row tiles (one consumer warp group, A
-    # multicast over a 1x2 cluster) where an output fills under a wave of SMs (M=1024, N=512: 15.5 us against
-    # 22.0 for 128x192 split 5 ways). Tiles whose width divides narrow outputs evenly: 128x144 (M=1024,
+    # vs 62.0 us; M=1024, N=1536: 24.1 vs 33.2 unsplit), and 64-row tiles (one consumer warp group) where an
+    # output fills under a wave of SMs (M=1024, N=512: 15.5 us against 22.0 for 128x192 split 5 ways). Tiles whose width divides narrow outputs evenly: 128x144 (M=1024,
     # N=4608: 256 tiles in two waves, 56.0 vs 63.0 us for 128x192) and 64x96 (M=1024, N=576: 96 tiles, 15.7 us
     # against 21.9 for 64x128 and 25.8 for 64x64 in two waves). BENCHMARKS.md "Tile rates".
     # Fast accumulation gets the same tiles (and 128x256, below): with 128x256 alone it ran 1.7-2.9x slower
     # than cuBLAS at M=1024, N=576 / 1536 / 4608 (dsv3 geomean 0.77x; BENCHMARKS.md, session 7).
-    # 64x96 (M=1024, N=576: 96 tiles) in 2x2 clusters with promoted accumulation: 15.1-15.3 us per-tensor
-    # against 16.2-16.6 in 1x2 (row-wise 15.9 / 15.8); with fast accumulation 1x2 and 2x2 tie (session 9).
+    # 128x96, 64x128 (up to M=1024) and 64x64 run without clusters: they serve outputs of about a wave, where
+    # multicast saves little L2 traffic while every stage waits for the slowest CTA of its cluster. Since 1x1
+    # kernels launch as a plain grid (session 27), 1x1 beats the 1x2 / 2x1 clusters these rows had
+    # (tune_tiles, row-wise, medians of 3 interleaved rounds, promoted / fast, us, session 28): 64x128 M=256
+    # N=4096 K=7168 26.3 / 26.8 -> 19.6 / 19.2, M=512 N=1536 K=2048 11.7 / 11.0 -> 10.4 / 9.3, M=768 N=1024
+    # K=7168 fast 19.8 -> 15.3; 64x64 M=256 N=576 K=7168 12.7 / 12.6 -> 11.6 / 12.3, M=1024 N=512 15.6 / 15.4
+    # -> 15.0 / 14.0; 128x96 M=1536 N=576 K=7168 21.5 / 22.1 -> 20.4 / 19.3, even at M=256 N=4608 and M=512
+    # N=3072. The 128x112 row in 2x2 clusters for M 897-1024 (session 16) is gone: 128x96 without a cluster
+    # beats it where it served (M=1000 / 1024, N=1536, K=2048 / 7168: 11.7 / 11.2 / 21.7 / 22.2 against 12.0 /
+    # 12.0 / 23.6 / 23.2 row-wise, 11.1 / 10.5 / 21.6 / 21.2 against 11.4 / 11.6 / 23.2 / 22.8 per-tensor).
+    # Kept: 64x96's clusters (per-tensor M=1024 N=576 K=7168 15.2 us in 2x2, 16.4 in 1x1; N=512 16.2 vs 20.3),
+    # the large tiles' 2x1 (many waves: L2 bytes per MMA count) and 64x128's 1x2 above M=1024: a 64x128
+    # output tile there with no cluster to pad its wave out-bids 128x96 in wave_cost where it is slower (M=1536
+    # N=576 K=7168 24.1 us against 20.4).
     *(
-        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum=acc)
+        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum=acc,
+                   **m_range)
         for acc in ("promoted", "fast")
-        for tm, tn, cm, cn in ((128, 192, 2, 1), (128, 128, 2, 1), (128, 96, 2, 1), (64, 128, 1, 2), (64, 64, 1, 2),
-                               (128, 144, 2, 1), (64, 96, 2, 2) if acc == "promoted" else (64, 96, 1, 2))
+        for tm, tn, cm, cn, m_range in ((128, 192, 2, 1, {}), (128, 128, 2, 1, {}), (128, 96, 1, 1, {}),
+                                        (64, 128, 1, 1, {"m_max": 1024}), (64, 128, 1, 2, {"m_min": 1025}),
+                                        (64, 64, 1, 1, {}), (128, 144, 2, 1, {}),
+                                        (64, 96, 2, 2, {}) if acc == "promoted" else (64, 96, 1, 2, {}))
     ),
     # Two CTAs per SM (64-row tiles, half an SM each): a CTA's epilogue runs while the other CTA on its SM
     # keeps the tensor cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term): M=6144,
@@ -219,15 +233,6 @@ TABLE: Tuple[TileConfig, ...] = (
                    accum=acc)
         for acc in ("promoted", "fast")
     ),
-    # 128x112 in 2x2 clusters (A and W tiles each multicast to two CTAs: half the L2 bytes per MMA of 2x1
-    # clusters) for outputs of eight 128-row tiles, where a wave of 128x112 clusters covers N up to ~1600: the
-    # one-wave shapes are paced by operand delivery (BENCHMARKS.md, session 14). Per-tensor M=1024 N=1536
-    # K=7168 22.8-23.2 us against 24.6 for 128x96 c2x1 (cuBLAS 20.7-20.8), N=1280 K=8192 24.6-24.9 vs 25.8-25.9;
-    # row-wise 23.8-24.0 vs 24.4-25.2 and 24.8-25.4 vs 26.7-27.0. With fewer rows its fewer CTAs lose (M=768
-    # N=1536 21.5-22.3 vs 21.0-21.2, M=512 N=3072 K=3072 14.7-14.8 vs 12.9-13.6, M=256 5-8% slower); more rows
-    # were not measured. So it serves M 897-1024 only (session 16).
-    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 112, cluster_m=2, cluster_n=2,
-               accum="promoted", m_min=897, m_max=1024),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
     # promoted-accumulation kernels. Two rows hold every M and compete by dispatch.wave_cost (N-aware):
     # 128x192 wins on large outputs and loses where it would leave a wave nearly empty or SMs idle
@@ -258,14 +263,18 @@ TABLE: Tuple[TileConfig, ...] = (
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 192,
         cluster_m=2, cluster_n=1, accum="promoted", ctas_per_sm=2,
     ),
-    # 64-row tiles (one consumer warp group, A multicast over a 1x2 cluster) where a block-scaled output fills
-    # under a wave of 128-row tiles: DeepSeek recipe M=1024 N=512 K=7168 16.8-17.3 us (2 K splits) against
-    # 18.9-19.5 for 128x128 (4 splits), cuBLAS 25.2 (session 11; dispatch.BLOCK_TILE_RATES). Up to M=1024
-    # only: above, the 128-row tiles' last-wave splits, which wave_cost does not see, make up their waves
-    # (M=6144 N=512: 128x128 with a split last wave 49.7 us, 64x128 50.3).
+    # 64-row tiles (one consumer warp group) where a block-scaled output fills under a wave of 128-row tiles:
+    # DeepSeek recipe M=1024 N=512 K=7168 16.8-17.3 us (2 K splits) against 18.9-19.5 for 128x128 (4 splits),
+    # cuBLAS 25.2 (session 11; dispatch.BLOCK_TILE_RATES). Up to M=1024 only: above, the 128-row tiles'
+    # last-wave splits, which wave_cost does not see, make up their waves (M=6144 N=512: 128x128 with a split
+    # last wave 49.7 us, 64x128 50.3). Without a cluster since session 28 (1x2 before: A multicast), as the
+    # epilogue-scaled small tiles (tune_tiles, DeepSeek recipe, medians of 3 rounds, us, 1x2 -> 1x1): M=1024
+    # N=576 K=7168 21.1 -> 19.3, N=512 17.1 -> 16.2, N=1024 K=4096 15.8 -> 13.4; M=256 N=4096 K=7168 25.1 ->
+    # 20.4, N=576 K=1536 17.0 -> 11.5; M=768 N=1024 K=7168 20.1 -> 19.3. 2D recipe M=1024 N=576 / 512 21.5 /
+    # 16.7 -> 18.8 / 16.2; 1x128 x 1x128 24.2 / 19.5 -> 25.7 / 18.4 (its one loss measured).
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 128,
-        cluster_m=1, cluster_n=2, accum="promoted", m_max=1024,
+        cluster_m=1, cluster_n=1, accum="promoted", m_max=1024,
     ),
     # 128x128 in 4x1 clusters, as for the epilogue-scaled recipes (W tiles multicast to four CTAs). Once the
     # block-scaled main loop no longer saturated its warps' instruction issue (session 12), the L2 bytes

@@ -14,7 +14,7 @@ tensor M=6144 N=576 K=7168: cuBLAS 44.0 us (1241 GB/s, 1140 TFLOPS)
    tune          t128x128k128 c4x1    promoted split  1    48.8 us   1132 GB/s  37.7%   1040 TFLOPS x 0.91 err 1.7e-03
    tune          t128x192k128 c2x1lw  promoted split  4    44.0 us   1082 GB/s  36.1%    994 TFLOPS x 0.87 err 1.7e-03
 tensor M=1024 N=1536 K=7168: cuBLAS 22.0 us (746 GB/s, 782 TFLOPS)
-   tune          t128x112k128 c2x2    promoted split  1    24.2 us    912 GB/s  30.4%    837 TFLOPS x 0.73 err 1.7e-03
+   tune          t128x96k128 c1x1     promoted split  1    24.2 us    912 GB/s  30.4%    837 TFLOPS x 0.73 err 1.7e-03
    tune          t128x128k128 c2x1    promoted split  1    22.0 us   1024 GB/s  34.1%    940 TFLOPS x 0.83 err 1.7e-03
 """
 
@@ -28,7 +28,7 @@ def test_audit_compares_dispatch_pick_with_best_tile(tmp_path, capsys):
     assert runs[("tensor", "promoted", 6144, 576, 7168)]["t128x192k128 c2x1lw"] == [44.0, 44.0]
     # Dispatch's picks, named as tune_tiles prints them.
     assert audit_picks.dispatch_key("tensor", "promoted", 6144, 576, 7168, 132) == "t128x128k128 c4x1"
-    assert audit_picks.dispatch_key("tensor", "promoted", 1024, 1536, 7168, 132) == "t128x112k128 c2x2"
+    assert audit_picks.dispatch_key("tensor", "promoted", 1024, 1536, 7168, 132) == "t128x96k128 c1x1"
     tall = dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, 8192, n=8192, sms=132, k=8192)
     assert tile_label(dispatch.last_wave_variant(tall)) == "t128x192k128 c2x1lw"
     audit_picks.main([str(first), str(second)])

@@ -133,12 +133,15 @@ def test_dispatch_weighs_waves_by_tile_rate():
     """Tensor/row promoted tiles compete by waves x area / measured rate (BENCHMARKS.md, tile rates)."""
     pick = lambda m, n: dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
-    assert shape(pick(1024, 512)) == (64, 64, 1, 2)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
-    # 8 tile rows: 128x112 in 2x2 clusters (both operands multicast), 28 clusters in one wave: 22.6-23.2 us
-    # vs 23.8-24.6 for 128 128x96 tiles; with fewer rows 128x96 keeps it (M=768: 21.0-21.2 vs 21.5-22.3)
-    assert shape(pick(1024, 1536)) == (128, 112, 2, 2) and shape(pick(960, 1536)) == (128, 112, 2, 2)
-    assert shape(pick(768, 1536)) == (128, 96, 2, 1)
-    assert shape(pick(1152, 1536))[1] != 112  # the row ends at M=1024
+    assert shape(pick(1024, 512)) == (64, 64, 1, 1)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
+    # 8 tile rows: 128 128x96 tiles without a cluster in one wave (session 28: 22.2 us against 23.2 for the
+    # former 128x112 in 2x2 clusters), as with fewer rows
+    assert shape(pick(1024, 1536)) == (128, 96, 1, 1) and shape(pick(960, 1536)) == (128, 96, 1, 1)
+    assert shape(pick(768, 1536)) == (128, 96, 1, 1)
+    # 64x128 without a cluster up to M=1024 (M=256 N=4096 K=7168 19.6 us against 26.3 in 1x2), in 1x2 above,
+    # where a 1x1 wave would out-bid 128x96 at N=576 (24.1 us against 20.4)
+    assert shape(pick(256, 4096)) == (64, 128, 1, 1) and shape(pick(1536, 512)) == (64, 128, 1, 2)
+    assert shape(pick(1536, 576)) == (128, 96, 1, 1)
     # two full waves, not one and a sliver; in 4x1 clusters, W tiles multicast to four CTAs: 48.9 vs 56.3 us
     assert shape(pick(6144, 576)) == (128, 128, 4, 1)
     assert shape(pick(1024, 576)) == (64, 96, 2, 2)  # 96 tiles: one wave, 15.7 us vs 21.9 (64x128)
@@ -166,7 +169,7 @@ def test_dispatch_counts_the_clusters_that_fit():
     # 64 4x1 cluster tiles make three waves of 30 (13.5 us), two of 66 2x1 ones (11.1)
     assert clusters(pick(1024, 4096, 512)) == (128, 128, 2, 1)
     assert clusters(pick(4096, 576, 7168)) == (128, 144, 2, 1)  # 128 tiles in one wave: 31.5 vs 43.0
-    assert clusters(pick(2048, 576, 7168)) == (128, 96, 2, 1)  # 22.0 vs 23.5
+    assert clusters(pick(2048, 576, 7168)) == (128, 96, 1, 1)  # 22.0 vs 23.5 (in 2x1 clusters then)
     assert clusters(pick(6144, 4096, 4096)) == (128, 192, 2, 1)
     four = next(i for i in dispatch.INSTANCES if (i.cluster_m, i.cluster_n, i.recipe) == (4, 1, "tensor"))
     two = replace(four, cluster_m=2)
@@ -203,7 +206,7 @@ def test_fast_accumulation_dispatch_uses_its_own_rates():
     """use_fast_accum=True has the promoted tiles plus 128x256, weighed by FAST_TILE_RATES (session 7 sweep)."""
     pick = lambda m, n: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, "fast", n=n, sms=132)
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
-    assert shape(pick(1024, 1536)) == (128, 96, 2, 1)  # 24.6 us vs 40.3 for 128x256
+    assert shape(pick(1024, 1536)) == (128, 96, 1, 1)  # 24.6 us vs 40.3 for 128x256 (2x1 clusters then)
     assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 16.1 us vs 39.7 (fast accumulation keeps 1x2 clusters)
     assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 51.1 us vs 79.1
     assert shape(pick(8192, 8192)) == (128, 256, 2, 1) and shape(pick(4096, 4096)) == (128, 256, 2, 1)
@@ -320,14 +323,14 @@ def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
     """Block scales cost the 192-wide tiles (one K-tile fragment) more than the 128-wide ones, so the
     block-scaled recipes have their own rates (dispatch.BLOCK_TILE_RATES, session 11 DeepSeek sweep, us):
     M=6144 N=7168 K=2304 128x128 196.7 vs 128x192 204.7 (a wave_cost tie the DeepSeek recipe gives to 128x192
-    since session 25), while 8192^3 stays on 128x192 (1013-1036 vs 1045-1066); 64x128 tiles in 1x2 clusters for
-    outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5), up to M=1024 only."""
+    since session 25), while 8192^3 stays on 128x192 (1013-1036 vs 1045-1066); 64x128 tiles (1x2 clusters until
+    session 28) for outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5), up to M=1024 only."""
     pick = lambda recipe, m, n, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
     shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     for recipe in ("1x128_128x128", "128x128_128x128", "1x128_1x128"):
         assert shape(pick(recipe, 6144, 7168, 2304)) == ((128, 192, 2, 1) if recipe == "1x128_128x128" else (128, 128, 2, 1))
         assert shape(pick(recipe, 8192, 8192, 8192)) == (128, 192, 2, 1)
-        assert shape(pick(recipe, 1024, 512, 7168)) == (64, 128, 1, 2)
+        assert shape(pick(recipe, 1024, 512, 7168)) == (64, 128, 1, 1)
         assert pick(recipe, 1152, 512, 7168).tile_m == 128  # the 64-row block row ends at M=1024
     # Per-block W scales (read a K tile ahead in the 192-wide loop) lift 128x192 past the 64x192 pair at short
     # K under a wave (session 16: 14.3 vs 15.3 us); per-column W scales keep the pair (40.1 vs 37.0 at M=3072).
