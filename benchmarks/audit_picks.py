@@ -44,9 +44,7 @@ def dispatch_key(recipe, accum, m, n, k, sms):
     tune_tiles prints it."""
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum=accum, n=n, sms=sms, k=k)
     size = inst.cluster_m * inst.cluster_n
-    slots = dispatch.cluster_slots(sms, size) * size * inst.ctas_per_sm
-    if dispatch.last_wave_splits(inst, m, n, k, slots) > 1:
-        inst = dispatch.last_wave_variant(inst)
+    inst, _ = dispatch.plan_splits(inst, m, n, k, dispatch.cluster_slots(sms, size) * size * inst.ctas_per_sm)
     return tile_label(inst)
 
 

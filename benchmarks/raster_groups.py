@@ -26,10 +26,7 @@ def dispatched(recipe, m, n, k, sms):
     """(instance, K splits, clusters to launch) as ``scaled_mm`` picks them on device 0."""
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted", None, n=n, sms=sms, k=k)
     _, clusters = api._launchable(inst, 0)
-    slots = clusters * inst.cluster_m * inst.cluster_n
-    splits = dispatch.choose_splits(inst, m, n, k, slots)
-    if splits == 1 and (tail := dispatch.last_wave_splits(inst, m, n, k, slots)) > 1:
-        inst, splits = dispatch.last_wave_variant(inst), tail
+    inst, splits = dispatch.plan_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
     return inst, splits, clusters
 
 

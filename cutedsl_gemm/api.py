@@ -282,10 +282,9 @@ def scaled_mm(
         splits = dispatch.normalize_splits(split_k, inst.k_tiles(k))
     else:
         # A wave is as many CTAs as can be resident at once.
-        slots = max_clusters * inst.cluster_m * inst.cluster_n
-        splits = dispatch.choose_splits(inst, m, n, k, slots)
-        if splits == 1 and (tail := dispatch.last_wave_splits(inst, m, n, k, slots)) > 1:
-            inst, splits = dispatch.last_wave_variant(inst), tail  # same tiles and clusters: same max_clusters
+        picked = inst
+        inst, splits = dispatch.plan_splits(inst, m, n, k, max_clusters * inst.cluster_m * inst.cluster_n)
+        if inst is not picked:  # its last-wave split variant: same tiles and clusters, same max_clusters
             fn, _ = _launchable(inst, device.index)
     ws_need = _workspace_need(inst, m, n, splits, max_clusters)
     plan = _Plan(fn, max_clusters, recipe, kb, _dummy_bias(device.index), (m, n), splits, ws_need, device.index,

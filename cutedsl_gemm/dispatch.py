@@ -255,6 +255,16 @@ def last_wave_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -
     return normalize_splits(max(1, min(cslots // tail, MAX_LAST_WAVE_SPLITS)), k_tiles)
 
 
+def plan_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int):
+    """(instance, K splits) a call runs with when it names no split: ``choose_splits``, or where that gives 1,
+    the last-wave split variant with ``last_wave_splits`` splits if it pays. ``slots``: CTAs resident at once.
+    ``scaled_mm`` and the benchmarks that replay its choice (raster_groups, audit_picks) all call this."""
+    splits = choose_splits(inst, m, n, k, slots)
+    if splits == 1 and (tail := last_wave_splits(inst, m, n, k, slots)) > 1:
+        return last_wave_variant(inst), tail  # same tiles and clusters
+    return inst, splits
+
+
 @functools.lru_cache(maxsize=None)
 def last_wave_variant(inst: KernelInstance):
     """The manifest's last-wave split sibling of ``inst`` (same everything, ``split_tail``), or None."""

@@ -124,7 +124,7 @@ def test_last_wave_split_variant():
     assert dispatch.split_tiles(variant, 6144, 512, 4, 66) == 6 * 2
     assert dispatch.split_tiles(inst, 1024, 512, 5, 66) == inst.output_tiles(1024, 512)  # ordinary split: every tile
     assert dispatch.last_wave_splits(inst, 1024, 4608, 7168, 132) == 2  # 30 past the wave: 66 // 30
-    assert dispatch.last_wave_splits(row(1024, 4608), 1024, 4608, 7168, 132) == 1  # 128x96 has no such variant
+    assert dispatch.last_wave_splits(row(1024, 4608), 1024, 4608, 7168, 132) == 1  # 128x144 has no such variant
     # whole waves, a last wave too full to split, a short K, under one wave, decode: not split this way
     assert dispatch.last_wave_splits(row(8192, 8192), 8192, 8192, 8192, 132) == 1  # 1376 = 20 x 66 + 56
     # more than 4 waves deep (the variant's whole tiles cost more than the split saves); 3.4 waves still split
@@ -136,6 +136,11 @@ def test_last_wave_split_variant():
     assert dispatch.last_wave_splits(inst, 6144, 512, 4096, 132) == 1
     assert dispatch.last_wave_splits(row(1024, 512), 1024, 512, 7168, 132) == 1
     assert dispatch.last_wave_splits(row(16, 65536), 16, 65536, 7168, 132) == 1
+    # what a call without split_k runs (scaled_mm and the benchmarks that replay it): the variant where it splits,
+    # else the row itself with choose_splits' count
+    assert dispatch.plan_splits(inst, 6144, 512, 7168, 132) == (variant, 4)
+    assert dispatch.plan_splits(inst, 1024, 512, 7168, 132) == (inst, 5) == (inst, dispatch.choose_splits(inst, 1024, 512, 7168, 132))
+    assert dispatch.plan_splits(inst, 8192, 7168, 7168, 132) == (inst, 1)
     # never chosen by M range
     assert not any(dispatch.select_gemm("sm_90a", r, "e4m3", "e4m3", "bf16", None, m, "promoted", n=n, sms=132).split_tail
                    for r in ("tensor", "row", "1x128_128x128") for m in (1, 200, 6144) for n in (512, 8192))
