@@ -183,14 +183,15 @@ TABLE: Tuple[TileConfig, ...] = (
     # 128x256 tiles. The promoted rows compete by dispatch.wave_cost (waves x area / measured tile rate):
     # 128x192 for large outputs, 128x128 / 128x96 where they make fewer or fuller waves (M=6144, N=512: 48.5
     # vs 62.0 us; M=1024, N=1536: 24.1 vs 33.2 unsplit), and 64-row tiles (one consumer warp group) where an
-    # output fills under a wave of SMs (M=1024, N=512: 15.5 us against 22.0 for 128x192 split 5 ways). Tiles whose width divides narrow outputs evenly: 128x144 (M=1024,
-    # N=4608: 256 tiles in two waves, 56.0 vs 63.0 us for 128x192) and 64x96 (M=1024, N=576: 96 tiles, 15.7 us
-    # against 21.9 for 64x128 and 25.8 for 64x64 in two waves). BENCHMARKS.md "Tile rates".
+    # output fills under a wave of SMs (M=1024, N=512: 15.5 us against 22.0 for 128x192 split 5 ways). Tiles
+    # whose width divides narrow outputs evenly: 128x144 (M=1024, N=4608: 256 tiles in two waves, 56.0 vs 63.0
+    # us for 128x192) and 64x96 (M=1024, N=576: 96 tiles, 15.7 us against 21.9 for 64x128 and 25.8 for 64x64
+    # in two waves). BENCHMARKS.md "Tile rates".
     # Fast accumulation gets the same tiles (and 128x256, below): with 128x256 alone it ran 1.7-2.9x slower
     # than cuBLAS at M=1024, N=576 / 1536 / 4608 (dsv3 geomean 0.77x; BENCHMARKS.md, session 7).
     # 128x96, 64x128 (up to M=1024) and 64x64 run without clusters: they serve outputs of about a wave, where
-    # multicast saves little L2 traffic while every stage waits for the slowest CTA of its cluster. Since 1x1
-    # kernels launch as a plain grid (session 27), 1x1 beats the 1x2 / 2x1 clusters these rows had
+    # multicast saves little L2 traffic (and, presumably, a cluster's CTAs wait for each other's stages; not
+    # measured). Since 1x1 kernels launch as a plain grid (session 27), 1x1 beats the 1x2 / 2x1 clusters these rows had
     # (tune_tiles, row-wise, medians of 3 interleaved rounds, promoted / fast, us, session 28): 64x128 M=256
     # N=4096 K=7168 26.3 / 26.8 -> 19.6 / 19.2, M=512 N=1536 K=2048 11.7 / 11.0 -> 10.4 / 9.3, M=768 N=1024
     # K=7168 fast 19.8 -> 15.3; 64x64 M=256 N=576 K=7168 12.7 / 12.6 -> 11.6 / 12.3, M=1024 N=512 15.6 / 15.4
