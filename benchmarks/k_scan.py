@@ -9,7 +9,6 @@ least-squares line through (K blocks, us) per kernel. Needs DeepGEMM built as fo
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
@@ -33,9 +32,10 @@ def main(argv=None):
 
     import deep_gemm
     import cutedsl_gemm
-    from .common import bench, cublas_call, make_operands
+    from .common import cublas_call, make_operands
     from .deepgemm_ref import _dg_call, warm_all
     from .profile_shape import forced_tile_call
+    from .tune_tiles import interleaved_times
 
     m, n = map(int, args.mn.split("x"))
     ks = [int(k) for k in args.ks.split(",")]
@@ -55,18 +55,15 @@ def main(argv=None):
         for f in calls[k].values():
             f()
     torch.cuda.synchronize()
-    times = {}
-    for _ in range(args.rounds):
-        for k in ks:
-            for name, f in calls[k].items():
-                times.setdefault((k, name), []).append(bench(f) * 1e3)
     names = list(calls[ks[0]])
+    keys = [(k, name) for k in ks for name in names]
+    medians = {key: t for key, (t, _) in zip(keys, interleaved_times([calls[k][name] for k, name in keys], args.rounds))}
     print(f"M={m} N={n}, us (medians of {args.rounds} interleaved rounds)")
     print("    K " + "".join(f"{name:>20s}" for name in names))
     for k in ks:
-        print(f"{k:5d} " + "".join(f"{statistics.median(times[(k, name)]):20.2f}" for name in names))
+        print(f"{k:5d} " + "".join(f"{medians[(k, name)]:20.2f}" for name in names))
     for name in names:
-        fixed, per_block = line_fit([-(-k // 128) for k in ks], [statistics.median(times[(k, name)]) for k in ks])
+        fixed, per_block = line_fit([-(-k // 128) for k in ks], [medians[(k, name)] for k in ks])
         print(f"{name:20s} {fixed:6.2f} us fixed + {per_block * 1e3:6.1f} ns per 128-deep K block")
 
 
