@@ -2,6 +2,7 @@
 GPU and `blackwell` tests an sm_100 GPU; each is skipped where its hardware is missing."""
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -30,3 +31,18 @@ def _isolated_cache(tmp_path_factory):
     if "CUTEDSL_GEMM_CACHE_DIR" not in os.environ:
         os.environ["CUTEDSL_GEMM_CACHE_DIR"] = str(tmp_path_factory.mktemp("kernel_cache"))
     yield
+
+
+@pytest.fixture
+def deprecations():
+    """``deprecations(build, ...)``: the DeprecationWarnings raised while the builds run, each as
+    "file:line: message", for tests that keep kernels off names the DSL deprecates."""
+
+    def collect(*builds):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for build in builds:
+                build()
+        return sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)})
+
+    return collect

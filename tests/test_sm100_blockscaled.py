@@ -7,7 +7,6 @@ them, compiled for its own arch) and ``blackwell`` GEMM tests (need an sm_100 de
 
 import os
 import re
-import warnings
 
 import pytest
 import torch
@@ -573,14 +572,13 @@ def test_blockscaled_gemm_bias_bf16_and_scaled_mm_adapter(recipe):
 
 
 @pytest.mark.compile
-def test_sm100_kernels_trace_without_deprecated_dsl_names(sm100_env):
+def test_sm100_kernels_trace_without_deprecated_dsl_names(sm100_env, deprecations):
     """As the Hopper GEMM (test_sm90_compile): the f8f6f4 and block-scaled kernels, 2-CTA with bias, trace
     without a DeprecationWarning (4.8 deprecated ``tcgen05.OperandMajorMode``, ``utils.TmemAllocator``, ...)."""
     from cutedsl_gemm import sm100
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        sm100.build(sm100.Sm100Config(out_dtype="BFloat16", has_bias=True, use_2cta=True))
-        bs.build(bs.BlockScaledConfig("mxf4nvf4", KIND_BLOCK["mxf4nvf4"], "BFloat16", True, True))
-    found = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)})
+    found = deprecations(
+        lambda: sm100.build(sm100.Sm100Config(out_dtype="BFloat16", has_bias=True, use_2cta=True)),
+        lambda: bs.build(bs.BlockScaledConfig("mxf4nvf4", KIND_BLOCK["mxf4nvf4"], "BFloat16", True, True)),
+    )
     assert not found, found

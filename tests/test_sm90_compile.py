@@ -2,7 +2,6 @@
 
 import functools
 import re
-import warnings
 from dataclasses import replace
 
 import pytest
@@ -526,16 +525,15 @@ def test_consumer_releases_use_the_precomputed_barrier_address():
         assert ptx.count("mapa.shared::cluster") == 1, (inst.name, ptx.count("mapa.shared::cluster"))
 
 
-def test_kernels_trace_without_deprecated_dsl_names():
+def test_kernels_trace_without_deprecated_dsl_names(deprecations):
     """Names the DSL deprecates (4.8: ``cutlass.utils.LayoutEnum``, ``utils.SmemAllocator``, ...) warn at every
     user's compile and go away in a later release: the Hopper GEMM (cooperative and swapped decode) traces
     without a DeprecationWarning."""
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
     from cutedsl_gemm.sm90_compile import compile_gemm
 
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        compile_gemm(Sm90GemmConfig(recipe="1x128_128x128", tile_m=128, tile_n=192, cluster_m=2, stages=4))
-        compile_gemm(Sm90GemmConfig(recipe="row", tile_m=128, tile_n=16, cluster_m=1, swap_ab=True, split_k=True))
-    found = sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)})
+    found = deprecations(
+        lambda: compile_gemm(Sm90GemmConfig(recipe="1x128_128x128", tile_m=128, tile_n=192, cluster_m=2, stages=4)),
+        lambda: compile_gemm(Sm90GemmConfig(recipe="row", tile_m=128, tile_n=16, cluster_m=1, swap_ab=True, split_k=True)),
+    )
     assert not found, found
