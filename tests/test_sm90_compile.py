@@ -383,6 +383,28 @@ def _op_sequence(ptx, keys):
     return " ".join(seq)
 
 
+def test_a_group_scales_may_come_by_tma():
+    """A's 1x128 scales ride the stage's TMA loads when the call's layout allows (block_scales.a_scale_tma_view):
+    the stage's bytes are chosen at run time (tiles alone, or tiles and the tile_m x 4-byte scale box), and the box
+    is one more load onto the CTA's own barrier. Not in the DeepSeek recipe's split-N loop (wrong A scales on its
+    64x192 pairs, BENCHMARKS.md session 29) and not for 128x128 A blocks."""
+    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
+
+    own_loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes"
+    for recipe, m, n, by_tma in (("1x128_128x128", 4096, 4096, True), ("1x128_1x128", 4096, 4096, True),
+                                 ("1x128_128x128", 8192, 8192, False), ("128x128_128x128", 4096, 4096, False)):
+        inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=8192)
+        cfg = inst.sm90_config()
+        assert Sm90Fp8Gemm(cfg).a_scale_tma == by_tma, inst.name
+        ptx = inspect_instance(inst).ptx
+        tiles = (cfg.tile_m + cfg.tile_n) * cfg.tile_k
+        with_box = re.search(rf"selp\.b32\s+%r\d+,\s*{tiles + 4 * cfg.tile_m},\s*{tiles},\s*%p\d+;", ptx)
+        assert bool(with_box) == by_tma, (inst.name, tiles)
+        # In 2x1 clusters (W multicast) the A tile and, when it may come, the scale box load into the CTA alone.
+        assert (inst.cluster_m, inst.cluster_n) == (2, 1), inst.name
+        assert len(re.findall(own_loads, ptx)) == (2 if by_tma else 1), inst.name
+
+
 def test_block_scales_are_read_before_the_mmas_are_issued():
     """Block-scaled main loops never leave a promotion waiting on shared memory. Two fragments (128x128): a K
     tile's scale products are formed right after its stage's full barrier, before its MMAs, and the

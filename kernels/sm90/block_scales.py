@@ -13,14 +13,22 @@ The kernel sees the scales as 2-D fp32 tensors ``(rows, Kb)`` for ``group`` and 
 for ``block``, with run-time strides, so torch's outer-dim-major / padded layouts and plain row-major ones
 are all read in place.
 
-Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles. A tile's ``group``
-scales that form one contiguous, 16-byte aligned run (torch's M-contiguous layout with M % 4 == 0) go in
-16-byte ``cp.async`` copies, four rows per lane; otherwise (other layouts, the last partial tile, and
-``block`` scales, one or two per tile) the 32 lanes copy them with 4-byte ``cp.async``. The copies are
-issued by the scale warp (warp 1 of the producer warp group), not the TMA warp, which keeps the TMA warp's
-path from a freed stage to its next TMA issue short. Every scale-warp lane then signals the stage's full
-barrier with ``cp.async.mbarrier.arrive.noinc`` once its copies land -- the barrier therefore expects 1 (the
-TMA warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk``
+Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles.
+
+* A's ``group`` scales in torch's M-major layout (rows contiguous, the K-block stride a multiple of 4, 16-byte
+  aligned: ``a_scale_tma_view`` decides per call) come by TMA: the TMA warp loads the tile's rows of the K
+  block as one more box on the stage's full barrier (``load_a_scale_box``), its bytes in the stage's
+  transaction count. Copied by the scale warp instead, the same one-wave tiles ran 5-15% slower (BENCHMARKS.md,
+  session 29). Not in the DeepSeek recipe's split-N loop (``Sm90Fp8Gemm.a_scale_tma`` says why).
+* Everything else is copied by the scale warp (warp 1 of the producer warp group), not the TMA warp, which
+  keeps the TMA warp's path from a freed stage to its next TMA issue short: ``group`` scales that form one
+  contiguous, 16-byte aligned run in 16-byte ``cp.async`` copies, four rows per lane; otherwise (other layouts,
+  the last partial tile, and ``block`` scales, one or two per tile) 4-byte ``cp.async``. ``block`` scales stay
+  with the scale warp because a TMA box's rows must be 16 bytes: a box starting at an arbitrary K block
+  (4 bytes into a row) faulted on the H100 (session 29).
+* Every scale-warp lane signals the stage's full barrier with ``cp.async.mbarrier.arrive.noinc`` once its
+  copies land (it still copies W's scales when A's come by TMA) -- the barrier therefore expects 1 (the TMA
+  warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk``
 counted in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs
 at 32 producer registers, also with the bytes posted by an arrival, and never with ``cp.async`` copies:
 BENCHMARKS.md, sessions 24-25.)
@@ -135,6 +143,7 @@ class ScaleStaging:
     grans: tuple  # (A, W) scale granularity
     tile_mn: tuple  # (bM, bN)
     lane: object
+    a_by_tma: object = False  # run-time flag: A's scales come by TMA (the TMA warp's ``load_a_scale_box``)
 
     def unit_views(self, tm, tn):
         return None
@@ -142,9 +151,17 @@ class ScaleStaging:
     def fill_stage(self, views, tm, tn, kt, state):
         self.mainloop.sync_object_empty.wait(state.index, state.phase)
         bar = self.mainloop.producer_get_barrier(state)
-        stage_scales(self.scales_a, self.slots[0], self.grans[0], self.tile_mn[0], tm, kt, state.index, self.lane)
+        _stage_a_unless(self.a_by_tma, self.scales_a, self.slots[0], self.grans[0], self.tile_mn[0], tm, kt,
+                        state.index, self.lane)
         stage_scales(self.scales_w, self.slots[1], self.grans[1], self.tile_mn[1], tn, kt, state.index, self.lane)
         cute.arch.cp_async_mbarrier_arrive_noinc(bar)
+
+
+@cute.jit
+def _stage_a_unless(a_by_tma, scales, slots, gran: cutlass.Constexpr, extent: cutlass.Constexpr, tile, kt, stage,
+                    lane):
+    if not a_by_tma:
+        stage_scales(scales, slots, gran, extent, tile, kt, stage, lane)
 
 
 @cute.jit
@@ -152,6 +169,42 @@ def _copy_one(atom, scales: cute.Tensor, src_coord, slots: cute.Tensor, dst_coor
     src = cute.make_tensor(scales.iterator + cute.crd2idx(src_coord, scales.layout), cute.make_layout(1))
     dst = cute.make_tensor(slots.iterator + cute.crd2idx(dst_coord, slots.layout), cute.make_layout(1))
     cute.copy(atom, src, dst)
+
+
+# ---- A's group scales by TMA ---------------------------------------------------------------------------
+@cute.jit
+def a_scale_tma_view(scales: cute.Tensor):
+    """(whether this call's A group scales can come by TMA, a view of them the TMA descriptor is built from).
+
+    They can when rows are contiguous, the K-block stride is at least the row count and a multiple of 4 floats,
+    and the base is 16-byte aligned (torch's M-major layout with M % 4 == 0). Otherwise the view is a
+    well-formed stand-in over the same memory that is never loaded from: one compiled kernel takes either path,
+    chosen by the flag at run time."""
+    rows, kb = scales.shape
+    row_stride, kb_stride = scales.layout.stride
+    addr = scales.iterator.toint()
+    ok = (row_stride == 1) & (kb_stride >= rows) & (kb_stride % 4 == 0) & (addr % 16 == 0)
+    stride = cutlass.select_(ok, kb_stride, (rows + 3) // 4 * 4)
+    base = cute.make_ptr(Float32, addr - addr % 16, cute.AddressSpace.gmem, assumed_align=16)
+    return ok, cute.make_tensor(base, cute.make_layout((rows, kb), stride=(1, stride)))
+
+
+def a_scale_tma_atom(view: cute.Tensor, tile_m: int):
+    """(TMA atom, TMA tensor) loading one K block's scales of a tile's ``tile_m`` rows per box."""
+    box = cute.make_layout((tile_m, 1))
+    return cute.nvgpu.cpasync.make_tiled_tma_atom(cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), view, box, box.shape)
+
+
+@cute.jit
+def load_a_scale_box(atom, tma_scales, slots, tile_m: cutlass.Constexpr, tm, kt, stage, bar):
+    """TMA: A scales of tile row ``tm``, K block ``kt`` into ``stage``'s A slots, on the stage's barrier ``bar``
+    (rows past M arrive as zeros; their outputs are clipped)."""
+    src = cute.local_tile(tma_scales, (tile_m, 1), (tm, kt))
+    dst = cute.make_tensor(slots.iterator + cute.crd2idx((0, stage), slots.layout), cute.make_layout((tile_m, 1)))
+    s_part, g_part = cute.nvgpu.cpasync.tma_partition(
+        atom, 0, cute.make_layout(1), cute.group_modes(dst, 0, 2), cute.group_modes(src, 0, 2)
+    )
+    cute.copy(atom, g_part, s_part, tma_bar_ptr=bar)
 
 
 SCALE_REGS = 4  # per consumer thread and K-tile fragment: the scale products (or A scales) of one K tile

@@ -25,7 +25,8 @@ from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .promoted_mainloops import PromotedMainloops
 from .split_k import k_tile_range, reduce_partials
 from .block_scales import (
-    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, is_block_scaled,
+    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
+    is_block_scaled, load_a_scale_box,
 )
 # Re-exported: the manifest, inspect and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
@@ -36,8 +37,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
     | warp group | role | registers |
     |---|---|---|
-    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
-    | 0, warp 1 | block-scaled recipes: scale producer, each K tile's A and W scales into its stage (``block_scales.ScaleStaging``) | as warp 0 |
+    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster; A's 1x128 scales too when the call's layout allows (``ATileScalesByTma``) | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
+    | 0, warp 1 | block-scaled recipes: scale producer, each K tile's W scales and (unless they came by TMA) A scales into its stage (``block_scales.ScaleStaging``) | as warp 0 |
     | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled) |
 
     | pipeline | producer -> consumer | stages |
@@ -57,10 +58,11 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
     others promote each K tile after it retires (``_mainloop_promoted_serial``); the loops are in
     ``promoted_mainloops.py``. Block scales ride in the K tile's stage, staged there by producer warp 1
-    (``block_scales.stage_scales``); each consumer reads its few into registers as soon as the stage is full,
-    before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in the 192-wide loops, while the
-    K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K tile's first half (split in
-    N).
+    (``block_scales.stage_scales``) or, for A's 1x128 scales in torch's layout, loaded by the TMA warp with the
+    tiles (``block_scales.a_scale_tma_view``, chosen per call); each consumer reads its few into registers as
+    soon as the stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in
+    the 192-wide loops, while the K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K
+    tile's first half (split in N).
 
     ``ctas_per_sm=2`` (64-row tiles): two such CTAs share each SM (half the shared memory each, launched at
     128 registers per thread), and the persistent grid holds twice the CTAs. Their consumer warp groups take
@@ -97,6 +99,12 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                            and cfg.tile_n > self.overlapped_promote_max_n and not self.split_n)
         # Both read per-block scales raw (a few registers), products formed in the promotion.
         self.raw_scales = self.split_n or self.read_ahead
+        # A's group scales may come by TMA (block_scales.a_scale_tma_view decides per call): the box lands in
+        # the stage's A slots, which TMA needs 128-byte aligned (tile_m * 4 bytes apart). Not in the split-N
+        # loop: on the 64x192 pairs it read wrong A scales in 5 of 12 runs (cause not found; a bulk copy of
+        # them did the same in sessions 24-25), and its one-CTA form gained ~1% (BENCHMARKS.md, session 29).
+        self.a_scale_tma = (self.block_scaled and self.scale_gran[0] == "group" and cfg.tile_m % 32 == 0
+                            and not self.split_n)
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
@@ -134,6 +142,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
         tma_a, tA = self._make_tma_load(mA, a_smem, (bM, bK), cn)
         tma_b, tB = self._make_tma_load(mB, b_smem, (bN, bK), cm)
+        a_scales_by_tma = tma_sa = tSA = None
+        if cutlass.const_expr(self.a_scale_tma):
+            a_scales_by_tma, sa_view = a_scale_tma_view(mSA)
+            tma_sa, tSA = a_scale_tma_atom(sa_view, bM)
         tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
             cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
             mD,
@@ -148,7 +160,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
             sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
             # Block scales of each stage's K tile (a 1-element placeholder for epilogue-scaled recipes).
-            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.ab_stages if self.block_scaled else 1], 16]
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.ab_stages if self.block_scaled else 1],
+                                   128 if self.a_scale_tma else 16]
             sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.ab_stages if self.block_scaled else 1], 16]
             split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
 
@@ -165,7 +178,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         grid_clusters = cutlass.min(ctiles, max_clusters)
 
         self.kernel(
-            tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, mBias, mWorkspace, mCounters,
+            tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, tma_sa, tSA, a_scales_by_tma,
+            mBias, mWorkspace, mCounters,
             a_smem, b_smem, d_smem, tiles_m, tiles_n, splits,
         ).launch(
             grid=(cm, cn, grid_clusters),
@@ -234,6 +248,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         mD: cute.Tensor,
         mSA: cute.Tensor,
         mSB: cute.Tensor,
+        tma_sa,  # a_scale_tma: TMA atom, TMA tensor and run-time flag for A's group scales; else None
+        tSA,
+        a_scales_by_tma,
         mBias: cute.Tensor,
         mWorkspace: cute.Tensor,
         mCounters: cute.Tensor,
@@ -325,14 +342,18 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
-                loads = TmaLoads(mainloop, tma_a, tma_b, tAgA, tBgB, tAsA, tBsB, a_mcast_mask, b_mcast_mask)
+                a_scales = None
+                if cutlass.const_expr(self.a_scale_tma):
+                    a_scales = ATileScalesByTma(tma_sa, tSA, scale_slots[0], bM, a_scales_by_tma, stage_bytes)
+                loads = TmaLoads(mainloop, tma_a, tma_b, tAgA, tBgB, tAsA, tBsB, a_mcast_mask, b_mcast_mask,
+                                 a_scales)
                 state = self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
                                                    k_tiles, loads)
                 mainloop.producer_tail(state)
             if cutlass.const_expr(self.block_scaled):
                 if warp_idx == 1:
                     staging = ScaleStaging(mainloop, mSA, mSB, scale_slots, self.scale_gran, (bM, bN),
-                                           cute.arch.lane_idx())
+                                           cute.arch.lane_idx(), a_scales_by_tma if self.a_scale_tma else False)
                     self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
                                                k_tiles, staging)
                     cute.arch.cp_async_wait_group(0)
@@ -618,6 +639,7 @@ class TmaLoads:
     tBsB: object
     a_mcast_mask: object
     b_mcast_mask: object
+    a_scales: object = None  # ATileScalesByTma when A's 1x128 scales may come by TMA
 
     def unit_views(self, tm, tn):
         """The unit's A rows and W columns, all K tiles."""
@@ -626,10 +648,44 @@ class TmaLoads:
     def fill_stage(self, views, tm, tn, kt, state):
         """Acquire the stage (wait until it is empty, post its bytes) and issue K tile ``kt``'s loads."""
         tAgA_t, tBgB_t = views
-        self.mainloop.producer_acquire(state)
+        if cutlass.const_expr(self.a_scales is None):
+            self.mainloop.producer_acquire(state)
+        else:
+            self.a_scales.acquire(self.mainloop, state)
         bar = self.mainloop.producer_get_barrier(state)
         cute.copy(self.tma_a, tAgA_t[(None, kt)], self.tAsA[(None, state.index)], tma_bar_ptr=bar,
                   mcast_mask=self.a_mcast_mask)
         cute.copy(self.tma_b, tBgB_t[(None, kt)], self.tBsB[(None, state.index)], tma_bar_ptr=bar,
                   mcast_mask=self.b_mcast_mask)
+        if cutlass.const_expr(self.a_scales is not None):
+            self.a_scales.load(tm, kt, state.index, bar)
         self.mainloop.producer_commit(state)
+
+
+@dataclass(frozen=True)
+class ATileScalesByTma:
+    """The TMA warp's share of A's group scales (block_scales.a_scale_tma_view): when the run-time flag is set,
+    each stage's bytes include the box and the TMA warp loads it with the stage's tiles; otherwise the scale
+    warp copies them (``ScaleStaging``) and the stage's bytes are the tiles' alone."""
+
+    atom: object
+    tma_scales: object
+    slots: object  # A's scale slots, (tile_m, stages)
+    tile_m: int
+    by_tma: object  # run-time flag
+    tile_bytes: int  # the stage's A and W tile bytes
+
+    def acquire(self, mainloop, state):
+        """PipelineTmaAsync.producer_acquire with this call's byte count."""
+        mainloop.sync_object_empty.wait(state.index, state.phase)
+        extra = cutlass.select_(self.by_tma, Int32(self.tile_m * 4), Int32(0))
+        mainloop.sync_object_full.arrive_and_expect_tx(state.index, self.tile_bytes + extra)
+
+    def load(self, tm, kt, stage, bar):
+        _load_a_scales_if(self.by_tma, self.atom, self.tma_scales, self.slots, self.tile_m, tm, kt, stage, bar)
+
+
+@cute.jit
+def _load_a_scales_if(by_tma, atom, tma_scales, slots, tile_m: cutlass.Constexpr, tm, kt, stage, bar):
+    if by_tma:
+        load_a_scale_box(atom, tma_scales, slots, tile_m, tm, kt, stage, bar)
