@@ -60,8 +60,10 @@ def candidates(recipe, tiles, accums, split_variants=(True,)):
 
 def tile_label(inst) -> str:
     """How this sweep prints an instance's tile (benchmarks.audit_picks reads it back): t<M>x<N>[s]k<K>
-    c<M>x<N>[o2][lw][e<n>]."""
+    c<M>x<N>[st<n>][o2][lw][e<n>]. The stage count shows where it is fixed (the DeepSeek recipe's 128x192 row
+    has 4): without it that row and a default-staged 128x192 candidate printed alike."""
     return (f"t{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}k{inst.tile_k} c{inst.cluster_m}x{inst.cluster_n}"
+            f"{f'st{inst.stages}' if inst.stages else ''}"
             f"{'o2' if inst.ctas_per_sm > 1 else ''}{'lw' if inst.split_tail else ''}"
             f"{f'e{inst.epi_stages}' if inst.epi_stages else ''}")
 

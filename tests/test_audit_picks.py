@@ -31,6 +31,8 @@ def test_audit_compares_dispatch_pick_with_best_tile(tmp_path, capsys):
     assert audit_picks.dispatch_key("tensor", "promoted", 1024, 1536, 7168, 132) == "t128x96k128 c1x1"
     tall = dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, 8192, n=8192, sms=132, k=8192)
     assert tile_label(dispatch.last_wave_variant(tall)) == "t128x192k128 c2x1lw"
+    # A fixed stage count is part of the name (the DeepSeek recipe's 128x192 row has 4).
+    assert audit_picks.dispatch_key("1x128_128x128", "promoted", 8192, 8192, 8192, 132) == "t128x192k128 c2x1st4"
     audit_picks.main([str(first), str(second)])
     out = capsys.readouterr().out
     picks = math.sqrt(44.0 / 48.4 * 22.0 / 24.2)
