@@ -383,26 +383,45 @@ def _op_sequence(ptx, keys):
     return " ".join(seq)
 
 
+def _release_fences(ptx):
+    """``fence.proxy.async.shared::cta`` not followed by the epilogue's named barrier (which fences the output
+    slice before its TMA store): the consumers' fences before a stage release."""
+    lines = [l.strip() for l in ptx.splitlines() if l.strip() and not l.strip().startswith("//")]
+    return sum(1 for i, l in enumerate(lines)
+               if l.startswith("fence.proxy.async.shared::cta") and not any("bar.sync" in x for x in lines[i + 1:i + 4]))
+
+
 def test_a_group_scales_may_come_by_tma():
-    """A's 1x128 scales ride the stage's TMA loads when the call's layout allows (block_scales.a_scale_tma_view):
-    the stage's bytes are chosen at run time (tiles alone, or tiles and the tile_m x 4-byte scale box), and the box
-    is one more load onto the CTA's own barrier. Not in the DeepSeek recipe's split-N loop (wrong A scales on its
-    64x192 pairs, BENCHMARKS.md session 29) and not for 128x128 A blocks."""
+    """A's 1x128 scales ride the stage's TMA loads on the 64-row tiles when the call's layout allows
+    (block_scales.a_scale_tma_view): the stage's bytes are chosen at run time (tiles alone, or tiles and the
+    64 x 4-byte scale box), and the box is one more load onto the CTA's own barrier. The consumers read those
+    scales with ordinary loads and the next refill writes them through the async proxy, so every stage release is
+    preceded by a proxy fence (without it the DeepSeek 64x192 pairs read wrong A scales, BENCHMARKS.md session
+    30). The 128-row tiles, the split-N pairs and 128x128 A blocks keep the scale warp's copies: no box, no
+    fences."""
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
 
     own_loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes"
-    for recipe, m, n, by_tma in (("1x128_128x128", 4096, 4096, True), ("1x128_1x128", 4096, 4096, True),
-                                 ("1x128_128x128", 8192, 8192, False), ("128x128_128x128", 4096, 4096, False)):
-        inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=8192)
+
+    def row(recipe, tile_m, tile_n, ctas_per_sm=1):
+        return next(i for i in dispatch.INSTANCES if (i.arch, i.schedule, i.recipe, i.tile_m, i.tile_n, i.ctas_per_sm,
+                                                      i.a_dtype, i.b_dtype, i.out_dtype, i.bias_dtype, i.split_tail)
+                    == ("sm_90a", "cooperative", recipe, tile_m, tile_n, ctas_per_sm, "e4m3", "e4m3", "bf16", None,
+                        False))
+
+    for inst, by_tma in ((row("1x128_128x128", 64, 128), True), (row("1x128_1x128", 64, 128), True),
+                         (row("1x128_128x128", 128, 128), False), (row("1x128_128x128", 64, 192, 2), False),
+                         (row("128x128_128x128", 64, 128), False)):
         cfg = inst.sm90_config()
         assert Sm90Fp8Gemm(cfg).a_scale_tma == by_tma, inst.name
         ptx = inspect_instance(inst).ptx
         tiles = (cfg.tile_m + cfg.tile_n) * cfg.tile_k
         with_box = re.search(rf"selp\.b32\s+%r\d+,\s*{tiles + 4 * cfg.tile_m},\s*{tiles},\s*%p\d+;", ptx)
         assert bool(with_box) == by_tma, (inst.name, tiles)
-        # In 2x1 clusters (W multicast) the A tile and, when it may come, the scale box load into the CTA alone.
-        assert (inst.cluster_m, inst.cluster_n) == (2, 1), inst.name
-        assert len(re.findall(own_loads, ptx)) == (2 if by_tma else 1), inst.name
+        # The A tile, W's where it is not multicast (1x1 clusters) and the scale box load into the CTA alone.
+        unicast = 1 + (inst.cluster_m == 1) + by_tma
+        assert len(re.findall(own_loads, ptx)) == unicast, inst.name
+        assert (_release_fences(ptx) > 0) == by_tma, (inst.name, _release_fences(ptx))
 
 
 def test_block_scales_are_read_before_the_mmas_are_issued():

@@ -19,7 +19,10 @@ Staging: the scales of one K tile ride in the same mainloop stage as its A/W til
   aligned: ``a_scale_tma_view`` decides per call) come by TMA: the TMA warp loads the tile's rows of the K
   block as one more box on the stage's full barrier (``load_a_scale_box``), its bytes in the stage's
   transaction count. Copied by the scale warp instead, the same one-wave tiles ran 5-15% slower (BENCHMARKS.md,
-  session 29). Not in the DeepSeek recipe's split-N loop (``Sm90Fp8Gemm.a_scale_tma`` says why).
+  session 29). The consumers read them with ordinary (generic-proxy) loads and the next refill writes them
+  through the async proxy, so each consumer thread fences its reads before releasing the stage
+  (``PromotedMainloops._release_stage``): without that fence the DeepSeek 64x192 pairs read wrong A scales in
+  15-19 of 24 runs (session 30).
 * Everything else is copied by the scale warp (warp 1 of the producer warp group), not the TMA warp, which
   keeps the TMA warp's path from a freed stage to its next TMA issue short: ``group`` scales that form one
   contiguous, 16-byte aligned run in 16-byte ``cp.async`` copies, four rows per lane; otherwise (other layouts,
@@ -29,9 +32,9 @@ Staging: the scales of one K tile ride in the same mainloop stage as its A/W til
 * Every scale-warp lane signals the stage's full barrier with ``cp.async.mbarrier.arrive.noinc`` once its
   copies land (it still copies W's scales when A's come by TMA) -- the barrier therefore expects 1 (the TMA
   warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk``
-counted in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs
-at 32 producer registers, also with the bytes posted by an arrival, and never with ``cp.async`` copies:
-BENCHMARKS.md, sessions 24-25.)
+counted in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs,
+never with ``cp.async`` copies: BENCHMARKS.md, sessions 24-25. The bulk copy writes through the async proxy
+too; session 30 found the missing proxy fence behind that.)
 """
 
 from __future__ import annotations

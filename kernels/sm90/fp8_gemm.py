@@ -100,10 +100,12 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         # Both read per-block scales raw (a few registers), products formed in the promotion.
         self.raw_scales = self.split_n or self.read_ahead
         # A's group scales may come by TMA (block_scales.a_scale_tma_view decides per call): the box lands in
-        # the stage's A slots, which TMA needs 128-byte aligned (tile_m * 4 bytes apart). Not in the split-N
-        # loop: on the 64x192 pairs it read wrong A scales in 5 of 12 runs (cause not found; a bulk copy of
-        # them did the same in sessions 24-25), and its one-CTA form gained ~1% (BENCHMARKS.md, session 29).
-        self.a_scale_tma = (self.block_scaled and self.scale_gran[0] == "group" and cfg.tile_m % 32 == 0
+        # the stage's A slots, which TMA needs 128-byte aligned (tile_m * 4 bytes apart). The consumers then fence
+        # their reads of them before each stage release (PromotedMainloops._release_stage), which costs the
+        # 128-row tiles 1-2.5% -- more than the TMA box gains them -- and the 64-row ones (one consumer warp
+        # group, 10-17% faster by TMA) little. So 64-row tiles only, and not the split-N pairs, which gained
+        # nothing by it (BENCHMARKS.md, sessions 29-30).
+        self.a_scale_tma = (self.block_scaled and self.scale_gran[0] == "group" and cfg.tile_m == 64
                             and not self.split_n)
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)

@@ -183,8 +183,7 @@ class PromotedMainloops:
         scales.read_raw(slot, read_state.index)
         cute.nvgpu.warpgroup.wait_group(1)  # the previous K tile's half 1
         self._promote_half(acc, temps, 1, scales, 1 - slot, release_state.index)
-        mainloop.consumer_release(release_state)
-        release_state.advance()
+        self._release_stage(mainloop, release_state)
         self._issue_k_tile(mmas, temps[1], tCrA, tCrB[1], read_state.index, num_k_blocks)
         read_state.advance()
         return read_state, release_state
@@ -196,8 +195,7 @@ class PromotedMainloops:
         self._promote_half(acc, temps, 0, scales, slot, release_state.index)
         cute.nvgpu.warpgroup.wait_group(0)
         self._promote_half(acc, temps, 1, scales, slot, release_state.index)
-        mainloop.consumer_release(release_state)
-        release_state.advance()
+        self._release_stage(mainloop, release_state)
         return release_state
 
     @cute.jit
@@ -237,9 +235,20 @@ class PromotedMainloops:
         else:
             self._promote(acc, frag)
         fence_registers(acc)
+        self._release_stage(mainloop, release_state)
+        return release_state
+
+    @cute.jit
+    def _release_stage(self, mainloop, release_state):
+        """Give a K tile's stage back to the producers and advance ``release_state``. Where A's scales may come by
+        TMA, each thread first orders its shared-memory reads of the stage's scales before the TMA refill: they are
+        generic-proxy reads and the refill an async-proxy write, which the stage's barriers alone do not order.
+        Without the fence the DeepSeek 64x192 pairs read wrong A scales in 15-19 of 24 runs, with it in none
+        (BENCHMARKS.md, session 30)."""
+        if cutlass.const_expr(self.a_scale_tma):
+            cute.arch.fence_proxy("async.shared", space="cta")
         mainloop.consumer_release(release_state)
         release_state.advance()
-        return release_state
 
     @cute.jit
     def _issue_k_tile(self, mmas, frag, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
