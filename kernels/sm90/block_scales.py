@@ -15,11 +15,11 @@ are all read in place.
 
 Staging: the scales of one K tile ride in the same mainloop stage as its A/W tiles.
 
-* A's ``group`` scales in torch's M-major layout (rows contiguous, the K-block stride a multiple of 4, 16-byte
-  aligned: ``a_scale_tma_view`` decides per call) come by TMA: the TMA warp loads the tile's rows of the K
-  block as one more box on the stage's full barrier (``load_a_scale_box``), its bytes in the stage's
-  transaction count. Copied by the scale warp instead, the same one-wave tiles ran 5-15% slower (BENCHMARKS.md,
-  session 29). The consumers read them with ordinary (generic-proxy) loads and the next refill writes them
+* On 64-row tiles (``Sm90Fp8Gemm.a_scale_tma`` says why not others), A's ``group`` scales in torch's M-major
+  layout (rows contiguous, the K-block stride a multiple of 4, 16-byte aligned: ``a_scale_tma_view`` decides per
+  call) come by TMA: the TMA warp loads the tile's rows of the K block as one more box on the stage's full
+  barrier (``load_a_scale_box``), its bytes in the stage's transaction count. Copied by the scale warp
+  instead, the same one-wave tiles ran 5-15% slower (BENCHMARKS.md, session 29). The consumers read them with ordinary (generic-proxy) loads and the next refill writes them
   through the async proxy, so each consumer thread fences its reads before releasing the stage
   (``PromotedMainloops._release_stage``): without that fence the DeepSeek 64x192 pairs read wrong A scales in
   15-19 of 24 runs (session 30).

@@ -37,7 +37,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
     | warp group | role | registers |
     |---|---|---|
-    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster; A's 1x128 scales too when the call's layout allows (``ATileScalesByTma``) | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
+    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster; on 64-row tiles A's 1x128 scales too when the call's layout allows (``ATileScalesByTma``) | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
     | 0, warp 1 | block-scaled recipes: scale producer, each K tile's W scales and (unless they came by TMA) A scales into its stage (``block_scales.ScaleStaging``) | as warp 0 |
     | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled) |
 
@@ -58,8 +58,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     halves into two half fragments and promote one half while the other runs (``_mainloop_split_n``), the
     others promote each K tile after it retires (``_mainloop_promoted_serial``); the loops are in
     ``promoted_mainloops.py``. Block scales ride in the K tile's stage, staged there by producer warp 1
-    (``block_scales.stage_scales``) or, for A's 1x128 scales in torch's layout, loaded by the TMA warp with the
-    tiles (``block_scales.a_scale_tma_view``, chosen per call); each consumer reads its few into registers as
+    (``block_scales.stage_scales``) or, for A's 1x128 scales in torch's layout on 64-row tiles, loaded by the TMA
+    warp with the tiles (``block_scales.a_scale_tma_view``, chosen per call; the consumers then fence their reads
+    before each release); each consumer reads its few into registers as
     soon as the stage is full, before issuing the tile's MMAs (``block_scales.read_stage_scales``) -- or, in
     the 192-wide loops, while the K tile before runs (``_mainloop_serial_ahead``) or right after issuing the K
     tile's first half (split in N).
