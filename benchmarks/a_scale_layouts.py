@@ -14,9 +14,9 @@ import argparse
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api, dispatch, reference as R
+from cutedsl_gemm import api, reference as R
 
-from .common import cublas_call, make_operands
+from .common import cublas_call, dispatched, make_operands
 from .tune_tiles import direct_call, interleaved_times
 
 RECIPE = "1x128_128x128"
@@ -43,9 +43,7 @@ def main(argv=None):
         qa, qw, sa, sb, plain = make_operands(m, n, k, RECIPE)
         b = qw.t()
         ref = R.reference_gemm(*plain, RECIPE)
-        inst = dispatch.select_gemm("sm_90a", RECIPE, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
-        slots = api._launch_clusters(0, inst) * inst.cluster_m * inst.cluster_n  # as scaled_mm counts them
-        inst, splits = dispatch.plan_splits(inst, m, n, k, slots)
+        inst, splits, _ = dispatched(RECIPE, m, n, k, sms)
         calls, names = [cublas_call(RECIPE, qa, b, sa, sb)], ["cuBLAS"]
         for label, scales in (("M-major", sa), ("row-major", sa.contiguous())):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")

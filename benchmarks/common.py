@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from cutedsl_gemm import reference as R
+from cutedsl_gemm import api, dispatch, reference as R
 
 FP8_TFLOPS = 1979.0  # H100 SXM dense FP8
 HBM_TBPS = 3.0  # achievable (measured 3.0-3.06 TB/s on the lent H100)
@@ -67,6 +67,14 @@ def cublas_call(recipe, qa, b, sa, sb, use_fast_accum=False, bias=None):
 
     ga, gb = (getattr(F.ScalingType, SCALING_TYPES[g]) for g in recipe.split("_"))
     return lambda: F.scaled_mm(qa, b, sa, ga, sb, gb, bias=bias, output_dtype=torch.bfloat16)
+
+
+def dispatched(recipe, m, n, k, sms):
+    """(instance, K splits, clusters to launch) as ``scaled_mm`` picks them on device 0."""
+    inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted", None, n=n, sms=sms, k=k)
+    _, clusters = api._launchable(inst, 0)
+    inst, splits = dispatch.plan_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
+    return inst, splits, clusters
 
 
 FLUSH = "read"  # how bench() empties the L2 before each timed run: "read" | "zero" (see bench)

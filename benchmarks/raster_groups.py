@@ -16,18 +16,10 @@ import dataclasses
 
 import torch
 
-from cutedsl_gemm import api, dispatch, reference as R
+from cutedsl_gemm import api, reference as R
 from cutedsl_gemm.sm90_compile import compile_gemm
-from .common import SETS, cublas_call, geomean, make_operands
+from .common import SETS, cublas_call, dispatched, geomean, make_operands
 from .tune_tiles import interleaved_times, tile_label
-
-
-def dispatched(recipe, m, n, k, sms):
-    """(instance, K splits, clusters to launch) as ``scaled_mm`` picks them on device 0."""
-    inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted", None, n=n, sms=sms, k=k)
-    _, clusters = api._launchable(inst, 0)
-    inst, splits = dispatch.plan_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
-    return inst, splits, clusters
 
 
 def main(argv=None):

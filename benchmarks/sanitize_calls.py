@@ -14,9 +14,9 @@ import sys
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api, dispatch, reference as R
+from cutedsl_gemm import reference as R
 
-from .common import make_operands
+from .common import dispatched, make_operands
 
 SHAPES = [  # (DeepSeek recipe's dispatch on 132 SMs)
     (1, 576, 7056),        # small-M swapped tiles in K splits, partial K block
@@ -43,9 +43,7 @@ def main(argv=None):
     for recipe in recipes:
         for m, n, k in SHAPES[: args.max_shapes]:
             qa, qw, sa, sb, plain = make_operands(m, n, k, recipe)
-            inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
-            slots = api._launch_clusters(0, inst) * inst.cluster_m * inst.cluster_n
-            inst, splits = dispatch.plan_splits(inst, m, n, k, slots)
+            inst, splits, _ = dispatched(recipe, m, n, k, sms)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             try:
                 cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out_dtype=torch.bfloat16, out=out)
