@@ -18,11 +18,11 @@ Staging: the scales of one K tile ride in the same mainloop stage as its A/W til
 * On 64-row tiles (``Sm90Fp8Gemm.a_scale_tma`` says why not others), A's ``group`` scales in torch's M-major
   layout (rows contiguous, the K-block stride a multiple of 4, 16-byte aligned: ``a_scale_tma_view`` decides per
   call) come by TMA: the TMA warp loads the tile's rows of the K block as one more box on the stage's full
-  barrier (``load_a_scale_box``), its bytes in the stage's transaction count. Copied by the scale warp
-  instead, the same one-wave tiles ran 5-15% slower (BENCHMARKS.md, session 29). The consumers read them with ordinary (generic-proxy) loads and the next refill writes them
-  through the async proxy, so each consumer thread fences its reads before releasing the stage
-  (``PromotedMainloops._release_stage``): without that fence the DeepSeek 64x192 pairs read wrong A scales in
-  15-19 of 24 runs (session 30).
+  barrier (``load_a_scale_box``), its bytes in the stage's transaction count. That made the one-wave 64 x 128
+  tiles 10-17% faster than the scale warp's copies (BENCHMARKS.md, session 29). The consumers read them with
+  ordinary (generic-proxy) loads and the next refill writes them through the async proxy, so each consumer
+  thread fences its reads before releasing the stage (``PromotedMainloops._release_stage``): without that fence
+  the DeepSeek 64x192 pairs read wrong A scales in 15-19 of 24 runs (session 30).
 * Everything else is copied by the scale warp (warp 1 of the producer warp group), not the TMA warp, which
   keeps the TMA warp's path from a freed stage to its next TMA issue short: ``group`` scales that form one
   contiguous, 16-byte aligned run in 16-byte ``cp.async`` copies, four rows per lane; otherwise (other layouts,
@@ -31,10 +31,11 @@ Staging: the scales of one K tile ride in the same mainloop stage as its A/W til
   (4 bytes into a row) faulted on the H100 (session 29).
 * Every scale-warp lane signals the stage's full barrier with ``cp.async.mbarrier.arrive.noinc`` once its
   copies land (it still copies W's scales when A's come by TMA) -- the barrier therefore expects 1 (the TMA
-  warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk``
-counted in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs,
-never with ``cp.async`` copies: BENCHMARKS.md, sessions 24-25. The bulk copy writes through the async proxy
-too; session 30 found the missing proxy fence behind that.)
+  warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk`` counted
+  in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs, never
+  with ``cp.async`` copies: BENCHMARKS.md, sessions 24-25. The bulk copy also writes through the async proxy,
+  so the missing proxy fence that session 30 found behind the TMA case is the likely cause; the bulk copy was
+  not re-run with the fence.)
 """
 
 from __future__ import annotations
