@@ -14,7 +14,8 @@ import argparse
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api, reference as R
+from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.numerics import reference as R
 
 from .common import cublas_call, dispatched, make_operands
 from .tune_tiles import direct_call, interleaved_times

@@ -16,7 +16,7 @@ import math
 import re
 from collections import defaultdict
 
-from cutedsl_gemm import dispatch
+from cutedsl_gemm.selection import dispatch
 
 from .tune_tiles import tile_label
 

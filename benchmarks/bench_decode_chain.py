@@ -16,8 +16,9 @@ import dataclasses
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api, dispatch
-from cutedsl_gemm.generators.manifest import KernelInstance
+from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection.instances import KernelInstance
 from . import common
 from .common import HBM_TBPS, bench, make_operands
 

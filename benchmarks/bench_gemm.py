@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import cutedsl_gemm
 from . import common
 from .common import SETS, FP8_TFLOPS, bench, cublas_call, gbps, geomean, make_operands, tflops, write_json
-from cutedsl_gemm import reference as R
+from cutedsl_gemm.numerics import reference as R
 
 
 def run(sets, recipes, out_path=None, check=True, fast_accum=False, shapes=None):

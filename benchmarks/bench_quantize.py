@@ -3,7 +3,7 @@
     python -m benchmarks.bench_quantize [--shape 8192x8192[,MxK...]] [--dtype bf16] [--fmt e4m3]
                                         [--check cpu|gpu] [--out quant.json]
 
-One row per recipe: our time, the torch reference (cutedsl_gemm.reference.quantize on the GPU) time and
+One row per recipe: our time, the torch reference (cutedsl_gemm.numerics.reference.quantize on the GPU) time and
 the speed-up, effective bandwidth (bytes read + written, scales included) and % of the 3.0 TB/s HBM
 bandwidth measured on the lent H100, plus whether our output equals the reference bit for bit (NaN codes
 compared as NaN; ``--check cpu``, the default, runs that reference on the CPU). A last row times torch's
@@ -19,9 +19,9 @@ import math
 import torch
 
 from benchmarks.common import HBM_TBPS, write_json
-from cutedsl_gemm import reference as R
-from cutedsl_gemm.formats import element_format
-from cutedsl_gemm.quantize import _Blocks, quantize_fp8, resolve_granularity
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.numerics.formats import element_format
+from cutedsl_gemm.ops.quantize import _Blocks, quantize_fp8, resolve_granularity
 
 # (label, recipe, block, scale_layout)
 CASES = [

@@ -8,7 +8,9 @@ import statistics
 
 import torch
 
-from cutedsl_gemm import api, dispatch, reference as R
+from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.numerics import reference as R
 
 FP8_TFLOPS = 1979.0  # H100 SXM dense FP8
 HBM_TBPS = 3.0  # achievable (measured 3.0-3.06 TB/s on the lent H100)

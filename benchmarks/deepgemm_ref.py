@@ -64,7 +64,7 @@ def warm_all(shapes, parallel=10):
 def compare(shapes, rounds):
     import deep_gemm
     import cutedsl_gemm
-    from cutedsl_gemm import reference as R
+    from cutedsl_gemm.numerics import reference as R
     from .common import bench, cublas_call, geomean, make_operands, tflops
 
     times = {}

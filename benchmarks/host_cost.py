@@ -28,7 +28,7 @@ def per_call_us(fn, calls):
 
 def _repeated_call(m, n, k, recipe, out):
     """Operands of one recipe and the plan scaled_mm recorded for their call signature."""
-    from cutedsl_gemm import api
+    from cutedsl_gemm.ops import scaled_mm as api
 
     qa, qw, sa, sb, _ = make_operands(m, n, k, recipe)
     b = qw.t()
@@ -47,7 +47,8 @@ def _print_rows(title, rows, calls):
 def breakdown(m, n, k, calls):
     """Where the time of one call goes: the bare compiled call (TVM-FFI, prebuilt arguments), the call
     signature, the scale views, and the whole scaled_mm."""
-    from cutedsl_gemm import api, scale_layouts
+    from cutedsl_gemm.ops import scaled_mm as api
+    from cutedsl_gemm.numerics import scale_layouts
 
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
     sig_of = lambda qa, b, sa, sb: api._signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None, None)

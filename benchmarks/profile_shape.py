@@ -12,7 +12,7 @@ import argparse
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api
+from cutedsl_gemm.ops import scaled_mm as api
 from .common import cublas_call, make_operands
 from .tune_tiles import candidates, direct_call
 

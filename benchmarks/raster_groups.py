@@ -16,8 +16,9 @@ import dataclasses
 
 import torch
 
-from cutedsl_gemm import api, reference as R
-from cutedsl_gemm.sm90_compile import compile_gemm
+from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.runtime.compile import compile_gemm
 from .common import SETS, cublas_call, dispatched, geomean, make_operands
 from .tune_tiles import interleaved_times, tile_label
 

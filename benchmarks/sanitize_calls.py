@@ -14,7 +14,7 @@ import sys
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import reference as R
+from cutedsl_gemm.numerics import reference as R
 
 from .common import dispatched, make_operands
 

@@ -81,9 +81,9 @@ def report(name: str, sass_text: str, listing: bool) -> None:
 
 
 def compile_cubins(recipes, shape, out_dir):
-    from cutedsl_gemm import dispatch
-    from cutedsl_gemm.inspect import keep_artifacts
-    from cutedsl_gemm.sm90_compile import compile_gemm
+    from cutedsl_gemm.selection import dispatch
+    from cutedsl_gemm.tools.ptx_inspect import keep_artifacts
+    from cutedsl_gemm.runtime.compile import compile_gemm
 
     m, n, k = shape
     for recipe in recipes:

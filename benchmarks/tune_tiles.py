@@ -24,8 +24,10 @@ from dataclasses import replace
 
 import torch
 
-from cutedsl_gemm import api, dispatch, reference as R
-from cutedsl_gemm.generators.manifest import KernelInstance
+from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.selection.instances import KernelInstance
 from . import common
 from .common import HBM_TBPS, bench, cublas_call, make_operands
 

@@ -1,8 +1,8 @@
 """cutedsl_gemm: low-precision GEMM kernels for Hopper and Blackwell in the CuTe DSL, called from PyTorch."""
 
-from cutedsl_gemm.formats import ELEMENT_FORMATS, RECIPES, ElementFormat, ScalingRecipe, element_format, recipe
-from cutedsl_gemm.api import scaled_mm
-from cutedsl_gemm.quantize import quantize_fp8
+from cutedsl_gemm.numerics.formats import ELEMENT_FORMATS, RECIPES, ElementFormat, ScalingRecipe, element_format, recipe
+from cutedsl_gemm.ops.scaled_mm import scaled_mm
+from cutedsl_gemm.ops.quantize import quantize_fp8
 
 __version__ = "0.1.0"
 

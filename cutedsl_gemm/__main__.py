@@ -1,3 +1,3 @@
-from cutedsl_gemm.cli import main
+from cutedsl_gemm.tools.cli import main
 
 raise SystemExit(main())

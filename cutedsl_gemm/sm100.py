@@ -30,9 +30,9 @@ from typing import Optional
 
 import torch
 
-from . import fp_packing
-from .formats import E2M1, E4M3, E5M2, F8F6F4_FORMATS, ElementFormat, element_format
-from .jit import KERNEL_CACHE
+from cutedsl_gemm.numerics import fp_packing
+from cutedsl_gemm.numerics.formats import E2M1, E4M3, E5M2, F8F6F4_FORMATS, ElementFormat, element_format
+from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
 #: tcgen05 kind::f8f6f4 instruction-descriptor format codes (written into the descriptor at run time).
 MMA_FORMAT_CODE = {"e4m3": 0, "e5m2": 1, "e2m3": 3, "e3m2": 4, "e2m1": 5}

@@ -4,7 +4,7 @@
 (+ bias) with A (M, K) and ``b`` (K, N) in torch._scaled_mm's convention (``b = w.t()`` of a row-major
 (N, K) ``w``), the operand storage of :mod:`cutedsl_gemm.sm100` (FP8 dtypes, ``float4_e2m1fn_x2``,
 packed FP6 in uint8), and scale factors in the SWIZZLE_32_4_4 blocked layout
-(:mod:`cutedsl_gemm.microscaling`).
+(:mod:`cutedsl_gemm.numerics.microscaling`).
 
 ==============  ==================  ===================  =====  =============================================
 recipe          elements            scale (per K block)  block  tcgen05 kind (PTX; older name)
@@ -46,10 +46,10 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from . import microscaling as ms
-from .formats import E2M1, E4M3, UE8M0, ElementFormat
-from .jit import KERNEL_CACHE
-from .sm100 import (
+from cutedsl_gemm.numerics import microscaling as ms
+from cutedsl_gemm.numerics.formats import E2M1, E4M3, UE8M0, ElementFormat
+from cutedsl_gemm.runtime.jit import KERNEL_CACHE
+from cutedsl_gemm.sm100 import (
     MMA_FORMAT_CODE,
     OUT_DTYPES,
     STORAGE_CLASS,
@@ -216,7 +216,7 @@ def fake_args(cfg: BlockScaledConfig):
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_compact_tensor
 
-    from . import sm100
+    from cutedsl_gemm import sm100
 
     dense = sm100.fake_args(Sm100Config(cfg.out_dtype, cfg.has_bias, cfg.use_2cta, cfg.tile_n))
 

@@ -18,9 +18,9 @@ import tempfile
 
 import torch
 
-from cutedsl_gemm import microscaling as ms
+from cutedsl_gemm.numerics import microscaling as ms
 from cutedsl_gemm import sm100_blockscaled as bs
-from cutedsl_gemm.reference import rel_error
+from cutedsl_gemm.numerics.reference import rel_error
 
 RECIPES = (("NVFP4", lambda x: bs.quantize_nvfp4(x)), ("MXFP8 e4m3", lambda x: bs.quantize_mx(x, "e4m3")))
 

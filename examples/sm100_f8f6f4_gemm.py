@@ -23,8 +23,9 @@ def on_blackwell() -> bool:
 def run(args):
     import torch
 
-    from cutedsl_gemm import fp_packing, sm100
-    from cutedsl_gemm.reference import rel_error
+    from cutedsl_gemm import sm100
+    from cutedsl_gemm.numerics import fp_packing
+    from cutedsl_gemm.numerics.reference import rel_error
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(args.m, args.k, generator=g)

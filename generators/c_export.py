@@ -9,7 +9,7 @@ M, N, K). The registry turns that into argument checks.
 
 Compiles without ``--enable-tvm-ffi``: the DSL's C export (header + object) exists only for the plain
 calling convention; a TVM-FFI compile exports a bare object with a packed-function symbol and no header
-(that is what ``cutedsl_gemm.jit`` links for its disk cache).
+(that is what ``cutedsl_gemm.runtime.jit`` links for its disk cache).
 """
 
 import ctypes
@@ -25,7 +25,7 @@ import cutlass.cute as cute
 import jinja2
 from cutlass import Int32, Int64
 
-from cutedsl_gemm.generators.manifest import KernelInstance
+from cutedsl_gemm.selection.instances import KernelInstance
 from cutedsl_gemm.generators.runner import code_key
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -177,7 +177,7 @@ def _sm90_gemm(inst: KernelInstance):
     from cutlass.cute.runtime import make_fake_stream
 
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-    from cutedsl_gemm.sm90_compile import fake_gemm_args
+    from cutedsl_gemm.runtime.compile import fake_gemm_args
 
     cfg = inst.sm90_config()
     args = list(fake_gemm_args(cfg))

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from cutedsl_gemm.generators.manifest import INSTANCES, KernelInstance
+from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
 from cutedsl_gemm.generators.runner import code_key, run_parallel
 
 DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
@@ -49,7 +49,7 @@ def code_config(inst: KernelInstance) -> dict:
 # Kernel families: the modules a family's code comes from and how its facts are read
 # ------------------------------------------------------------------------------------------------
 def _sm90_gemm_facts(inst: KernelInstance) -> dict:
-    from cutedsl_gemm.inspect import inspect_instance
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
 
     rep = inspect_instance(inst)
@@ -70,7 +70,7 @@ class Family:
 
 
 FAMILIES: Dict[Tuple[str, str], Family] = {
-    ("sm_90a", "gemm"): Family(("cutedsl_gemm.sm90_compile", "cutedsl_gemm.inspect"), _sm90_gemm_facts),
+    ("sm_90a", "gemm"): Family(("cutedsl_gemm.runtime.compile", "cutedsl_gemm.tools.ptx_inspect"), _sm90_gemm_facts),
 }
 
 
@@ -119,7 +119,7 @@ def facts_fingerprint(inst: KernelInstance) -> Optional[str]:
         return None
     fp = _FINGERPRINTS.get(fam.roots)
     if fp is None:
-        from cutedsl_gemm.jit import dsl_version
+        from cutedsl_gemm.runtime.jit import dsl_version
 
         h = hashlib.sha256(f"dsl {dsl_version()}\n".encode())
         for name, path in sorted(module_closure(fam.roots).items()):
@@ -134,7 +134,7 @@ def collect_facts(inst: KernelInstance) -> dict:
     fam = family(inst)
     if fam is None:
         raise ValueError(f"{inst.name}: no inspector for arch={inst.arch} op={inst.op}")
-    from cutedsl_gemm.jit import dsl_version
+    from cutedsl_gemm.runtime.jit import dsl_version
 
     return {"fingerprint": facts_fingerprint(inst), "dsl": dsl_version(), "config": code_config(inst), **fam.facts(inst)}
 

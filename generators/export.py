@@ -7,7 +7,7 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
 * ``cutedsl_gemm_registry.h`` / ``.c``: one uniform C entry point per instance (DLPack-like tensor
   descriptors in, the instance's typed structs out), argument checks derived from the traced signature
   (ranks, static extents, divisibility, shared M/N/K, alignment), lazy per-instance module loading and a
-  lookup by (op, arch, recipe, dtypes, accumulation, M) that follows ``cutedsl_gemm.dispatch``;
+  lookup by (op, arch, recipe, dtypes, accumulation, M) that follows ``cutedsl_gemm.selection.dispatch``;
 * ``cutedsl_gemm_kernels.cmake`` + ``CMakeLists.txt``: the static library ``cutedsl_gemm_kernels``;
 * ``export.json``: what was exported, from which sources.
 
@@ -26,8 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jinja2
 
 from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, field_name
-from cutedsl_gemm.generators.manifest import KernelInstance
-from cutedsl_gemm.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
+from cutedsl_gemm.selection.instances import KernelInstance
+from cutedsl_gemm.selection.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
 from cutedsl_gemm.generators.runner import code_key, pick, run_parallel
 
 LIB_NAME = "cutedsl_gemm_kernels"
@@ -114,7 +114,7 @@ class ExportResult:
 def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int] = None,
            jobs: Optional[int] = None, stream=None) -> ExportResult:
     """Export the selected instances of ``arch`` into ``out_dir``; raise ExportError if any fails."""
-    from cutedsl_gemm.jit import dsl_version, source_fingerprint
+    from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
 
     insts = pick(arch, filters, limit)
     out = Path(out_dir).resolve()
@@ -134,7 +134,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int]
     if len(signatures) != 1:
         raise ExportError(f"the selected instances have different entry signatures ({sorted(signatures)}); "
                           f"export them separately (--filter)")
-    from cutedsl_gemm import dispatch
+    from cutedsl_gemm.selection import dispatch
 
     max_splits = int(getattr(dispatch, "MAX_SPLITS", 1 << 30))
     ctx = {

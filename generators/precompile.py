@@ -1,7 +1,7 @@
 """Fill the on-disk JIT cache ahead of time, in parallel worker processes.
 
 ``cutedsl-gemm precompile --arch sm_90a [--filter SUBSTR] [--jobs N]`` compiles every selected manifest
-instance into ``cutedsl_gemm.jit.KERNEL_CACHE`` under the same key the runtime looks up (see
+instance into ``cutedsl_gemm.runtime.jit.KERNEL_CACHE`` under the same key the runtime looks up (see
 ``cache_key``), so the first ``scaled_mm`` call of a process loads a shared library instead of compiling.
 Entries already on disk are found before any worker starts: a second run compiles nothing.
 """
@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
-from cutedsl_gemm.generators.manifest import KernelInstance
+from cutedsl_gemm.selection.instances import KernelInstance
 from cutedsl_gemm.generators.runner import pick, run_parallel
 
 
@@ -22,14 +22,14 @@ class PrecompileError(RuntimeError):
 
 
 def cache_key(inst: KernelInstance) -> Tuple[KernelInstance, str]:
-    """(key, arch) as ``cutedsl_gemm.api`` passes them to ``KERNEL_CACHE.get`` (a test holds them equal)."""
+    """(key, arch) as ``cutedsl_gemm.ops.scaled_mm`` passes them to ``KERNEL_CACHE.get`` (a test holds them equal)."""
     return inst, inst.arch
 
 
 def compile_instance(inst: KernelInstance):
     """The runtime's compilation of one instance (TVM-FFI calling convention)."""
     if inst.arch == "sm_90a" and inst.op == "gemm":
-        from cutedsl_gemm.sm90_compile import compile_gemm
+        from cutedsl_gemm.runtime.compile import compile_gemm
 
         return compile_gemm(inst.sm90_config(), inst.arch)
     raise PrecompileError(f"{inst.name}: the runtime has no JIT path for arch={inst.arch} op={inst.op}")
@@ -37,7 +37,7 @@ def compile_instance(inst: KernelInstance):
 
 def precompile_one(inst: KernelInstance) -> dict:
     """Compile one instance into the disk cache unless present (runs in a worker process)."""
-    from cutedsl_gemm.jit import KERNEL_CACHE
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     key, arch = cache_key(inst)
     before = KERNEL_CACHE.stats.compiles
@@ -61,7 +61,7 @@ class PrecompileReport:
 
 def precompile(arch: str, filters: Sequence[str] = (), jobs: Optional[int] = None, limit: Optional[int] = None,
                stream=None) -> PrecompileReport:
-    from cutedsl_gemm.jit import KERNEL_CACHE, cache_dir, disk_cache_enabled
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE, cache_dir, disk_cache_enabled
 
     t0 = time.perf_counter()
     if not disk_cache_enabled():

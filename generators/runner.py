@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Callable, Iterable, List, Optional, Sequence, TextIO, Tuple
 
-from cutedsl_gemm.generators.manifest import INSTANCES, KernelInstance
+from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
 
 
 class SelectionError(ValueError):

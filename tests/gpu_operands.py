@@ -4,8 +4,8 @@ block (2^-4 .. 2^2) so that a scale applied to the wrong row, column or K block 
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import reference as R
-from cutedsl_gemm.validation import OUT_NAMES
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.problem import OUT_NAMES
 
 TORCH_DTYPES = {name: dtype for dtype, name in OUT_NAMES.items()}  # "bf16" -> torch.bfloat16, ...
 # Relative Frobenius error allowed against the float64 reference, by output dtype (promoted accumulation).
@@ -41,7 +41,7 @@ def torch_scale_layout(s, gran_rows):
 def distinct_kernels(recipes):
     """One instance per distinct kernel among the Hopper manifest rows of ``recipes`` (E4M3 x E4M3, bf16 out,
     no bias): rows that differ only in their dispatch M range share code (``runner.code_key``)."""
-    from cutedsl_gemm.generators.manifest import select
+    from cutedsl_gemm.selection.instances import select
     from cutedsl_gemm.generators.runner import code_key
 
     seen = {}

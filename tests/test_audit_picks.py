@@ -4,7 +4,7 @@ import math
 
 from benchmarks import audit_picks
 from benchmarks.tune_tiles import tile_label
-from cutedsl_gemm import dispatch
+from cutedsl_gemm.selection import dispatch
 
 # Lines as benchmarks.tune_tiles printed them on the H100 (session 13 audit), timings changed so each
 # shape's pick and best tile differ and the geomeans are known.

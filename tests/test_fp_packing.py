@@ -6,8 +6,8 @@ import itertools
 import pytest
 import torch
 
-from cutedsl_gemm import fp_packing as fp
-from cutedsl_gemm.formats import E2M1, E2M3, E3M2, E4M3
+from cutedsl_gemm.numerics import fp_packing as fp
+from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, E4M3
 
 
 def _binades(*parts):

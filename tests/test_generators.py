@@ -11,10 +11,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from cutedsl_gemm import dispatch
-from cutedsl_gemm.dispatch import select_gemm
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection.dispatch import select_gemm
 from cutedsl_gemm.generators import catalog as C
-from cutedsl_gemm.generators import manifest as M
+from cutedsl_gemm.selection import instances as M
 from cutedsl_gemm.generators.runner import SelectionError, code_key, pick
 from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
@@ -86,7 +86,7 @@ def test_pick_selects_filters_and_explains_empty_selections():
 
 
 def test_cli_export_of_an_arch_without_instances_is_an_error(tmp_path, capsys):
-    from cutedsl_gemm.cli import main
+    from cutedsl_gemm.tools.cli import main
 
     assert main(["export", "--arch", "sm_100a", "--out", str(tmp_path)]) == 2
     assert "no sm_100a instances" in capsys.readouterr().err
@@ -322,7 +322,7 @@ def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("which", ["cooperative", "split_k", "cluster4"])
 def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which):
-    from cutedsl_gemm import reference as R
+    from cutedsl_gemm.numerics import reference as R
 
     name, m, splits = {"cooperative": (ROW_BF16, M_TEST, 0), "split_k": (SMALL, M_SMALL, 3),
                        "cluster4": (CLUSTER4, M_TEST, 0)}[which]
@@ -368,7 +368,7 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
 # ------------------------------------------------------------------------------------------------
 def test_precompile_uses_the_runtime_cache_key(monkeypatch):
     """precompile must fill exactly the entry scaled_mm looks up."""
-    from cutedsl_gemm import api
+    from cutedsl_gemm.ops import scaled_mm as api
     from cutedsl_gemm.generators.precompile import cache_key
 
     seen = []
@@ -387,7 +387,7 @@ def test_precompile_uses_the_runtime_cache_key(monkeypatch):
 @pytest.mark.compile
 def test_precompile_fills_the_cache_once(tmp_path, monkeypatch):
     from cutedsl_gemm.generators.precompile import precompile
-    from cutedsl_gemm.jit import KERNEL_CACHE
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
     first = precompile("sm_90a", [ROW_BF16], jobs=1)  # one spawned worker process
@@ -417,7 +417,7 @@ def test_catalog_is_fresh():
 
 def test_catalog_fingerprint_covers_the_kernel_sources():
     mods = C.module_closure(C.FAMILIES[("sm_90a", "gemm")].roots)
-    assert {"cutedsl_gemm.sm90_compile", "cutedsl_gemm.kernels.sm90.fp8_gemm",
+    assert {"cutedsl_gemm.runtime.compile", "cutedsl_gemm.kernels.sm90.fp8_gemm",
             "cutedsl_gemm.kernels.common.tile_scheduler"} <= set(mods)
     assert "cutedsl_gemm.kernels.sm90.quantize_fp8" not in mods  # unrelated edits keep the facts
 

@@ -30,7 +30,7 @@ def _build_tiny(scale: float):
 
 
 def test_memory_and_disk_hits(tmp_path, monkeypatch):
-    from cutedsl_gemm.jit import KernelCache
+    from cutedsl_gemm.runtime.jit import KernelCache
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
     c = KernelCache()
@@ -49,7 +49,7 @@ def test_memory_and_disk_hits(tmp_path, monkeypatch):
 
 
 def test_corrupt_entry_is_rebuilt(tmp_path, monkeypatch):
-    from cutedsl_gemm.jit import KernelCache
+    from cutedsl_gemm.runtime.jit import KernelCache
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
     c = KernelCache()
@@ -63,7 +63,7 @@ def test_corrupt_entry_is_rebuilt(tmp_path, monkeypatch):
 
 
 def test_key_includes_dsl_version_and_sources(tmp_path, monkeypatch):
-    from cutedsl_gemm import jit
+    from cutedsl_gemm.runtime import jit
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
     c = jit.KernelCache()
@@ -76,7 +76,7 @@ def test_key_includes_dsl_version_and_sources(tmp_path, monkeypatch):
 
 def _worker(cache_dir, q):
     os.environ["CUTEDSL_GEMM_CACHE_DIR"] = cache_dir
-    from cutedsl_gemm.jit import KernelCache
+    from cutedsl_gemm.runtime.jit import KernelCache
 
     c = KernelCache()
     c.get(("tiny", 5.0), lambda: _build_tiny(5.0), arch="sm_90a", load=False)

@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from cutedsl_gemm import microscaling as ms
-from cutedsl_gemm.formats import E2M1, E2M3, E3M2, E4M3, E5M2, UE8M0
+from cutedsl_gemm.numerics import microscaling as ms
+from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2, UE8M0
 
 ALL_FMTS = (E4M3, E5M2, E3M2, E2M3, E2M1)
 RAGGED = [(1, 1), (5, 3), (127, 4), (128, 4), (129, 5), (300, 9), (256, 8), (33, 17)]
@@ -142,7 +142,7 @@ def test_encoder_nan_and_signed_zero():
 @pytest.mark.parametrize("fmt", (E3M2, E2M3, E2M1), ids=lambda f: f.name)
 def test_encoder_agrees_with_fp_packing(fmt):
     """A second, independently written sub-byte encoder (the f8f6f4 GEMM's) gives the same codes."""
-    from cutedsl_gemm import fp_packing
+    from cutedsl_gemm.numerics import fp_packing
 
     x = bf16_all()
     x = x[~torch.isnan(x)]

@@ -20,10 +20,10 @@ import numpy as np
 import pytest
 import torch
 
-from cutedsl_gemm.formats import E4M3, E5M2, BLOCK_128x128_128x128, DEEPSEEK_1x128_128x128, ScaleGranularity
-from cutedsl_gemm import reference as R
-from cutedsl_gemm.quantize import quantize_fp8
-from cutedsl_gemm.inspect import find_ptxas, ptxas_registers_and_spills, ptxas_report
+from cutedsl_gemm.numerics.formats import E4M3, E5M2, BLOCK_128x128_128x128, DEEPSEEK_1x128_128x128, ScaleGranularity
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.ops.quantize import quantize_fp8
+from cutedsl_gemm.tools.ptx_inspect import find_ptxas, ptxas_registers_and_spills, ptxas_report
 
 FMTS = {"e4m3": E4M3, "e5m2": E5M2}
 GRANS = {"tensor": (None, None), "row": (1, None), "1x128": (1, 128), "128x128": (128, 128), "256x256": (256, 256)}
@@ -592,7 +592,7 @@ def test_kernel_large_random_and_stream():
 
 @pytest.mark.gpu
 def test_kernel_cache_reuses_compilation():
-    from cutedsl_gemm.jit import KERNEL_CACHE
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     x = torch.randn(64, 256, device="cuda")
     quantize_fp8(x, "1x128")

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from cutedsl_gemm import formats as F, reference as R
+from cutedsl_gemm.numerics import formats as F
+from cutedsl_gemm.numerics import reference as R
 
 
 @pytest.mark.parametrize("gran", [F.ScaleGranularity.TENSOR, F.ScaleGranularity.ROW, F.ScaleGranularity.GROUP_1x128, F.ScaleGranularity.BLOCK_128x128])

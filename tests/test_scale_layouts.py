@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cutedsl_gemm.scale_layouts import resolve
+from cutedsl_gemm.numerics.scale_layouts import resolve
 
 
 def _torch_1x128(rows, kb):
@@ -77,7 +77,7 @@ def test_explicit_recipes_and_errors():
 
 def test_per_tensor_scale_views_are_kept_and_refreshed():
     """kernel_views keeps the (1,) view of a 0-dim scale per tensor, never stale, never for big storages."""
-    from cutedsl_gemm import scale_layouts as L
+    from cutedsl_gemm.numerics import scale_layouts as L
 
     s, t = torch.tensor(2.0), torch.tensor(3.0)
     va, vb = L.kernel_views("tensor", 1, s, t)
@@ -100,7 +100,7 @@ def test_block_w_scale_views_are_kept_and_refreshed():
     """The (column blocks, Kb) view of torch's padded W block scales is kept per tensor (weights outlive
     calls); a new storage or an in-place restride makes a new one; A scales are passed as they are when
     nothing is padded, sliced when they are."""
-    from cutedsl_gemm import scale_layouts as L
+    from cutedsl_gemm.numerics import scale_layouts as L
 
     kb = 3
     sa = torch.rand(256, kb)

@@ -11,8 +11,8 @@ import re
 import pytest
 import torch
 
-from cutedsl_gemm import microscaling as ms
-from cutedsl_gemm.formats import E2M1, E2M3, E3M2, E4M3, E5M2
+from cutedsl_gemm.numerics import microscaling as ms
+from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2
 
 MX_FMTS = (E4M3, E5M2, E3M2, E2M3, E2M1)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -433,7 +433,7 @@ CONFIGS = [(kind, two) for kind in ("mxf8f6f4", "mxf4", "mxf4nvf4") for two in (
 @pytest.fixture(scope="module")
 def bs_compiled(sm100_env, tmp_path_factory):
     """Every kind in 1-CTA and 2-CTA mode (with bias) compiled once for the module, PTX kept."""
-    from cutedsl_gemm.jit import KERNEL_CACHE
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     out = {}
     before = KERNEL_CACHE.stats.compiles
@@ -507,7 +507,7 @@ def test_blockscaled_runtime_formats_and_compile_reuse(bs_compiled):
     ptx = bs_compiled[("mxf8f6f4", False)]
     # a_format / b_format come from two kernel parameters shifted to bits 7 and 10
     assert re.search(r"shl\.b32\s+%r\d+,\s*%r\d+,\s*7;", ptx) and re.search(r"shl\.b32\s+%r\d+,\s*%r\d+,\s*10;", ptx)
-    from cutedsl_gemm.jit import KERNEL_CACHE
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     before = KERNEL_CACHE.stats.compiles
     for fa, fb in [(E4M3, E4M3), (E5M2, E2M3), (E3M2, E2M1)]:
@@ -537,7 +537,7 @@ def _gpu_quantized(recipe, fa, fb, m, n, k, seed):
 @pytest.mark.parametrize("m,n,k,use_2cta", [(128, 128, 256, False), (300, 136, 512, False), (300, 136, 512, True),
                                              (1024, 512, 2048, True)])
 def test_blockscaled_gemm_vs_float64(recipe, fa, fb, m, n, k, use_2cta):
-    from cutedsl_gemm.reference import rel_error
+    from cutedsl_gemm.numerics.reference import rel_error
 
     qa, qw = _gpu_quantized(recipe, fa, fb, m, n, k, m + n + k)
     out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")  # every element must be written
@@ -550,7 +550,7 @@ def test_blockscaled_gemm_vs_float64(recipe, fa, fb, m, n, k, use_2cta):
 @pytest.mark.blackwell
 @pytest.mark.parametrize("recipe", ["mx", "nvfp4"])
 def test_blockscaled_gemm_bias_bf16_and_scaled_mm_adapter(recipe):
-    from cutedsl_gemm.reference import rel_error
+    from cutedsl_gemm.numerics.reference import rel_error
 
     m, n, k = 384, 256, 1024
     qa, qw = _gpu_quantized(recipe, E4M3, E4M3, m, n, k, 11)

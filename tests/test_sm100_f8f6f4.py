@@ -12,11 +12,11 @@ import re
 import pytest
 import torch
 
-from cutedsl_gemm import fp_packing as fp
+from cutedsl_gemm.numerics import fp_packing as fp
 from cutedsl_gemm import sm100
-from cutedsl_gemm.formats import F8F6F4_FORMATS
-from cutedsl_gemm.jit import KERNEL_CACHE
-from cutedsl_gemm.reference import rel_error
+from cutedsl_gemm.numerics.formats import F8F6F4_FORMATS
+from cutedsl_gemm.runtime.jit import KERNEL_CACHE
+from cutedsl_gemm.numerics.reference import rel_error
 
 FMTS = [f.name for f in F8F6F4_FORMATS]
 PAIRS = list(itertools.product(FMTS, FMTS))

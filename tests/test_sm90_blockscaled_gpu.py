@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import cutedsl_gemm
-from cutedsl_gemm import reference as R
+from cutedsl_gemm.numerics import reference as R
 
 from gpu_operands import (OUT_TOL as TOL, TORCH_DTYPES, block_scaled_operands as _operands, distinct_kernels,
                           launch_directly, torch_scale_layout as _torch_layout)
@@ -101,7 +101,7 @@ def _check_launched_directly(inst, m, n, k, splits):
     """Launch ``inst`` bypassing dispatch on fresh operands with torch's scale layouts (and a random bias
     where the instance has one) and check it against the reference on the dequantized inputs, to the
     tolerance of its output dtype."""
-    from cutedsl_gemm import scale_layouts
+    from cutedsl_gemm.numerics import scale_layouts
 
     qa, sa, qw, sw = _operands(m, n, k, "e4m3", "e4m3", inst.recipe)
     rec = cutedsl_gemm.recipe(inst.recipe)
@@ -141,7 +141,7 @@ def test_block_scaled_pairs_stay_right_run_after_run(inst):
 
 
 def _deepseek_192_rows():
-    from cutedsl_gemm.generators.manifest import select
+    from cutedsl_gemm.selection.instances import select
 
     rows = {i.name: i for i in select(arch="sm_90a", recipe="1x128_128x128", a_dtype="e4m3", b_dtype="e4m3")
             if (i.tile_m, i.tile_n, i.cluster_m, i.split_tail) == (128, 192, 2, False)}

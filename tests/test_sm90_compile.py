@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from cutedsl_gemm import dispatch
-from cutedsl_gemm.generators import manifest
-from cutedsl_gemm.inspect import find_ptxas, inspect_instance as _inspect_uncached, ptxas_performance_notes
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection import instances as manifest
+from cutedsl_gemm.tools.ptx_inspect import find_ptxas, inspect_instance as _inspect_uncached, ptxas_performance_notes
 from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
 # Several tests read the same dispatched instances (e.g. the DeepSeek 128x128 tile): compile each once.
@@ -571,7 +571,7 @@ def test_kernels_trace_without_deprecated_dsl_names(deprecations):
     user's compile and go away in a later release: the Hopper GEMM (cooperative and swapped decode) traces
     without a DeprecationWarning."""
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
-    from cutedsl_gemm.sm90_compile import compile_gemm
+    from cutedsl_gemm.runtime.compile import compile_gemm
 
     found = deprecations(
         lambda: compile_gemm(Sm90GemmConfig(recipe="1x128_128x128", tile_m=128, tile_n=192, cluster_m=2, stages=4)),

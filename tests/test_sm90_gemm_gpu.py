@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import reference as R
-from cutedsl_gemm import scale_layouts
-from cutedsl_gemm.jit import KERNEL_CACHE
-from cutedsl_gemm.dispatch import select_gemm
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm.runtime.jit import KERNEL_CACHE
+from cutedsl_gemm.selection.dispatch import select_gemm
 from gpu_operands import OUT_TOL as TOL, distinct_kernels, launch_directly
 
 pytestmark = pytest.mark.gpu

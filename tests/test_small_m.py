@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from cutedsl_gemm import dispatch
-from cutedsl_gemm.generators import manifest
-from cutedsl_gemm.inspect import inspect_instance
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection import instances as manifest
+from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
 
 def _inst(m, recipe="row", accum="promoted", schedule=None):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm import api, validation as V
+from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm import problem as V
 
 
 def fp8(*shape):

@@ -3,7 +3,7 @@
 ``x`` (rows, K) in bf16 or fp32 -> packed elements (rows, K * bits / 8) uint8 and scale factors in the
 SWIZZLE_32_4_4 blocked layout (padding rows to 128 and scale columns to 4, padding bytes zero), exactly
 the layout ``tcgen05.mma ... .block_scale`` and ``F.scaled_mm`` read. The numerics are the contract of
-:mod:`cutedsl_gemm.microscaling` (OCP floor rule for UE8M0, NVIDIA's recipe for NVFP4); the element
+:mod:`cutedsl_gemm.numerics.microscaling` (OCP floor rule for UE8M0, NVIDIA's recipe for NVFP4); the element
 encoder is the same integer algorithm as ``microscaling.encode_minifloat``, so kernel and torch
 reference agree bit for bit. Only IEEE-rounded fp32 operations appear (``div.rn``, ``rcp.rn``,
 ``mul.rn``; no fast-math), and nothing in the kernels is specific to sm_100: they are compiled for
@@ -22,8 +22,8 @@ from cutlass import Float32, Int32, Uint8, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
 
-from cutedsl_gemm.formats import E2M1, E4M3, ElementFormat, element_format
-from cutedsl_gemm import microscaling as ms
+from cutedsl_gemm.numerics.formats import E2M1, E4M3, ElementFormat, element_format
+from cutedsl_gemm.numerics import microscaling as ms
 
 THREADS = 128
 _F32_MAX = 0x7F7FFFFF
@@ -268,7 +268,7 @@ def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, 
 
 
 def _get(recipe, fmt, in_dtype, compute_global):
-    from cutedsl_gemm.jit import KERNEL_CACHE
+    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     key = ("quantize_blockscaled", recipe, element_format(fmt).name, str(in_dtype), bool(compute_global))
     return KERNEL_CACHE.get(key, lambda: compile_quantizer(recipe, fmt, in_dtype, compute_global))

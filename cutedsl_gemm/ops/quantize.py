@@ -1,6 +1,6 @@
 """``quantize_fp8``: bf16/fp16/fp32 -> E4M3/E5M2 with scales in the layouts the GEMMs consume.
 
-Numerics are the contract of :mod:`cutedsl_gemm.reference` (the CuTe DSL kernels reproduce it bit for
+Numerics are the contract of :mod:`cutedsl_gemm.numerics.reference` (the CuTe DSL kernels reproduce it bit for
 bit): per scale group, ``amax`` = largest finite ``|x|`` (NaN and +-inf ignored), ``scale = amax / fmax``
 in fp32 (1 for an all-zero or non-finite-only group), ``q = RNE(clamp(x / scale, -fmax, fmax))``.
 Consequences for special inputs: a finite value never overflows (it saturates to +-fmax), +-inf becomes
@@ -35,9 +35,9 @@ from typing import Optional
 
 import torch
 
-from . import reference as R
-from .formats import FP8_FORMATS, ScaleGranularity, ScalingRecipe, element_format, recipe as as_recipe
-from .jit import KERNEL_CACHE
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.numerics.formats import FP8_FORMATS, ScaleGranularity, ScalingRecipe, element_format, recipe as as_recipe
+from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
 G = ScaleGranularity
 VEC = 16  # the kernels' vector width in elements: K must be a multiple of it
@@ -90,7 +90,7 @@ def resolve_granularity(recipe, operand: str = "a") -> ScaleGranularity:
     if gran not in (G.TENSOR, G.ROW, G.GROUP_1x128, G.BLOCK_128x128):
         raise ValueError(
             f"quantize_fp8 handles tensor, row, 1x128 and 128x128/256x256 granularities; got {gran.name} "
-            "(MX/NVFP4 use cutedsl_gemm.microscaling)"
+            "(MX/NVFP4 use cutedsl_gemm.numerics.microscaling)"
         )
     return gran
 

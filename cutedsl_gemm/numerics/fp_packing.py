@@ -39,7 +39,7 @@ from typing import Tuple
 
 import torch
 
-from .formats import E2M1, E2M3, E3M2, ElementFormat, element_format
+from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, ElementFormat, element_format
 
 SUBBYTE_FORMATS = (E2M1, E2M3, E3M2)
 

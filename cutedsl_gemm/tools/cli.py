@@ -17,7 +17,7 @@ def _hopper_available() -> bool:
 def cmd_info(args) -> int:
     import cutlass
 
-    from cutedsl_gemm.jit import cache_dir
+    from cutedsl_gemm.runtime.jit import cache_dir
 
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
@@ -35,7 +35,7 @@ DEMO_SHAPES = [(1, 7168, 2048), (128, 4608, 7168), (1024, 7168, 2048), (4096, 40
 
 def _demo_gpu() -> int:
     import cutedsl_gemm
-    from cutedsl_gemm import reference as R
+    from cutedsl_gemm.numerics import reference as R
 
     from triton.testing import do_bench
 
@@ -64,8 +64,9 @@ def _demo_gpu() -> int:
 
 
 def _demo_cpu() -> int:
-    from cutedsl_gemm import dispatch, reference as R
-    from cutedsl_gemm.inspect import inspect_instance
+    from cutedsl_gemm.selection import dispatch
+    from cutedsl_gemm.numerics import reference as R
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
     print("No Hopper GPU here: compiling the FP8 GEMM instances for sm_90a and inspecting them.\n")
     expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA", "setmaxnreg": "register reallocation"}

@@ -1,6 +1,6 @@
 """The kernel instance manifest: every kernel configuration this library builds, declared once.
 
-Runtime dispatch (``cutedsl_gemm.dispatch``), the precompiler, the AOT exporter and the catalog all read
+Runtime dispatch (``cutedsl_gemm.selection.dispatch``), the precompiler, the AOT exporter and the catalog all read
 ``INSTANCES``; there is no other list of configurations. A row is a *tile configuration* crossed with the
 type axes it supports; ``expand()`` turns the table into concrete, hashable instances.
 

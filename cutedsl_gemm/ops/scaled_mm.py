@@ -7,8 +7,10 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from cutedsl_gemm import dispatch, scale_layouts, validation as V
-from cutedsl_gemm.jit import KERNEL_CACHE
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm import problem as V
+from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
 
 @functools.lru_cache(maxsize=None)
@@ -150,7 +152,7 @@ def _launchable(inst, device_index: int):
 
 def _compiled(inst):
     """Compiled function for a manifest instance (compiled at most once per process and cache entry)."""
-    from cutedsl_gemm.sm90_compile import compile_gemm
+    from cutedsl_gemm.runtime.compile import compile_gemm
 
     return KERNEL_CACHE.get(inst, lambda: compile_gemm(inst.sm90_config(), inst.arch), arch=inst.arch)
 
@@ -176,7 +178,7 @@ def scaled_mm(
 
     ``out = (a * scale_a) @ (b * scale_b) + bias`` computed with fp32 accumulation, where ``a`` is (M, K)
     row-major, ``b`` is (K, N) column-major (``w.t()`` of a row-major (N, K) weight), both E4M3 or E5M2.
-    Scales are fp32 dequantization factors, in torch's shapes (see ``cutedsl_gemm.scale_layouts``):
+    Scales are fp32 dequantization factors, in torch's shapes (see ``cutedsl_gemm.numerics.scale_layouts``):
     tensor-wise (one element each), row-wise (``scale_a`` (M, 1), ``scale_b`` (1, N)), or block-scaled per
     128-deep K block: 1x128 x 128x128 (DeepSeek-V3: ``scale_a`` (M, Kb), ``scale_b`` (Kb, ceil(N/128))),
     128x128 x 128x128 and 1x128 x 1x128. The shapes pick the recipe; ``scale_recipe_a``/``scale_recipe_b``

@@ -62,8 +62,8 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import fp_packing
-from .formats import E2M1, E4M3, E5M2, E2M3, E3M2, UE8M0, ElementFormat, element_format
+from cutedsl_gemm.numerics import fp_packing
+from cutedsl_gemm.numerics.formats import E2M1, E4M3, E5M2, E2M3, E3M2, UE8M0, ElementFormat, element_format
 
 MX_BLOCK = 32
 NVFP4_BLOCK = 16
@@ -232,7 +232,7 @@ def decode_minifloat(codes: torch.Tensor, fmt) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------------------
-# Packing: the conventions of cutedsl_gemm.fp_packing (torch / TMA layouts), shared with the f8f6f4 GEMM
+# Packing: the conventions of cutedsl_gemm.numerics.fp_packing (torch / TMA layouts), shared with the f8f6f4 GEMM
 # ----------------------------------------------------------------------------------------------------
 
 

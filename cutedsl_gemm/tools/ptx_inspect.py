@@ -176,7 +176,7 @@ def inspect_instance(inst) -> KernelReport:
     """Compile a manifest instance for its arch (no GPU needed) and report on it."""
     if inst.arch == "sm_90a" and inst.op == "gemm":
         from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-        from cutedsl_gemm.sm90_compile import compile_gemm
+        from cutedsl_gemm.runtime.compile import compile_gemm
 
         cfg = inst.sm90_config()
         with keep_artifacts(inst.arch):

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from .formats import ElementFormat, ScaleGranularity, ScalingRecipe, element_format, recipe as as_recipe
+from cutedsl_gemm.numerics.formats import ElementFormat, ScaleGranularity, ScalingRecipe, element_format, recipe as as_recipe
 
 
 def _ceil_div(a: int, b: int) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from cutedsl_gemm.generators.manifest import INSTANCES, KernelInstance
+from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
 from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
 from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
 
