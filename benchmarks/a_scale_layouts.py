@@ -50,7 +50,7 @@ def main(argv=None):
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             ours = lambda s=scales, o=out: cutedsl_gemm.scaled_mm(qa, b, s, sb, out_dtype=torch.bfloat16, out=o)
             calls.append(_checked(ours, out, ref, f"scaled_mm {label} {shape}"))
-            _, sa_k, sb_k = api.scale_layouts.resolve(scales, sb, m, n, k)
+            _, sa_k, sb_k = scale_layouts.resolve(scales, sb, m, n, k)
             out_d = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
             direct, _, _ = direct_call(inst, qa, b, sa_k, sb_k, out_d, (m, n, k), splits)
             calls.append(_checked(direct, out_d, ref, f"direct {label} {shape}"))

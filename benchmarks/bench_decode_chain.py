@@ -16,7 +16,8 @@ import dataclasses
 import torch
 
 import cutedsl_gemm
-from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection.instances import KernelInstance
 from . import common
@@ -65,15 +66,15 @@ def main(argv=None):
                 # the instance scaled_mm dispatches to (it passes K too)
                 inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
                 plain = _without_pdl(inst)
-                fn = api._compiled(plain)
-                clusters = api._max_active_clusters(0, 1)
-                splits = dispatch.choose_splits(plain, m, n, k, clusters)
-                ws = api._split_buffers(plain, m, n, splits, 0)
-                views = [api.scale_layouts.resolve(sa, sb, m, n, k)[1:] for (_, _, sa, sb, _) in layers]
+                clusters = launch.launch_clusters(0, plain)
+                splits = dispatch.choose_splits(plain, m, n, k, clusters * plain.cluster_m * plain.cluster_n)
+                views = [scale_layouts.resolve(sa, sb, m, n, k)[1:] for (_, _, sa, sb, _) in layers]
+                plain_calls = [launch.bind(plain, qa, qw.t(), sa_k, sb_k, out, splits=splits)
+                               for (_, qw, _, _, _), (sa_k, sb_k), out in zip(layers, views, outs)]
 
                 def ours_nopdl():
-                    for (_, qw, _, _, _), (sa_k, sb_k), out in zip(layers, views, outs):
-                        fn(qa, qw.t(), out, sa_k, sb_k, api._dummy_bias(0), *ws, splits, clusters)
+                    for call in plain_calls:
+                        call()
 
                 t_pdl, t_plain, t_cub = (bench(f) * 1e3 / args.layers for f in (ours, ours_nopdl, theirs))
                 gbs = (n * k + m * k + 2 * m * n) / t_pdl / 1e3

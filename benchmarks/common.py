@@ -8,7 +8,7 @@ import statistics
 
 import torch
 
-from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.numerics import reference as R
 
@@ -74,7 +74,7 @@ def cublas_call(recipe, qa, b, sa, sb, use_fast_accum=False, bias=None):
 def dispatched(recipe, m, n, k, sms):
     """(instance, K splits, clusters to launch) as ``scaled_mm`` picks them on device 0."""
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted", None, n=n, sms=sms, k=k)
-    _, clusters = api._launchable(inst, 0)
+    clusters = launch.launch_clusters(0, inst)
     inst, splits = dispatch.plan_splits(inst, m, n, k, clusters * inst.cluster_m * inst.cluster_n)
     return inst, splits, clusters
 

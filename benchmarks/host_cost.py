@@ -33,8 +33,8 @@ def _repeated_call(m, n, k, recipe, out):
     qa, qw, sa, sb, _ = make_operands(m, n, k, recipe)
     b = qw.t()
     cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out)  # validates, compiles, records the plan
-    sig = api._signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None, None)
-    return (qa, b, sa, sb), api._SIGNATURES[sig]
+    sig = api.call_signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None, None)
+    return (qa, b, sa, sb), api.cached_plan(sig)
 
 
 def _print_rows(title, rows, calls):
@@ -47,17 +47,18 @@ def _print_rows(title, rows, calls):
 def breakdown(m, n, k, calls):
     """Where the time of one call goes: the bare compiled call (TVM-FFI, prebuilt arguments), the call
     signature, the scale views, and the whole scaled_mm."""
-    from cutedsl_gemm.ops import scaled_mm as api
     from cutedsl_gemm.numerics import scale_layouts
+    from cutedsl_gemm.ops import scaled_mm as api
+    from cutedsl_gemm.runtime import launch
 
     out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
-    sig_of = lambda qa, b, sa, sb: api._signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None, None)
+    sig_of = lambda qa, b, sa, sb: api.call_signature(qa, b, sa, sb, None, torch.bfloat16, False, None, None, None,
+                                                      None)
 
     (qa, b, sa, sb), plan = _repeated_call(m, n, k, "row", out)
-    fn, clusters, recipe, kb, dummy, _, splits, need, _, idle = plan
-    ws = api._workspace(0).get(*need) if splits > 1 else idle
+    plan, recipe, kb, _ = plan
     _print_rows("breakdown (row recipe, out given):", {
-        "compiled call only": lambda: fn(qa, b, out, sa, sb, dummy, *ws, splits, clusters),
+        "launch only (kept plan)": lambda: launch.run(plan, qa, b, out, sa, sb, None),
         "signature": lambda: sig_of(qa, b, sa, sb),
         "scale views": lambda: scale_layouts.kernel_views(recipe, kb, sa, sb),
         "scaled_mm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, out=out),

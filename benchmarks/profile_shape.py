@@ -22,7 +22,7 @@ def forced_tile_call(recipe, tile, accum, qa, b, sa, sb, mnk, splits):
     (call, instance, K splits, grid clusters at most). ``splits`` 0: as dispatch would split."""
     m, n, k = mnk
     inst = next(candidates(recipe, [tile], [accum]))
-    _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
+    _, sa_k, sb_k = scale_layouts.resolve(sa, sb, m, n, k)
     out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
     call, splits, clusters = direct_call(inst, qa, b, sa_k, sb_k, out, mnk, splits)
     return call, inst, splits, clusters

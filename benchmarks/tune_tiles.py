@@ -24,7 +24,8 @@ from dataclasses import replace
 
 import torch
 
-from cutedsl_gemm.ops import scaled_mm as api
+from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.selection.instances import KernelInstance
@@ -72,25 +73,13 @@ def tile_label(inst) -> str:
 
 def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits, bias=None):
     """A call of ``inst``'s compiled kernel that bypasses dispatch, on this device's cluster limit, with
-    ``want_splits`` K splits (0: dispatch.choose_splits; 1 where the instance has no split-K):
+    ``want_splits`` K splits (0: what dispatch would choose; 1 where the instance has no split-K):
     (call, splits, max clusters). ``sa_k``/``sb_k`` are the kernel's scale views."""
     m, n, k = mnk
-    fn = api._compiled(inst)
-    clusters = api._launch_clusters(0, inst)
+    clusters = launch.launch_clusters(0, inst)
     slots = clusters * inst.cluster_m * inst.cluster_n  # CTAs resident at once, as scaled_mm counts them
-    if not inst.can_split_k:
-        splits = 1
-    elif want_splits == 0 and inst.split_tail:
-        # the split dispatch would give the manifest's cooperative sibling's last wave
-        sibling = replace(inst, schedule="cooperative", split_tail=False)
-        splits = dispatch.last_wave_splits(sibling, m, n, k, slots)
-    elif want_splits == 0:
-        splits = dispatch.choose_splits(inst, m, n, k, slots)
-    else:
-        splits = dispatch.normalize_splits(want_splits, inst.k_tiles(k))
-    ws = api._split_buffers(inst, m, n, splits, 0)
-    bias = api._dummy_bias(0) if bias is None else bias  # instances built without a bias never read it
-    return (lambda: fn(qa, b, out, sa_k, sb_k, bias, *ws, splits, clusters)), splits, clusters
+    splits = dispatch.splits_for(inst, m, n, k, slots, want_splits)
+    return launch.bind(inst, qa, b, sa_k, sb_k, out, splits=splits, bias=bias), splits, clusters
 
 
 def main(argv=None):
@@ -116,7 +105,7 @@ def main(argv=None):
             for m in map(int, args.ms.split(",")):
                 qa, qw, sa, sb, plain = make_operands(m, n, k, recipe)
                 b = qw.t()
-                _, sa_k, sb_k = api.scale_layouts.resolve(sa, sb, m, n, k)
+                _, sa_k, sb_k = scale_layouts.resolve(sa, sb, m, n, k)
                 ref = R.reference_gemm(*plain, recipe)
                 bytes_moved = m * k + n * k + m * n * 2
                 cublas = cublas_call(recipe, qa, b, sa, sb)

@@ -55,12 +55,15 @@ def launch_directly(inst, qa, b, scale_a, scale_b, mnk, splits=3, bias=None):
     """Run ``inst``'s compiled kernel bypassing dispatch (kernel scale views), K split ``splits`` ways where
     it can, into a NaN-poisoned output of the instance's dtype (with ``bias`` where it has one), and return
     the output."""
-    from benchmarks.tune_tiles import direct_call
+    from cutedsl_gemm.runtime import launch
+    from cutedsl_gemm.selection import dispatch
 
-    m, n, _ = mnk
+    m, n, k = mnk
     out = torch.full((m, n), float("nan"), dtype=TORCH_DTYPES[inst.out_dtype], device="cuda")
     splits = splits if inst.can_split_k else 1
-    call, used, _ = direct_call(inst, qa, b, scale_a, scale_b, out, mnk, splits, bias=bias)
+    slots = launch.launch_clusters(0, inst) * inst.cluster_m * inst.cluster_n  # CTAs resident at once
+    used = dispatch.splits_for(inst, m, n, k, slots, splits)
+    call = launch.bind(inst, qa, b, scale_a, scale_b, out, splits=used, bias=bias)
     call()
     torch.cuda.synchronize()
     assert used == splits, f"{inst.name}: ran {used} K splits, meant {splits}"

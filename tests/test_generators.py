@@ -368,7 +368,7 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
 # ------------------------------------------------------------------------------------------------
 def test_precompile_uses_the_runtime_cache_key(monkeypatch):
     """precompile must fill exactly the entry scaled_mm looks up."""
-    from cutedsl_gemm.ops import scaled_mm as api
+    from cutedsl_gemm.runtime import launch
     from cutedsl_gemm.generators.precompile import cache_key
 
     seen = []
@@ -378,9 +378,9 @@ def test_precompile_uses_the_runtime_cache_key(monkeypatch):
             seen.append((key, arch))
             return "compiled"
 
-    monkeypatch.setattr(api, "KERNEL_CACHE", Recorder())
+    monkeypatch.setattr(launch, "KERNEL_CACHE", Recorder())
     inst = _instance(ROW_BF16)
-    api._compiled(inst)
+    launch.compiled(inst)
     assert seen == [cache_key(inst)]
 
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 import cutedsl_gemm
+from cutedsl_gemm.runtime import launch
+from cutedsl_gemm.runtime.device import max_active_clusters
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.numerics import reference as R
 
@@ -138,12 +140,12 @@ def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
     args, plain = _call_args(m, n, k, recipe)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
-    clusters = cutedsl_gemm.ops.scaled_mm._max_active_clusters(0, inst.cluster_m * inst.cluster_n)
+    clusters = max_active_clusters(0, inst.cluster_m * inst.cluster_n)
     slots = clusters * inst.cluster_m * inst.cluster_n
     splits = dispatch.last_wave_splits(inst, m, n, k, slots)
     variant = dispatch.last_wave_variant(inst)
     assert inst.output_tiles(m, n) > slots and splits > 1 and variant.split_tail
-    assert 0 < dispatch.split_tiles(variant, m, n, splits, clusters) < inst.output_tiles(m, n)
+    assert 0 < launch.split_tiles(variant, m, n, splits, clusters) < inst.output_tiles(m, n)
     ref = R.reference_gemm(*plain, recipe)
     first = None
     for _ in range(3):

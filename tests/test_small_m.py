@@ -4,6 +4,7 @@ import re
 
 import pytest
 
+from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection import instances as manifest
 from cutedsl_gemm.tools.ptx_inspect import inspect_instance
@@ -121,8 +122,8 @@ def test_last_wave_split_variant():
     assert dispatch.last_wave_splits(inst, 6144, 512, 7168, 132) == dispatch.MAX_LAST_WAVE_SPLITS == 4
     variant = dispatch.last_wave_variant(inst)
     assert variant.split_tail and variant.name == inst.name.replace("_t128x192", "_lastwave_t128x192")
-    assert dispatch.split_tiles(variant, 6144, 512, 4, 66) == 6 * 2
-    assert dispatch.split_tiles(inst, 1024, 512, 5, 66) == inst.output_tiles(1024, 512)  # ordinary split: every tile
+    assert launch.split_tiles(variant, 6144, 512, 4, 66) == 6 * 2
+    assert launch.split_tiles(inst, 1024, 512, 5, 66) == inst.output_tiles(1024, 512)  # ordinary split: every tile
     assert dispatch.last_wave_splits(inst, 1024, 4608, 7168, 132) == 2  # 30 past the wave: 66 // 30
     assert dispatch.last_wave_splits(row(1024, 4608), 1024, 4608, 7168, 132) == 1  # 128x144 has no such variant
     # whole waves, a last wave too full to split, a short K, under one wave, decode: not split this way

@@ -57,3 +57,11 @@ def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):
     """cute.compile for ``arch`` (the target goes in the options, so no GPU and no env var are needed)."""
     kernel = Sm90Fp8Gemm(cfg)
     return cute.compile(kernel, *fake_gemm_args(cfg), options=f"{COMPILE_OPTIONS} --gpu-arch {arch}")
+
+
+def compile_instance(inst):
+    """``cute.compile`` the kernel of an instance of the table for its arch: the one compile path that the JIT
+    cache, precompile, export and the catalog share."""
+    if (inst.arch, inst.op) == ("sm_90a", "gemm"):
+        return compile_gemm(inst.sm90_config(), inst.arch)
+    raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")

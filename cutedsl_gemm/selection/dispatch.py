@@ -5,8 +5,8 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+from cutedsl_gemm.runtime.launch import launch_clusters
 from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
-from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
 from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
 
 
@@ -272,14 +272,30 @@ def last_wave_variant(inst: KernelInstance):
     return next((i for i in INSTANCES if i == want), None)
 
 
-def split_tiles(inst: KernelInstance, m: int, n: int, splits: int, max_clusters: int) -> int:
-    """CTA tiles whose K a launch with ``splits`` splits (partial sums and counters to hold): every output
-    tile, or for a last-wave split instance the cluster tiles past the grid's last full wave
-    (kernels/common/last_wave_split.py; ``max_clusters`` caps the grid)."""
-    if splits <= 1:
-        return 0
-    if not inst.split_tail:
-        return inst.output_tiles(m, n)
-    ctiles = inst.cluster_tiles(m, n)
-    grid = min(ctiles * splits, max_clusters)
-    return (ctiles - unsplit_cluster_tiles(ctiles, grid)) * inst.cluster_m * inst.cluster_n
+def splits_for(inst: KernelInstance, m: int, n: int, k: int, slots: int, want: int = 0) -> int:
+    """K splits of a call of ``inst`` that bypasses ``plan_splits`` (tests, benchmarks): ``want`` normalized to
+    the K tiles, or with ``want`` 0 what dispatch would choose (the last-wave split of a ``split_tail``
+    instance's unsplit sibling); 1 where the instance has no split-K reduction. ``slots``: CTAs resident at once."""
+    if not inst.can_split_k:
+        return 1
+    if want:
+        return normalize_splits(want, inst.k_tiles(k))
+    if inst.split_tail:
+        return last_wave_splits(replace(inst, split_tail=False), m, n, k, slots)
+    return choose_splits(inst, m, n, k, slots)
+
+
+def select(problem):
+    """(instance, K splits) for a described call (``problem.GemmProblem``): ``select_gemm``, then the split the
+    call forces or ``plan_splits``' choice over the CTAs resident at once on its GPU."""
+    inst = select_gemm(problem.arch, problem.recipe, problem.a_format, problem.b_format, problem.out_name,
+                       problem.bias_name, problem.m, problem.accum, problem.schedule, n=problem.n, sms=problem.sms,
+                       k=problem.k)
+    if problem.split_k is not None:
+        if not inst.can_split_k:
+            raise ValueError(f"split_k: {inst.name} is built without the split-K reduction (use_fast_accum=False "
+                             "or schedule='small_m' select instances that have it)")
+        return inst, normalize_splits(problem.split_k, inst.k_tiles(problem.k))
+    clusters = launch_clusters(problem.device_index, inst)
+    # A wave is as many CTAs as can be resident at once; a last-wave split variant keeps the tiles and clusters.
+    return plan_splits(inst, problem.m, problem.n, problem.k, clusters * inst.cluster_m * inst.cluster_n)

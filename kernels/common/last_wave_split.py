@@ -8,7 +8,7 @@ the grid; the split tiles are reduced by the kernel's split-K reduction (kernels
 
 It is a separate class (and a separate compile-time kernel variant, ``split_tail``) because the extra
 per-unit state measured 6-15% slower on the shapes it does not split when built into every kernel.
-``unsplit_cluster_tiles`` is the rule the host sizes the workspace with (``dispatch.split_tiles``).
+``unsplit_cluster_tiles`` is the rule the host sizes the workspace with (``runtime.launch.split_tiles``).
 """
 
 from __future__ import annotations
