@@ -49,7 +49,7 @@ def dispatch_key(recipe, accum, m, n, k, sms):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="tune_tiles output (several runs: each tile's fastest counts)")
     p.add_argument("--sms", type=int, default=132, help="SMs dispatch plans for (H100 SXM: 132)")
     args = p.parse_args(argv)
@@ -66,7 +66,9 @@ def main(argv=None):
               f"x{cublas / best[ranked[0]]:4.2f} | " + "  ".join(f"{t} {best[t]:.1f}" for t in ranked[1:4]))
         ratios[(recipe, accum)][0].append(cublas / t_pick)
         ratios[(recipe, accum)][1].append(cublas / best[ranked[0]])
-    geo = lambda xs: math.exp(sum(map(math.log, xs)) / len(xs))
+    def geo(xs):
+        return math.exp(sum(map(math.log, xs)) / len(xs))
+
     for (recipe, accum), (picks, bests) in ratios.items():
         print(f"geomean cuBLAS / ours, {recipe} {accum}: dispatch's picks {geo(picks):.3f}, best tile per shape "
               f"{geo(bests):.3f} ({len(picks)} shapes)")

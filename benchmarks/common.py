@@ -1,19 +1,31 @@
-"""Shared benchmark plumbing: operand generation per recipe, timing, rooflines, table output."""
+"""Shared benchmark plumbing: shape sets, the roofline constants, timing, and the result files.
+
+Operands and the cuBLAS calls they are measured against come from ``cutedsl_gemm.tools.anchors``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import importlib.metadata
 import json
 import math
+import re
+import shlex
 import statistics
+import sys
+from pathlib import Path
 
 import torch
 
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.numerics import reference as R
 
-FP8_TFLOPS = 1979.0  # H100 SXM dense FP8
-HBM_TBPS = 3.0  # achievable (measured 3.0-3.06 TB/s on the lent H100)
+# The floors every table's "% of" column is measured against, on an H100 SXM.
+FP8_TFLOPS = 1979.0  # dense FP8 tensor-core peak
+HBM_TBPS = 3.0  # HBM3 bandwidth a read-only stream reaches (benchmarks.measure_floor); the datasheet says 3.35
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 SETS = {
     "dsv3": [(m, n, k) for m in (1024, 6144) for (n, k) in (
@@ -22,53 +34,22 @@ SETS = {
     "llama70b_decode": [(m, 8192, 8192) for m in (1, 16, 32, 64, 128)],
     "llama70b_layers": [(m, n, k) for (n, k) in ((10240, 8192), (57344, 8192), (8192, 28672)) for m in (1, 16, 64)],
     "square": [(4096, 4096, 4096), (8192, 8192, 8192)],
-    # LLM shapes where dispatch.wave_cost ties 128x192 with 128x128 for the block-W recipes (session 20): eight
-    # at K >= dispatch.LONG_K, where 128x192 wins the tie, two at K = 4096 and two at K = 1536, where 128x128
-    # keeps it for the 2D recipe (the DeepSeek recipe takes 128x192 at every K since session 25)
+    # LLM shapes where dispatch.wave_cost ties 128x192 with 128x128 for the block-W recipes: eight at
+    # K >= dispatch.LONG_K, where 128x192 wins the tie, and four at K = 4096 / 1536.
     "block_ties": [(768, 8192, 8192), (1024, 4608, 7168), (1024, 6144, 4096), (1536, 8192, 8192), (1536, 4096, 14336),
                    (2048, 6144, 4096), (3072, 8192, 8192), (4096, 1536, 7168), (6144, 8192, 8192), (8192, 4608, 7168),
                    (2048, 3072, 1536), (6144, 3072, 1536)],
 }
+SETS["decode"] = SETS["llama70b_decode"] + SETS["llama70b_layers"]
 
-
-def make_operands(m, n, k, recipe, device="cuda", fmt_a="e4m3", fmt_b="e4m3"):
-    """Random data quantized with the reference quantizer; scales in the layouts torch takes for the recipe
-    (torch._scaled_mm for tensor/row, F.scaled_mm's BlockWise1x128 / BlockWise128x128 otherwise)."""
-    a = torch.randn(m, k, device=device)
-    w = torch.randn(n, k, device=device)
-    qa, sa_plain, qw, sw_plain = R.quantize_operands(a, w, recipe, fmt_a, fmt_b)
-    if recipe == "tensor":
-        sa, sb = sa_plain.reshape(()), sw_plain.reshape(())
-    elif recipe == "row":  # (M, 1) x (1, N)
-        sa, sb = sa_plain.reshape(m, 1).contiguous(), sw_plain.reshape(1, n).contiguous()
-    else:
-        sa, sb = torch_block_layout(sa_plain, recipe.split("_")[0]), torch_block_layout(sw_plain, recipe.split("_")[1]).t()
-    return qa, qw, sa, sb, (qa, sa_plain, qw, sw_plain)
-
-
-def torch_block_layout(s, gran):
-    """(rows or row blocks, Kb) scales in F.scaled_mm's layout: 1x128 outer-dim-major, 128x128 with the
-    K-block axis padded to a multiple of 4 (the padded tensor is what cuBLAS takes)."""
-    if gran == "1x128":
-        rows, kb = s.shape  # strides exactly (1, rows), as F.scaled_mm checks them (also for rows == 1)
-        return torch.empty_strided((rows, kb), (1, rows), device=s.device).copy_(s)
-    kb = s.shape[1]
-    padded = torch.ones(s.shape[0], -(-kb // 4) * 4, device=s.device)
-    padded[:, :kb] = s
-    return padded
-
-
-SCALING_TYPES = {"1x128": "BlockWise1x128", "128x128": "BlockWise128x128"}
-
-
-def cublas_call(recipe, qa, b, sa, sb, use_fast_accum=False, bias=None):
-    """cuBLAS through torch for the same recipe: torch._scaled_mm, or F.scaled_mm for block scales."""
-    if recipe in ("tensor", "row"):
-        return lambda: torch._scaled_mm(qa, b, sa, sb, bias=bias, out_dtype=torch.bfloat16, use_fast_accum=use_fast_accum)
-    import torch.nn.functional as F
-
-    ga, gb = (getattr(F.ScalingType, SCALING_TYPES[g]) for g in recipe.split("_"))
-    return lambda: F.scaled_mm(qa, b, sa, ga, sb, gb, bias=bias, output_dtype=torch.bfloat16)
+SET_TITLES = {
+    "dsv3": "DeepSeek-V3 shapes",
+    "decode": "decode shapes (Llama-70B, M <= 128)",
+    "llama70b_decode": "Llama-70B decode, N = K = 8192",
+    "llama70b_layers": "Llama-70B layers at decode batch sizes",
+    "square": "square shapes",
+    "block_ties": "shapes where dispatch ties 128x192 and 128x128",
+}
 
 
 def dispatched(recipe, m, n, k, sms):
@@ -90,7 +71,7 @@ def bench(fn, warmup=25, rep=100, flush=None):
     ``flush="zero"`` is triton's ``do_bench``, which evicts it by *writing* 256 MiB: the L2 is then full
     of dirty lines that the timed kernel has to write back to HBM as it streams its inputs in. That costs
     any memory-bound kernel ~15 us (a read-only pass over 64 MiB: 38.7 us after a zero flush, against
-    ~22 us at the measured 3.06 TB/s), which is an artefact of the flush, not of the kernel.
+    ~22 us at 3.06 TB/s), which is an artefact of the flush, not of the kernel.
     """
     flush = flush or FLUSH
     if flush == "zero":
@@ -100,7 +81,10 @@ def bench(fn, warmup=25, rep=100, flush=None):
     global _flush_buffer
     if _flush_buffer is None:
         _flush_buffer = torch.ones(64 << 20, dtype=torch.int32, device="cuda")
-    evict = lambda: torch.amax(_flush_buffer)
+
+    def evict():
+        torch.amax(_flush_buffer)
+
     fn()
     torch.cuda.synchronize()
     # Size the run by time, as do_bench does.
@@ -126,20 +110,115 @@ def bench(fn, warmup=25, rep=100, flush=None):
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def timing_notes(flush=None):
+    """The one-line description of ``bench``'s method that result files carry."""
+    if (flush or FLUSH) == "zero":
+        return "L2 emptied by a 256 MiB write (triton do_bench) before each run; median"
+    return "L2 emptied by a 256 MiB read before each run; median of the runs in ~100 ms"
+
+
 def tflops(m, n, k, ms):
     return 2.0 * m * n * k / (ms * 1e-3) / 1e12
 
 
 def gbps(m, n, k, ms, out_bytes=2):
+    """Effective bandwidth of a GEMM: FP8 A and W read once, the output written once."""
     return (m * k + n * k + m * n * out_bytes) / (ms * 1e-3) / 1e9
 
 
+def pct_of_hbm(gb_per_s):
+    return 100.0 * gb_per_s / (HBM_TBPS * 1e3)
+
+
+def pct_of_fp8_peak(tf):
+    return 100.0 * tf / FP8_TFLOPS
+
+
 def geomean(xs):
-    xs = [x for x in xs if x and x > 0]
+    xs = [x for x in xs if x and x > 0 and math.isfinite(x)]
     return math.exp(sum(math.log(x) for x in xs) / len(xs)) if xs else float("nan")
 
 
-def write_json(path, rows):
-    if path:
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
+# ---- result files: one JSON table per run, which benchmarks/render.py turns into BENCHMARKS.md ---------------
+
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
+
+
+def add_result_options(parser: argparse.ArgumentParser, default_name: str | None = None) -> None:
+    """``--save/--no-save`` and ``--name``: whether and under which name the run writes its result file."""
+    parser.add_argument("--save", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"write the table to {RESULTS_DIR.name}/<name>.json (default: on)")
+    parser.add_argument("--name", default=default_name,
+                        help="result file stem" + (f" (default: {default_name})" if default_name else ""))
+
+
+def command_line(argv=None) -> str:
+    """How this run was started, as ``python -m benchmarks.<module> <args>`` when it is a benchmark module."""
+    argv = list(sys.argv if argv is None else argv)
+    script = Path(argv[0]) if argv and argv[0] else Path("python")
+    if script.parent.name == "benchmarks" and script.suffix == ".py":
+        head = ["python", "-m", f"benchmarks.{script.stem}"]
+    else:
+        head = [script.name]
+    return shlex.join(head + argv[1:])
+
+
+def versions() -> dict:
+    try:
+        dsl = importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        dsl = "not installed"
+    return {"torch": torch.__version__, "cutlass_dsl": dsl, "cuda": torch.version.cuda or "none"}
+
+
+def gpu_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
+
+
+def _cell(x):
+    """A JSON value for a table cell: NaN / inf (a cuBLAS refusal, a failed run) become null."""
+    if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
+        return x
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    raise TypeError(f"a result cell must be a number, string, bool or None; got {type(x).__name__}: {x!r}")
+
+
+def write_result(name, title, columns, rows, *, summary=None, notes="", out_dir=None) -> Path:
+    """Write one benchmark run as ``<out_dir or benchmarks/results>/<name>.json`` (overwriting) and return
+    its path. ``command``, ``gpu``, ``date`` (UTC) and ``versions`` are filled in here."""
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise ValueError(f"result name must be a file stem of letters, digits, '_', '.', '-'; got {name!r}")
+    columns = [str(c) for c in columns]
+    table = []
+    for i, row in enumerate(rows):
+        row = list(row)
+        if len(row) != len(columns):
+            raise ValueError(f"row {i} of {name!r} has {len(row)} cells, expected {len(columns)} ({columns})")
+        table.append([_cell(x) for x in row])
+    record = {
+        "name": name,
+        "title": str(title),
+        "command": command_line(),
+        "gpu": gpu_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+        "versions": versions(),
+        "notes": str(notes),
+        "columns": columns,
+        "rows": table,
+    }
+    if summary:
+        record["summary"] = {str(k): _cell(v) for k, v in summary.items()}
+    path = Path(out_dir) if out_dir is not None else RESULTS_DIR
+    path.mkdir(parents=True, exist_ok=True)
+    path = path / f"{name}.json"
+    path.write_text(json.dumps(record, indent=1, allow_nan=False) + "\n")
+    print(f"wrote {path}")
+    return path
+
+
+def save_result(args, name, title, columns, rows, **kw):
+    """``write_result`` unless the run was given ``--no-save``; ``--name`` overrides ``name``."""
+    if args.save:
+        return write_result(args.name or name, title, columns, rows, **kw)
+    return None

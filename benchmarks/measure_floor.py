@@ -17,8 +17,14 @@ import torch
 from .common import bench
 
 
+def read_once_us(mib):
+    """``common.bench`` of a read-only ``amax`` over a fresh ``mib`` MiB buffer, in us."""
+    words = torch.randint(0, 1 << 30, (mib << 18,), dtype=torch.int32, device="cuda")
+    return bench(lambda: torch.amax(words)) * 1e3
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", default="16,32,64,128,256,448")
     args = p.parse_args(argv)
     tiny = torch.zeros(1, device="cuda")
@@ -26,12 +32,10 @@ def main(argv=None):
     print(f"one-element kernel: {t_tiny:.1f} us")
     sizes, times = [], []
     for mib in map(int, args.mib.split(",")):
-        words = torch.randint(0, 1 << 30, (mib << 18,), dtype=torch.int32, device="cuda")
-        t = bench(lambda: torch.amax(words)) * 1e3
+        t = read_once_us(mib)
         sizes.append(mib * 2**20)
         times.append(t)
         print(f"read-only amax over {mib:4d} MiB: {t:7.1f} us  {sizes[-1] / t / 1e6:5.2f} TB/s")
-        del words
     n = len(sizes)
     mx, my = sum(sizes) / n, sum(times) / n
     slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sum((x - mx) ** 2 for x in sizes)

@@ -1,9 +1,9 @@
-"""Decode plot (time vs M at N = K = 8192) from bench_gemm JSON results: ours, cuBLAS FP8 and cuBLAS BF16 per
+"""Decode plot (time vs M at N = K = 8192) from bench_gemm result files: ours, cuBLAS FP8 and torch BF16 per
 recipe, and the time the FP8 weight takes to stream at the measured and the datasheet HBM bandwidth.
 
-    python -m benchmarks.plot_decode gemm_promoted.json [decode_block.json ...] --out docs/decode.png
+    python -m benchmarks.plot_decode benchmarks/results/gemm_decode.json --out docs/decode.png
 
-Needs matplotlib (``pip install cutedsl_gemm[bench]``); it runs wherever the JSON files are, no GPU needed.
+Needs matplotlib (``pip install -e .[bench]``); it runs wherever the result files are, no GPU needed.
 """
 
 from __future__ import annotations
@@ -18,16 +18,25 @@ STYLES = {"tensor": "tab:blue", "row": "tab:orange", "1x128_128x128": "tab:green
 
 
 def decode_rows(paths, n=8192, k=8192):
-    rows = []
+    """The rows of bench_gemm result files at this N and K with M <= 128, as dicts keyed by column name;
+    also the GPU named by the first file."""
+    rows, gpu = [], None
     for p in paths:
         with open(p) as f:
-            rows += [r for r in json.load(f) if r["n"] == n and r["k"] == k and r["m"] <= 128 and not r.get("fast_accum")]
-    return rows
+            result = json.load(f)
+        if "use_fast_accum=True" in result["title"]:
+            continue
+        gpu = gpu or result["gpu"]
+        for cells in result["rows"]:
+            r = dict(zip(result["columns"], cells))
+            if r["N"] == n and r["K"] == k and r["M"] <= 128:
+                rows.append(r)
+    return rows, gpu
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser()
-    p.add_argument("json", nargs="+")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("results", nargs="+", help="bench_gemm result files (benchmarks/results/gemm_*.json)")
     p.add_argument("--out", default="decode.png")
     args = p.parse_args(argv)
     import matplotlib
@@ -35,20 +44,19 @@ def main(argv=None):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = decode_rows(args.json)
+    rows, gpu = decode_rows(args.results)
     if not rows:
         raise SystemExit("no N=K=8192, M<=128 rows in the given files")
     fig, ax = plt.subplots(figsize=(8, 5))
     for recipe, color in STYLES.items():
-        sel = sorted((r for r in rows if r["recipe"] == recipe), key=lambda r: r["m"])
+        sel = sorted((r for r in rows if r["recipe"] == recipe), key=lambda r: r["M"])
         if not sel:
             continue
-        ms = [r["m"] for r in sel]
-        ax.plot(ms, [r["ours_us"] for r in sel], "o-", color=color, label=f"cutedsl_gemm {recipe}")
-        cub = [(r["m"], r["cublas_us"]) for r in sel if r.get("cublas_us") == r.get("cublas_us") and r.get("cublas_us")]
+        ax.plot([r["M"] for r in sel], [r["ours us"] for r in sel], "o-", color=color, label=f"cutedsl_gemm {recipe}")
+        cub = [(r["M"], r["cuBLAS us"]) for r in sel if r["cuBLAS us"] is not None]
         if cub:
             ax.plot(*zip(*cub), "s--", color=color, alpha=0.6, label=f"cuBLAS FP8 {recipe}")
-    bf16 = sorted({r["m"]: r["bf16_us"] for r in rows if r.get("bf16_us")}.items())
+    bf16 = sorted({r["M"]: r["BF16 us"] for r in rows if r.get("BF16 us")}.items())
     if bf16:
         ax.plot(*zip(*bf16), "^:", color="gray", label="cuBLAS BF16 (torch.matmul)")
     weight_bytes = 8192 * 8192
@@ -59,7 +67,7 @@ def main(argv=None):
     ax.set_xlabel("M (tokens)")
     ax.set_ylabel("time per GEMM (us)")
     ax.set_ylim(bottom=0)
-    ax.set_title("Decode GEMM, N = K = 8192, H100 (median, L2 emptied by reads before each run)")
+    ax.set_title(f"Decode GEMM, N = K = 8192, {gpu} (median, L2 emptied by reads before each run)")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(alpha=0.3)
     fig.tight_layout()

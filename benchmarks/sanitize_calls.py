@@ -3,7 +3,11 @@ fresh random data, NaN-poisoned output, checked against the float64 reference (e
 are picked so dispatch reaches each tile family (64-row A-by-TMA, 128x128 in 2x1 / 4x1 clusters, the 128x192
 split-N loop, the 64x192 pairs, split-K, the swapped small-M tiles) with partial tiles in M, N and K.
 
-    compute-sanitizer --tool memcheck|racecheck|synccheck python3 -m benchmarks.sanitize_calls [--recipes tensor,...] [--max-shapes N]
+    export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+    compute-sanitizer --tool memcheck|racecheck|synccheck --report-api-errors no \\
+        python3 -m benchmarks.sanitize_calls [--recipes tensor,...] [--max-shapes N]
+
+(Without the caching allocator memcheck sees each tensor's own bounds; racecheck is slow: use --max-shapes.)
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.tools.anchors import make_operands
 
-from .common import dispatched, make_operands
+from .common import dispatched
 
 SHAPES = [  # (DeepSeek recipe's dispatch on 132 SMs)
     (1, 576, 7056),        # small-M swapped tiles in K splits, partial K block
@@ -33,7 +38,7 @@ RECIPES = ["1x128_128x128", "128x128_128x128", "1x128_1x128", "tensor", "row"]
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--max-shapes", type=int, default=len(SHAPES), help="the first N shapes only (racecheck is slow)")
     args = p.parse_args(argv)

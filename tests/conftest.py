@@ -43,6 +43,7 @@ def deprecations():
             warnings.simplefilter("always")
             for build in builds:
                 build()
-        return sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught if issubclass(w.category, DeprecationWarning)})
+        return sorted({f"{w.filename}:{w.lineno}: {w.message}" for w in caught
+                       if issubclass(w.category, DeprecationWarning)})
 
     return collect

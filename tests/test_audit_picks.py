@@ -6,8 +6,8 @@ from benchmarks import audit_picks
 from benchmarks.tune_tiles import tile_label
 from cutedsl_gemm.selection import dispatch
 
-# Lines as benchmarks.tune_tiles printed them on the H100 (session 13 audit), timings changed so each
-# shape's pick and best tile differ and the geomeans are known.
+# Lines as benchmarks.tune_tiles prints them on an H100, timings changed so each shape's pick and best
+# tile differ and the geomeans are known.
 SAMPLE = """\
 tensor M=6144 N=576 K=7168: cuBLAS 44.0 us (1241 GB/s, 1140 TFLOPS)
    tune          t128x144k128 c2x1    promoted split  1    55.0 us   1072 GB/s  35.7%    985 TFLOPS x 0.86 err 1.7e-03

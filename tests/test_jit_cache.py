@@ -26,7 +26,8 @@ def _build_tiny(scale: float):
     n = cute.sym_int()
     fa = make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16)
     fb = make_fake_compact_tensor(cutlass.Float32, (n,), assumed_align=16)
-    return cute.compile(host, fa, fb, make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi --gpu-arch sm_90a")
+    return cute.compile(host, fa, fb, make_fake_stream(use_tvm_ffi_env_stream=True),
+                        options="--enable-tvm-ffi --gpu-arch sm_90a")
 
 
 def test_memory_and_disk_hits(tmp_path, monkeypatch):

@@ -6,8 +6,8 @@ for a whole tile's time. This schedule runs the full waves' cluster tiles whole 
 remaining ones (fewer than the grid's clusters) into ``splits`` K ranges, so the last wave is spread over
 the grid; the split tiles are reduced by the kernel's split-K reduction (kernels/sm90/split_k.py).
 
-It is a separate class (and a separate compile-time kernel variant, ``split_tail``) because the extra
-per-unit state measured 6-15% slower on the shapes it does not split when built into every kernel.
+It is a separate class (and a separate compile-time kernel variant, ``split_tail``) because its extra
+per-unit state slows the shapes it does not split when built into every kernel.
 ``unsplit_cluster_tiles`` is the rule the host sizes the workspace with (``runtime.launch.split_tiles``).
 """
 

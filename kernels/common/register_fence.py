@@ -4,9 +4,9 @@ WGMMA results are ordinary SSA values to LLVM, which does not know they are only
 ``wgmma.wait_group`` that retires them: it may move (sink or hoist) plain arithmetic on a fragment across
 the wait and the next MMA batch, keeping old values alive in copies. ptxas then finds non-WGMMA
 instructions touching the accumulators of in-flight MMAs and serializes every ``wgmma.mma_async`` of the
-function (its C7514 "Potential Performance Loss" note) -- measured on the H100, that made 128x128 promoted
-tiles ~1.4x slower per K tile than cuBLAS's. Passing each register through an empty, side-effecting inline
-asm pins its value at that point in program order: the asm emits no instruction.
+function (its C7514 "Potential Performance Loss" note), which makes promoted tiles far slower per K tile.
+Passing each register through an empty, side-effecting inline asm pins its value at that point in program
+order: the asm emits no instruction.
 """
 
 from __future__ import annotations

@@ -3,10 +3,9 @@
 ``PipelineTmaAsync.consumer_release`` decides per call which lane signals which CTA of the cluster (from the
 thread index) and maps the stage's empty barrier into that CTA's shared window (``mapa``). The compiler
 rematerializes all of it inside the K loop: ~8 SASS instructions per K tile on the consumer warps, whose
-instruction issue is what paces the promoted main loops (BENCHMARKS.md sessions 11-12). Here the signalling
-lane and the mapped address of stage 0's empty barrier are computed once, per thread, and pinned (so they are
-not sunk back into the loop); a release is then one add and one predicated arrive. The DeepSeek 128x128 main
-loop drops from 257 to 231 SASS instructions per two K tiles and runs 3-4% faster (session 12).
+instruction issue is what paces the promoted main loops. Here the signalling lane and the mapped address of
+stage 0's empty barrier are computed once, per thread, and pinned (so they are not sunk back into the loop);
+a release is then one add and one predicated arrive.
 
 The signalling rule is the pipeline's: lane ``l`` of each consumer warp arrives on the CTA of cluster rank
 ``l`` when that CTA multicast into this one (same cluster row for A, same column for W), so every producer

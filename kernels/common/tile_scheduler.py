@@ -15,7 +15,6 @@ Split-K schedules extend the same walk with a K-split index (see ``split_k`` bel
 from __future__ import annotations
 
 import cutlass
-import cutlass.cute as cute
 from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values
 

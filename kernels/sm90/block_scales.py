@@ -18,24 +18,20 @@ Staging: the scales of one K tile ride in the same mainloop stage as its A/W til
 * On 64-row tiles (``Sm90Fp8Gemm.a_scale_tma`` says why not others), A's ``group`` scales in torch's M-major
   layout (rows contiguous, the K-block stride a multiple of 4, 16-byte aligned: ``a_scale_tma_view`` decides per
   call) come by TMA: the TMA warp loads the tile's rows of the K block as one more box on the stage's full
-  barrier (``load_a_scale_box``), its bytes in the stage's transaction count. That made the one-wave 64 x 128
-  tiles 10-17% faster than the scale warp's copies (BENCHMARKS.md, session 29). The consumers read them with
-  ordinary (generic-proxy) loads and the next refill writes them through the async proxy, so each consumer
-  thread fences its reads before releasing the stage (``PromotedMainloops._release_stage``): without that fence
-  the DeepSeek 64x192 pairs read wrong A scales in 15-19 of 24 runs (session 30).
+  barrier (``load_a_scale_box``), its bytes in the stage's transaction count; faster than the scale warp's
+  copies on those tiles. The consumers read them with ordinary (generic-proxy) loads and the next refill writes
+  them through the async proxy, so each consumer thread fences its reads before releasing the stage
+  (``PromotedMainloops._release_stage``): without that fence the consumers read wrong A scales.
 * Everything else is copied by the scale warp (warp 1 of the producer warp group), not the TMA warp, which
   keeps the TMA warp's path from a freed stage to its next TMA issue short: ``group`` scales that form one
   contiguous, 16-byte aligned run in 16-byte ``cp.async`` copies, four rows per lane; otherwise (other layouts,
   the last partial tile, and ``block`` scales, one or two per tile) 4-byte ``cp.async``. ``block`` scales stay
   with the scale warp because a TMA box's rows must be 16 bytes: a box starting at an arbitrary K block
-  (4 bytes into a row) faulted on the H100 (session 29).
+  (4 bytes into a row) faults.
 * Every scale-warp lane signals the stage's full barrier with ``cp.async.mbarrier.arrive.noinc`` once its
   copies land (it still copies W's scales when A's come by TMA) -- the barrier therefore expects 1 (the TMA
-  warp's expect_tx) + 32 arrivals. (Until session 25 the contiguous run went in one ``cp.async.bulk`` counted
-  in the stage's transaction bytes; consumers then read stale A scales on the DeepSeek 64x192 pairs, never
-  with ``cp.async`` copies: BENCHMARKS.md, sessions 24-25. The bulk copy also writes through the async proxy,
-  so the missing proxy fence that session 30 found behind the TMA case is the likely cause; the bulk copy was
-  not re-run with the fence.)
+  warp's expect_tx) + 32 arrivals. (One ``cp.async.bulk`` per contiguous run, counted in the stage's
+  transaction bytes, let consumers read stale A scales, likely for want of the proxy fence above.)
 """
 
 from __future__ import annotations
@@ -98,9 +94,8 @@ def stage_scales(
         row0 = tile * tile_extent
         src = scales.iterator.toint() + cute.crd2idx((row0, kt), scales.layout) * 4
         # A whole tile of row scales that is one contiguous, 16-byte aligned run (torch's M-contiguous
-        # layout with M % 4 == 0) goes in 16-byte copies: per-row 4-byte copies cost the DeepSeek recipe
-        # ~13% when the TMA warp issued them (BENCHMARKS.md, session 6). Other layouts and the last, partial
-        # tile take the per-row copies.
+        # layout with M % 4 == 0) goes in 16-byte copies, far fewer instructions than per-row 4-byte ones.
+        # Other layouts and the last, partial tile take the per-row copies.
         if (tile_extent % ROWS_PER_VECTOR == 0 and scales.layout.stride[0] == 1 and row0 + tile_extent <= rows
                 and src % 16 == 0):
             vec = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), Float32, num_bits_per_copy=128)
@@ -137,8 +132,8 @@ class ScaleStaging:
     """Warp 1's part of the producer walk (``Sm90Fp8Gemm._walk_producer_stages``) in the block-scaled kernels:
     once a stage is empty, copy its K tile's A and W scales into it and arrive on its full barrier as the copies
     land. It waits as the TMA warp does (a wait does not consume the phase). Kept off the TMA warp because the
-    work between a freed stage and its TMA issue is on the refill path: staging the scales there measured
-    1-2.7% slower (BENCHMARKS.md, session 24). Frozen: the DSL lets it into run-time loops without carrying it."""
+    work between a freed stage and its TMA issue is on the refill path (staging the scales there is slower).
+    Frozen: the DSL lets it into run-time loops without carrying it."""
 
     mainloop: object
     scales_a: cute.Tensor
@@ -238,7 +233,7 @@ def read_stage_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Conste
                       stage):
     """Consumer side: this thread's scales of the K tile in ``stage``, read into ``regs`` as soon as the stage
     is full -- before its MMAs are issued -- so that the promotion after the MMA wait does not wait on shared
-    memory (the shared-memory latency and the products were on that path: ncu, BENCHMARKS.md session 11).
+    memory (the shared-memory latency and the products would be on that path).
 
     ``regs`` gets (A scale of row half 0, of row half 1) x the W block scale, then x the second W block scale
     for tiles that straddle two; with per-column (``group``) W scales, which differ per element, the two A
@@ -282,8 +277,8 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
     else:
         # Which W block a column group falls in depends on the tile's offset into its first block, one of
         # a few run-time values: each (column group pattern, row half) picks its scale once per K tile with
-        # selects (two for a 192-wide tile). One copy of the promotion per offset, behind a branch, ran the
-        # DeepSeek recipe's 128x192 tiles 3-4% slower (BENCHMARKS.md, session 14).
+        # selects (two for a 192-wide tile), which is faster than one copy of the promotion per offset behind
+        # a branch.
         s = ((regs[0], regs[1]), (regs[2], regs[3]))
         offset = origin_n % SCALE_BLOCK
         offsets = _tile_offsets(bN)
@@ -307,9 +302,8 @@ def read_raw_scales(regs, slots_a, slots_b, tile_coords, grans: cutlass.Constexp
                     stage):
     """``read_stage_scales`` for ``block`` W scales without the products: the raw scales of the K tile in
     ``stage`` (A scale of row half 0, of row half 1, W block scale, second W block scale when the tile
-    straddles two), so nothing waits for the loads until the promotion (``promote_raw_scales``) -- with the
-    products formed at the read, ptxas placed the multiplies between the WGMMAs (session 15). Reading the
-    scales from global memory instead (L2), with the producer staging none, ran 15-20% slower (session 15)."""
+    straddles two), so nothing waits for the loads until the promotion (``promote_raw_scales``): with the
+    products formed at the read, ptxas places the multiplies between the WGMMAs."""
     _, bN = tile_mn
     regs[0], regs[1] = _read_a_scales(slots_a, tile_coords, grans[0], stage)
     regs[2] = Float32(slots_b[(0, stage)])

@@ -7,7 +7,7 @@ weight rows fill WGMMA's 64-row M side and the few activation rows (decode: M <=
 can be as narrow as 16, instead of zero-filling 128-row A tiles.
 """
 
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001
 
 from dataclasses import dataclass
 
@@ -28,23 +28,30 @@ from .block_scales import (
     BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
     is_block_scaled, load_a_scale_box,
 )
-# Re-exported: the manifest, inspect and tests import the configuration from here.
+# Re-exported: the host compile path and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
 
 
 class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     """Persistent cooperative WGMMA FP8 GEMM.
 
-    | warp group | role | registers |
-    |---|---|---|
-    | 0, warp 0 | TMA producer: A and W tiles into the mainloop pipeline, multicast across the cluster; on 64-row tiles A's 1x128 scales too when the call's layout allows (``ATileScalesByTma``) | 40 (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM |
-    | 0, warp 1 | block-scaled recipes: scale producer, each K tile's W scales and (unless they came by TMA) A scales into its stage (``block_scales.ScaleStaging``) | as warp 0 |
-    | 1 .. tile_m/64 | MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative when two), then the epilogue | 232 (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled) |
+    Warp roles (registers per thread after setmaxnreg):
 
-    | pipeline | producer -> consumer | stages |
-    |---|---|---|
-    | mainloop (PipelineTmaAsync) | TMA warp (+ scale warp) -> both consumer warp groups | ``stages`` (>= 4 where smem allows) |
-    | epilogue store (PipelineTmaStore) | consumer warp groups -> TMA store engine | ``epi_stages`` output slices (>= 2, up to a tile) |
+    * warp group 0, warp 0 -- TMA producer: A and W tiles into the mainloop pipeline, multicast across the
+      cluster; on 64-row tiles A's 1x128 scales too when the call's layout allows (``ATileScalesByTma``).
+      40 registers (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM.
+    * warp group 0, warp 1 -- block-scaled recipes: scale producer, each K tile's W scales and (unless they
+      came by TMA) A scales into its stage (``block_scales.ScaleStaging``). Registers as warp 0.
+    * warp groups 1 .. tile_m/64 -- MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative
+      when two), then the epilogue. 232 registers (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with
+      two CTAs per SM (224 block-scaled).
+
+    Pipelines:
+
+    * mainloop (PipelineTmaAsync): TMA warp (+ scale warp) -> both consumer warp groups; ``stages`` stages
+      (>= 4 where shared memory allows).
+    * epilogue store (PipelineTmaStore): consumer warp groups -> TMA store engine; ``epi_stages`` output
+      slices (>= 2, up to a tile).
 
     Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
     compilation serves every M, N, K (all three are run-time values). The epilogue applies the recipe's
@@ -100,12 +107,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                            and cfg.tile_n > self.overlapped_promote_max_n and not self.split_n)
         # Both read per-block scales raw (a few registers), products formed in the promotion.
         self.raw_scales = self.split_n or self.read_ahead
-        # A's group scales may come by TMA (block_scales.a_scale_tma_view decides per call): the box lands in
-        # the stage's A slots, which TMA needs 128-byte aligned (tile_m * 4 bytes apart). The consumers then fence
-        # their reads of them before each stage release (PromotedMainloops._release_stage), which costs the
-        # 128-row tiles 1-2.5% -- more than the TMA box gains them -- and the 64-row ones (one consumer warp
-        # group, 10-17% faster by TMA) little. So 64-row tiles only, and not the split-N pairs, which gained
-        # nothing by it (BENCHMARKS.md, sessions 29-30).
+        # A's group scales may come by TMA (block_scales.a_scale_tma_view decides per call) into the stage's A
+        # slots. The consumers must then fence their reads before each stage release, which costs 128-row tiles
+        # more than the TMA box gains them: 64-row tiles only, and not the split-N pairs (docs/design.md).
         self.a_scale_tma = (self.block_scaled and self.scale_gran[0] == "group" and cfg.tile_m == 64
                             and not self.split_n)
         self.ab_stages = cfg.stages or self.max_stages(cfg)
@@ -169,7 +173,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
 
         self.shared_storage = SharedStorage
-        assert SharedStorage.size_in_bytes() <= smem_capacity(self.cfg.ctas_per_sm), (SharedStorage.size_in_bytes(), self.cfg)
+        assert SharedStorage.size_in_bytes() <= smem_capacity(self.cfg.ctas_per_sm), (
+            SharedStorage.size_in_bytes(), self.cfg)
 
         M, N = mD.shape
         tiles_m = ceil_div(M, bM)
@@ -187,9 +192,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
-            # 1x1 "clusters" launch as a plain grid: with the cluster attribute the hardware placed their CTAs so
-            # that 1x1 tiles ran up to 13% slower where many CTAs share operands (M=1024, N=3072, K=1536, 128x96:
-            # 17.3 -> 15.0 us; BENCHMARKS.md session 27). A 1-CTA launch is still an implicit 1-CTA cluster.
+            # 1x1 "clusters" launch as a plain grid: with the cluster attribute the hardware places their CTAs
+            # worse where many CTAs share operands. A 1-CTA launch is still an implicit 1-CTA cluster.
             cluster=(cm, cn, 1) if cm * cn > 1 else None,
             smem=self.shared_storage.size_in_bytes(),
             # With 2, ptxas caps registers at 128 per thread so that two CTAs fit; the carveout (all shared
@@ -223,7 +227,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             return mA, mW, mD, mSA, mSB
         mDt = cute.make_tensor(mD.iterator, cute.select(mD.layout, mode=[1, 0]))
         if cutlass.const_expr(self.cfg.recipe == "row"):
-            transpose = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))
+            transpose = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))  # noqa: E731
             return mW, mA, mDt, transpose(mSB), transpose(mSA)
         return mW, mA, mDt, mSB, mSA
 
@@ -369,8 +373,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             thr_mma = tiled_mma.get_slice(mma_tidx)
             # The A/W shared-memory descriptors depend only on the warp group: built from its first thread's
             # slice (a warp-uniform index), ptxas keeps them in uniform registers instead of rebuilding them
-            # from the thread index and moving them over with R2UR before every WGMMA (-24 instructions per
-            # two K tiles; block-scaled main loop 5-8% faster, BENCHMARKS.md session 12).
+            # from the thread index and moving them over with R2UR before every WGMMA.
             thr_mma_wg = tiled_mma.get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
             tCsA = thr_mma_wg.partition_A(sA)
             tCsB = thr_mma_wg.partition_B(sB)
@@ -393,7 +396,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                     half_mmas[1].make_fragment_B(half_wg.partition_B(sB_halves[(None, h, None, None)]))
                     for h in range(2)
                 )
-                half_shape = half_mmas[1].get_slice(mma_tidx).partition_C(cute.make_identity_tensor((bM, bN // 2))).shape
+                half_shape = half_mmas[1].get_slice(mma_tidx).partition_C(
+                    cute.make_identity_tensor((bM, bN // 2))).shape
                 temps = tuple(cute.make_rmem_tensor(half_shape, self.acc_dtype) for _ in range(2))
             elif cutlass.const_expr(self.cfg.accum == "promoted"):
                 n_frags = 2 if bN <= self.overlapped_promote_max_n else 1
@@ -431,8 +435,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             alpha = None
             if cutlass.const_expr(self.cfg.recipe == "tensor"):
                 # Read the per-tensor scales once, before the first tile: loaded in each tile's epilogue, their
-                # L2 latency stood between the main loop and the first multiply of every tile (per-tensor
-                # DeepSeek-V3 set 2-3% slower; up to 9% at K=256, BENCHMARKS.md session 17).
+                # L2 latency stands between the main loop and the first multiply of every tile.
                 if cutlass.const_expr(self.cfg.pdl):
                     cute.arch.griddepcontrol_wait()  # the previous kernel may still be writing them
                 alpha = Float32(mSA[0]) * Float32(mSB[0])
@@ -498,8 +501,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         if cutlass.const_expr(self.cfg.pdl):
             # Wait for the previous kernel (its writes are then visible) before the first load. Everything this
             # grid reads or writes follows the producers' loads, so this orders the whole kernel after it.
-            # (Loading weight tiles before the wait measured ~0.5 us faster back to back, but would read a
-            # weight the previous kernel is still writing -- FP8 training quantizes W right before its GEMM.)
+            # (Loading weight tiles before the wait would be faster back to back, but would read a weight the
+            # previous kernel may still be writing: FP8 training quantizes W right before its GEMM.)
             cute.arch.griddepcontrol_wait()
         while unit < sched.num_units:
             tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
@@ -537,7 +540,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         mainloop.consumer_wait(read_state)
         self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
         read_state.advance()
-        for kt in cutlass.range(1, k_tiles, unroll=1):
+        for kt in cutlass.range(1, k_tiles, unroll=1):  # noqa: B007
             mainloop.consumer_wait(read_state)
             self._mma_k_tile(tiled_mma, acc, tCrA, tCrB, read_state.index, num_k_blocks)
             cute.nvgpu.warpgroup.wait_group(1)
@@ -586,7 +589,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                     acc[i] = acc[i] + Float32(mBias[cutlass.min(n, N - 1)])
 
     def _make_epilogue(self, tiled_mma, sD, mma_tidx):
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype, elem_ty_acc=self.acc_dtype)
+        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
+                                                          elem_ty_acc=self.acc_dtype)
         copy_atom_d = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.d_dtype
         )

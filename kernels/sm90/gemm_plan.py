@@ -1,6 +1,6 @@
 """Compile-time plan of the Hopper FP8 GEMM (kernels/sm90/fp8_gemm.py): its configuration, the rules a
 configuration must meet (MMA shape, clusters, registers, shared memory) and the shared-memory budget that
-sizes the A/W stages and the epilogue's output buffers. Host-side only: the manifest validates its rows with
+sizes the A/W stages and the epilogue's output buffers. Host-side only: the instance table validates its rows with
 ``Sm90GemmPlan.check_config`` without tracing a kernel."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def smem_capacity(ctas_per_sm: int) -> int:
 
 @dataclass(frozen=True)
 class Sm90GemmConfig:
-    """Compile-time configuration of one kernel instance (the manifest row it was built from)."""
+    """Compile-time configuration of one kernel instance (the instance-table row it was built from)."""
 
     a_dtype: str = "e4m3"  # "e4m3" | "e5m2"
     b_dtype: str = "e4m3"
@@ -75,10 +75,8 @@ class Sm90GemmConfig:
     @property
     def raster_group_m(self) -> int:
         """Cluster rows walked before moving along N: a band of 16 CTA rows -- 8 rows of 2x1 clusters, 4 of
-        4x1. (4x1 clusters ran with 8, 32 CTA rows, until session 13: a wave then held the A rows of more
-        tiles than ran in step, and narrow outputs were 4-9% slower -- M=6144 N=576 K=7168 per-tensor 47.8-49.6
-        us against 46.2-46.3, DeepSeek recipe 50.7-51.3 against 47.6-49.5, M=8192 N=576 DeepSeek 76.0-76.4
-        against 70.0-70.4; BENCHMARKS.md.) One-row clusters keep 8 (not re-measured)."""
+        4x1 (with 8 rows of 4x1 clusters a wave holds the A rows of more tiles than run in step, and narrow
+        outputs are slower). One-row clusters walk 8."""
         if self.group_m:
             return self.group_m
         return 16 // self.cluster_m if self.cluster_m > 2 else 8
@@ -115,7 +113,7 @@ class Sm90GemmPlan:
     # registers (24 / 240 per thread: 64,512 of the SM's 65,536 over 384 threads).
     wide_overlap_regs = (24, 240)
     # Block-scaled tiles with two CTAs per SM: their producers (TMA warp and scale warp) fit in 32 registers, and
-    # at 40 the DeepSeek recipe's fp32-output 64x192 consumers spilled 12 bytes (session 24).
+    # at 40 the DeepSeek recipe's fp32-output 64x192 consumers spill.
     paired_block_producer_regs = 32
     max_promoted_tile_n = 192
     max_paired_tile_n = 192
@@ -139,9 +137,8 @@ class Sm90GemmPlan:
     @classmethod
     def split_n_loop(cls, cfg: Sm90GemmConfig) -> bool:
         """Whether the promoted K tiles run as two N halves (``Sm90Fp8Gemm._mainloop_split_n``): the DeepSeek
-        recipe's (1x128 A x 128x128 W) tiles too wide for two full fragments, 0-8% faster split on 128x192
-        tiles. Measured and left serial (BENCHMARKS.md session 19): per-tensor (1-2% slower on the
-        DeepSeek-V3 set), 2D 128x128 x 128x128 (5-7% slower), 1x128 x 1x128 (3-11% slower)."""
+        recipe's (1x128 A x 128x128 W) tiles too wide for two full fragments. The other recipes run slower
+        split and stay serial (docs/design.md)."""
         return (cfg.recipe == "1x128_128x128" and not cfg.swap_ab and cfg.accum == "promoted"
                 and cfg.tile_n > cls.overlapped_promote_max_n)
 
@@ -154,27 +151,32 @@ class Sm90GemmPlan:
     def check_config(cls, cfg: Sm90GemmConfig) -> None:
         """Raise ValueError naming the broken rule (MMA shape, cluster, shared-memory budget)."""
         if cfg.tile_m not in (64, 128):
-            raise ValueError(f"tile_m is 64 (one consumer warp group) or 128 (two, cooperative), got tile_m={cfg.tile_m}")
+            raise ValueError(
+                f"tile_m is 64 (one consumer warp group) or 128 (two, cooperative), got tile_m={cfg.tile_m}")
         if cfg.ctas_per_sm not in (1, 2):
             raise ValueError(f"ctas_per_sm is 1 or 2, got {cfg.ctas_per_sm}")
         if cfg.ctas_per_sm == 2 and cfg.tile_m != 64:
-            raise ValueError(f"two CTAs per SM fit only with one consumer warp group (tile_m=64), got tile_m={cfg.tile_m}")
+            raise ValueError(
+                f"two CTAs per SM fit only with one consumer warp group (tile_m=64), got tile_m={cfg.tile_m}")
         if cfg.ctas_per_sm == 2 and cfg.tile_n > cls.max_paired_tile_n:
             # Launched at 128 registers per thread, ptxas cannot build wider ones (64x208 fast: C7602).
             raise ValueError(f"two CTAs per SM (128 registers per thread at launch) take tiles at most "
                              f"{cls.max_paired_tile_n} wide, got tile_n={cfg.tile_n}")
-        if cfg.tile_m == 64 and cfg.ctas_per_sm == 1 and cfg.accum == "promoted" and cfg.tile_n > cls.overlapped_promote_max_n:
+        if (cfg.tile_m == 64 and cfg.ctas_per_sm == 1 and cfg.accum == "promoted"
+                and cfg.tile_n > cls.overlapped_promote_max_n):
             raise ValueError(f"a 64-row tile has one consumer warp group, whose serial promotion nothing would "
-                             f"overlap: promoted tiles must be <= {cls.overlapped_promote_max_n} wide, got tile_n={cfg.tile_n}")
+                             f"overlap: promoted tiles must be <= {cls.overlapped_promote_max_n} wide, "
+                             f"got tile_n={cfg.tile_n}")
         if cfg.tile_n % 16 or not 16 <= cfg.tile_n <= 256:
             raise ValueError(f"WGMMA N per warp group must be a multiple of 16 in 16..256, got tile_n={cfg.tile_n}")
         if cfg.tile_k not in (128, 256):
             raise ValueError(f"tile_k must be 128 or 256, got {cfg.tile_k}")
         if cfg.tile_k != 128 and is_block_scaled(cfg.recipe):
-            raise ValueError(f"block-scaled recipe {cfg.recipe!r} scales each 128-deep K block: it needs tile_k=128, got {cfg.tile_k}")
+            raise ValueError(f"block-scaled recipe {cfg.recipe!r} scales each 128-deep K block: it needs tile_k=128, "
+                             f"got {cfg.tile_k}")
         if cfg.tile_k != 128 and cfg.accum == "promoted":
-            raise ValueError(f"promoted accumulation adds each 128-deep K tile into fp32 (torch's use_fast_accum=False): "
-                             f"it needs tile_k=128, got {cfg.tile_k}")
+            raise ValueError(f"promoted accumulation adds each 128-deep K tile into fp32 "
+                             f"(torch's use_fast_accum=False): it needs tile_k=128, got {cfg.tile_k}")
         if cfg.split_tail and (not cfg.split_k or cfg.swap_ab):
             raise ValueError("split_tail (split only the last wave in K) needs split_k and the unswapped schedule")
         if cfg.accum not in ("fast", "promoted"):
@@ -206,7 +208,7 @@ class Sm90GemmPlan:
                 f"({cfg.ctas_per_sm} per SM) and >= 2 stages"
             )
 
-    # ---- host-side sizing (also used by the manifest's validity rules) -------------------------------
+    # ---- host-side sizing (also used by the instance table's validity rules) -------------------------------
     @staticmethod
     def stage_bytes(cfg: Sm90GemmConfig) -> int:
         # One byte per FP8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).

@@ -111,8 +111,8 @@ class PromotedMainloops:
     ):
         """_mainloop_promoted_serial with each K tile's scales read from its stage while the K tile before it
         runs on the tensor cores, instead of between its full barrier and its MMA issue, where the products
-        waiting on the shared-memory loads sat between the WGMMAs (3-4% on 192-wide DeepSeek tiles,
-        BENCHMARKS.md session 15). Two register sets alternate, so the loop runs two K tiles per trip."""
+        waiting on the shared-memory loads sit between the WGMMAs. Two register sets alternate, so the loop runs
+        two K tiles per trip."""
         num_k_blocks = cute.size(tCrA, mode=[2])
         acc.fill(0.0)
         mainloop.consumer_wait(read_state)
@@ -155,7 +155,7 @@ class PromotedMainloops:
         t-1 is promoted while its half 1 runs, its half 1 while K tile t's half 0 runs, so the warp group always
         has MMAs of its own queued while it promotes (the serial loop leaves the tensor cores to the other warp
         group then). A K tile's scales are read right after its half 0 is issued, never between its stage wait
-        and its issue (session 15 found the products of scales read there sitting between the WGMMAs). Two scale
+        and its issue (ptxas places the products of scales read there between the WGMMAs). Two scale
         sets alternate (K tile t-1's are in use until its half 1 is promoted): unrolled by two. Only the DeepSeek
         recipe runs it (``Sm90GemmPlan.split_n_loop``), so ``scales`` always holds raw per-block scales."""
         num_k_blocks = cute.size(tCrA, mode=[2])
@@ -207,7 +207,7 @@ class PromotedMainloops:
         fence_registers(frag)
         scales.promote(acc, frag, scale_slot, stage, base)
         # The accumulator's half only, unrolled at trace time (fence_registers' run-time-unrolled loop over a
-        # range gave the split kernels different PTX than the one measured).
+        # range gives the split kernels different PTX).
         words = cute.recast_tensor(acc, Int32)
         for i in cutlass.range_constexpr(n):
             words[base + i] = pin_b32(words[base + i])
@@ -220,7 +220,8 @@ class PromotedMainloops:
             scales.read(slot, read_state.index)
 
     @cute.jit
-    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales, scale_slot: cutlass.Constexpr = None):
+    def _retire(self, acc, temps, slot: cutlass.Constexpr, mainloop, release_state, scales,
+                scale_slot: cutlass.Constexpr = None):
         """Add a finished K tile's fragment into ``acc`` and give its stage back to the producer (its scales
         in set ``scale_slot``, by default the fragment's)."""
         frag = temps[slot]
@@ -228,8 +229,7 @@ class PromotedMainloops:
         # batch; without them the compiler moved it and ptxas serialized every WGMMA (register_fence.py).
         fence_registers(frag)
         # Promote, then release in source order: per-column W scales are read from the stage. (ptxas hoists
-        # the release arrive above the promotion's adds where nothing it reads is in the stage; SASS,
-        # BENCHMARKS.md session 7.)
+        # the release arrive above the promotion's adds where nothing it reads is in the stage.)
         if cutlass.const_expr(scales is not None):
             scales.promote(acc, frag, slot if scale_slot is None else scale_slot, release_state.index)
         else:
@@ -242,9 +242,8 @@ class PromotedMainloops:
     def _release_stage(self, mainloop, release_state):
         """Give a K tile's stage back to the producers and advance ``release_state``. Where A's scales may come by
         TMA, each thread first orders its shared-memory reads of the stage's scales before the TMA refill: they are
-        generic-proxy reads and the refill an async-proxy write, which the stage's barriers alone do not order.
-        Without the fence the DeepSeek 64x192 pairs read wrong A scales in 15-19 of 24 runs, with it in none
-        (BENCHMARKS.md, session 30)."""
+        generic-proxy reads and the refill an async-proxy write, which the stage's barriers alone do not order
+        (without the fence the DeepSeek 64x192 pairs read wrong A scales)."""
         if cutlass.const_expr(self.a_scale_tma):
             cute.arch.fence_proxy("async.shared", space="cta")
         mainloop.consumer_release(release_state)

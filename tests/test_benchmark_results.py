@@ -1,0 +1,210 @@
+"""The benchmarks' result files (benchmarks/common.write_result) and the maintained tools' command lines, on the
+CPU: what a run writes, what it refuses, and that every tool imports and answers --help through public APIs."""
+
+import ast
+import datetime
+import importlib
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from benchmarks import bench_gemm, common, plot_decode
+
+BENCHMARKS = Path(common.__file__).resolve().parent
+TOOLS = ["audit_picks", "bench_decode_chain", "bench_gemm", "bench_quantize", "host_cost", "measure_floor",
+         "plot_decode", "sanitize_calls", "tune_tiles"]
+RESULT_WRITERS = ["bench_decode_chain", "bench_gemm", "bench_quantize", "host_cost"]
+
+
+def test_write_result_fills_the_record(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", [str(BENCHMARKS / "bench_gemm.py"), "--sets", "dsv3", "--recipes", "tensor,row"])
+    columns = ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", "TFLOPS", "% of 1979"]
+    rows = [["row", 1024, 1536, 7168, 12.3, 14.1, 1.146, 1833.2, 92.6],
+            ["128x128_128x128", 1024, 1536, 7168, 13.0, float("nan"), float("nan"), 1734.5, 87.6]]
+    path = common.write_result("gemm_dsv3", "FP8 GEMM, DeepSeek-V3 shapes", columns, rows,
+                               summary={"geomean ratio row": 1.146}, notes="one line", out_dir=tmp_path)
+    assert path == tmp_path / "gemm_dsv3.json"
+    got = json.loads(path.read_text())  # strict JSON: NaN would not parse in other readers
+    assert list(got) == ["name", "title", "command", "gpu", "date", "versions", "notes", "columns", "rows", "summary"]
+    assert got["name"] == "gemm_dsv3" and got["title"] == "FP8 GEMM, DeepSeek-V3 shapes"
+    assert got["command"] == "python -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row"
+    assert got["gpu"] == "no GPU"  # this machine; torch.cuda.get_device_name() on one
+    assert got["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    assert set(got["versions"]) == {"torch", "cutlass_dsl", "cuda"}
+    assert all(isinstance(v, str) and v for v in got["versions"].values())
+    assert got["notes"] == "one line" and got["columns"] == columns
+    assert got["rows"][0] == rows[0]
+    assert got["rows"][1][5] is None and got["rows"][1][6] is None  # a cuBLAS refusal: null, not NaN
+    assert got["summary"] == {"geomean ratio row": 1.146}
+    assert "NaN" not in path.read_text()
+
+
+def test_write_result_overwrites_and_omits_an_empty_summary(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", ["/somewhere/else/tool", "--x", "a b"])
+    common.write_result("quantize", "first", ["a"], [[1]], out_dir=tmp_path)
+    path = common.write_result("quantize", "second", ["a", "b"], [[1, True], [2, None]], out_dir=tmp_path)
+    got = json.loads(path.read_text())
+    assert got["title"] == "second" and got["rows"] == [[1, True], [2, None]] and "summary" not in got
+    assert got["command"] == "tool --x 'a b'"  # not a benchmark module: the script as it was called
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["quantize.json"]
+
+
+def test_write_result_defaults_to_benchmarks_results(tmp_path, monkeypatch):
+    assert common.RESULTS_DIR == BENCHMARKS / "results" and BENCHMARKS.name == "benchmarks"
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")  # created on the first write
+    path = common.write_result("host_cost", "t", ["a"], [[1.5]])
+    assert path == tmp_path / "results" / "host_cost.json" and json.loads(path.read_text())["rows"] == [[1.5]]
+
+
+@pytest.mark.parametrize("name", ["", "../up", "a/b", "has space", None])
+def test_write_result_refuses_a_bad_name(tmp_path, name):
+    with pytest.raises(ValueError, match="result name"):
+        common.write_result(name, "t", ["a"], [[1]], out_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_write_result_refuses_a_row_of_the_wrong_width_or_cell_type(tmp_path):
+    with pytest.raises(ValueError, match=r"row 1 .* has 1 cells, expected 2"):
+        common.write_result("x", "t", ["a", "b"], [[1, 2], [3]], out_dir=tmp_path)
+    with pytest.raises(TypeError, match="result cell"):
+        common.write_result("x", "t", ["a"], [[object()]], out_dir=tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+def test_save_and_name_options(tmp_path, monkeypatch):
+    import argparse
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    p = argparse.ArgumentParser()
+    common.add_result_options(p, "decode_chain")
+    args = p.parse_args(["--no-save"])
+    assert args.save is False and common.save_result(args, "decode_chain", "t", ["a"], [[1]]) is None
+    args = p.parse_args(["--name", "chain_b"])
+    assert args.save is True
+    assert common.save_result(args, "decode_chain", "t", ["a"], [[1]]) == tmp_path / "chain_b.json"
+    assert [p.name for p in tmp_path.iterdir()] == ["chain_b.json"]
+
+
+def _gemm_row(set_name, recipe, m, n, k, ours_us, cublas_us):
+    tf = common.tflops(m, n, k, ours_us / 1e3)
+    return dict(set=set_name, recipe=recipe, m=m, n=n, k=k, ours_us=ours_us, cublas_us=cublas_us, bf16_us=2 * ours_us,
+                ratio=cublas_us / ours_us, tflops=tf, pct_peak=100 * tf / common.FP8_TFLOPS,
+                gbps=common.gbps(m, n, k, ours_us / 1e3))
+
+
+def test_gemm_table_reports_tflops_or_bandwidth_against_the_floors():
+    big = _gemm_row("dsv3", "row", 6144, 7168, 2048, 100.0, 110.0)
+    columns, rows = bench_gemm.result_table([big], ["dsv3"])
+    assert columns == ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", "TFLOPS", "% of 1979", "BF16 us"]
+    tf = 2 * 6144 * 7168 * 2048 / 100e-6 / 1e12
+    assert rows == [["row", 6144, 7168, 2048, 100.0, 110.0, 1.1, round(tf, 1), round(100 * tf / 1979, 1), 200.0]]
+
+    small = _gemm_row("decode", "tensor", 16, 8192, 8192, 25.0, 30.0)
+    columns, rows = bench_gemm.result_table([small], ["decode"])
+    assert columns[-3:] == ["GB/s", "% of 3 TB/s", "BF16 us"]
+    gbs = (16 * 8192 + 8192 * 8192 + 2 * 16 * 8192) / 25e-6 / 1e9
+    assert rows[0][-3:] == [round(gbs), round(100 * gbs / 3000, 1), 50.0]
+
+    columns, rows = bench_gemm.result_table([big, small], ["dsv3", "decode"])  # mixed: one set column, TFLOPS
+    assert columns[0] == "set" and "TFLOPS" in columns and [r[0] for r in rows] == ["dsv3", "decode"]
+    assert bench_gemm.default_name(["dsv3"], False) == "gemm_dsv3"
+    assert bench_gemm.default_name(["decode"], True) == "gemm_decode_fast"
+    assert common.SETS["decode"] == common.SETS["llama70b_decode"] + common.SETS["llama70b_layers"]
+    assert all(m <= bench_gemm.DECODE_MAX_M for m, _, _ in common.SETS["decode"])
+
+
+@pytest.mark.parametrize("argv, name, rate", [
+    (["--sets", "dsv3", "--recipes", "tensor,1x128_128x128"], "gemm_dsv3", "TFLOPS"),
+    (["--sets", "decode", "--recipes", "row"], "gemm_decode", "GB/s"),
+    (["--sets", "square", "--recipes", "row", "--fast-accum", "--name", "fast_sq"], "fast_sq", "TFLOPS"),
+])
+def test_bench_gemm_run_writes_one_file_named_for_its_sets(tmp_path, monkeypatch, argv, name, rate):
+    """bench_gemm's main with the GPU measurement replaced: the run's rows, summary and file name."""
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr("sys.argv", [str(BENCHMARKS / "bench_gemm.py"), *argv])
+    monkeypatch.setattr(bench_gemm, "measure_one", lambda s, m, n, k, recipe, check, fast: dict(
+        _gemm_row(s, recipe, m, n, k, 10.0, 12.0), err=1e-3, cublas_err=1e-3, fast_accum=fast))
+    bench_gemm.main(argv)
+    got = json.loads((tmp_path / f"{name}.json").read_text())
+    recipes = argv[3].split(",")
+    assert [p.name for p in tmp_path.iterdir()] == [f"{name}.json"]
+    assert len(got["rows"]) == len(common.SETS[argv[1]]) * len(recipes) and rate in got["columns"]
+    assert got["summary"] == {f"geomean ratio {r}": 1.2 for r in recipes}
+    assert got["command"] == "python -m benchmarks.bench_gemm " + " ".join(argv)
+    assert "cuBLAS timed in the same run" in got["notes"]
+    assert ("use_fast_accum=True" in got["title"]) == ("--fast-accum" in argv)
+    with pytest.raises(SystemExit):
+        bench_gemm.main(["--sets", "nosuchset"])
+
+
+def test_plot_decode_reads_bench_gemm_results(tmp_path, monkeypatch):
+    monkeypatch.setattr("sys.argv", [str(BENCHMARKS / "bench_gemm.py")])
+    rows = [_gemm_row("decode", "row", m, 8192, 8192, 20.0 + m, 25.0) for m in (1, 16, 128)]
+    rows.append(_gemm_row("decode", "row", 16, 57344, 8192, 150.0, 160.0))  # another N: not in the plot
+    columns, table = bench_gemm.result_table(rows, ["decode"])
+    path = common.write_result("gemm_decode", bench_gemm.title(["decode"], False), columns, table, out_dir=tmp_path)
+    got, gpu = plot_decode.decode_rows([path])
+    assert gpu == "no GPU" and [r["M"] for r in got] == [1, 16, 128]
+    assert [r["ours us"] for r in got] == [21.0, 36.0, 148.0] and all(r["cuBLAS us"] == 25.0 for r in got)
+    fast = common.write_result("gemm_decode_fast", bench_gemm.title(["decode"], True), columns, table,
+                               out_dir=tmp_path)
+    assert plot_decode.decode_rows([fast]) == ([], None)  # fast accumulation is left out of the plot
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+def test_tool_answers_help(tool, capsys):
+    module = importlib.import_module(f"benchmarks.{tool}")
+    with pytest.raises(SystemExit) as done:
+        module.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage:") and module.__doc__.splitlines()[0] in out
+    if tool in RESULT_WRITERS:
+        assert "--no-save" in out and "--name" in out
+
+
+def _imports(tree):
+    """(module, name) for every import in a module's AST, and the local names bound to cutedsl_gemm modules."""
+    pairs, bound = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                pairs.append((a.name, None))
+                if a.name.startswith("cutedsl_gemm"):
+                    bound.add(a.asname or a.name.split(".")[0])
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            for a in node.names:
+                pairs.append((node.module, a.name))
+                if node.module.startswith("cutedsl_gemm") and a.name[:1].islower():
+                    bound.add(a.asname or a.name)
+    return pairs, bound
+
+
+def test_benchmarks_use_public_names_only():
+    """No benchmark imports from tests/ or reaches a private (leading underscore) name of cutedsl_gemm."""
+    files = sorted(BENCHMARKS.glob("*.py"))
+    assert {f.stem for f in files} >= set(TOOLS) | {"common"}
+    bad = []
+    for f in files:
+        tree = ast.parse(f.read_text())
+        pairs, bound = _imports(tree)
+        for module, name in pairs:
+            if module.split(".")[0] in ("tests", "conftest") or module.split(".")[-1].startswith("test_"):
+                bad.append(f"{f.name}: imports {module}")
+            if module.startswith("cutedsl_gemm") and (
+                    any(part.startswith("_") for part in module.split(".")) or (name or "").startswith("_")):
+                bad.append(f"{f.name}: imports {module}.{name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "path" and getattr(node.value, "id", "") == "sys":
+                bad.append(f"{f.name}:{node.lineno}: sys.path (imports from outside the package and benchmarks/)")
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_") and not node.attr.startswith("__")):
+                bad.append(f"{f.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert bad == []
+
+
+def test_floors_are_the_h100_sxm_figures():
+    assert common.FP8_TFLOPS == 1979.0 and common.HBM_TBPS == 3.0
+    assert math.isclose(common.pct_of_fp8_peak(989.5), 50.0) and math.isclose(common.pct_of_hbm(1500.0), 50.0)
