@@ -1,0 +1,332 @@
+"""Render BENCHMARKS.md, the README's performance block and docs/perf.png from benchmark result files.
+
+    python -m benchmarks.render [--results DIR] [--benchmarks FILE] [--readme FILE] [--plot FILE] [--check]
+
+Each maintained benchmark writes one JSON file per run into ``benchmarks/results/<name>.json`` (fields: name,
+title, command, gpu, date, versions, notes, columns, rows, summary). This module only reads them: it imports
+neither torch nor the package, so it runs anywhere. BENCHMARKS.md gets one section per file (``ORDER`` first,
+others after by name); the README's text between ``PERF_BEGIN`` and ``PERF_END`` gets the headline figures of
+``HEADLINES`` and, when matplotlib is installed, the plot of each shape's time ratio to cuBLAS. Output is a
+function of the result files alone, so rendering twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
+
+REPO = Path(__file__).resolve().parent.parent
+RESULTS_DIR = REPO / "benchmarks" / "results"
+BENCHMARKS_MD = REPO / "BENCHMARKS.md"
+README_MD = REPO / "README.md"
+PERF_PNG = REPO / "docs" / "perf.png"
+
+PERF_BEGIN = "<!-- perf:begin -->"
+PERF_END = "<!-- perf:end -->"
+COMMAND = "python -m benchmarks.render"
+
+# Section order in BENCHMARKS.md; result files with other names follow, sorted by name.
+ORDER = ("gemm_dsv3", "gemm_square", "gemm_decode", "gemm_dsv3_fast", "gemm_square_fast", "decode_chain",
+         "gemm_e2e", "quantize", "host_cost")
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A result quoted in the README: its summary, or at most ``max_rows`` rows (those matching ``where``,
+    else the first ones) in ``columns`` (all when empty; names the file lacks are left out)."""
+
+    name: str
+    summary: bool = False
+    where: Tuple[Tuple[str, object], ...] = ()
+    columns: Tuple[str, ...] = ()
+    max_rows: int = 3
+
+
+HEADLINES = (
+    Headline("gemm_dsv3", summary=True),
+    Headline("decode_chain", where=(("M", 1),), columns=("recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio")),
+    Headline("host_cost"),
+)
+# The plotted result: the first of these that has a ratio column.
+PLOTTED = ("gemm_dsv3", "gemm_square", "gemm_decode", "gemm_dsv3_fast", "gemm_square_fast")
+RATIO_COLUMN = "ratio"
+REQUIRED = {"name": str, "title": str, "command": str, "gpu": str, "date": str, "columns": list, "rows": list}
+OPTIONAL = {"versions": dict, "notes": str, "summary": dict}
+
+# How to produce results, for the page that has none (each writes benchmarks/results/<name>.json).
+PRODUCERS = (
+    ("python -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row,1x128_128x128", "gemm_dsv3"),
+    ("python -m benchmarks.bench_gemm --sets decode --recipes tensor,row,1x128_128x128", "gemm_decode"),
+    ("python -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor", "decode_chain"),
+    ("python -m benchmarks.bench_quantize --shape 8192x8192 --dtype bf16", "quantize"),
+    ("python -m benchmarks.host_cost --calls 1000", "host_cost"),
+)
+
+
+class ResultError(ValueError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+def check_result(data, path: Path) -> dict:
+    """The result file's content, or ResultError naming the file and what is wrong with it."""
+    if not isinstance(data, dict):
+        raise ResultError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    for key, kind in REQUIRED.items():
+        if not isinstance(data.get(key), kind):
+            raise ResultError(f"{path}: field {key!r} must be a {kind.__name__}, got {data.get(key)!r:.60}")
+    for key, kind in OPTIONAL.items():
+        if data.get(key) is not None and not isinstance(data[key], kind):
+            raise ResultError(f"{path}: field {key!r} must be a {kind.__name__}, got {data[key]!r:.60}")
+    if data["name"] != path.stem:
+        raise ResultError(f"{path}: field 'name' is {data['name']!r}; it must equal the file stem {path.stem!r}")
+    width = len(data["columns"])
+    for i, row in enumerate(data["rows"]):
+        if not isinstance(row, list) or len(row) != width:
+            raise ResultError(f"{path}: row {i} must be a list of {width} values (one per column), got {row!r:.80}")
+    return data
+
+
+def load_results(results_dir: Path) -> List[dict]:
+    """Every ``*.json`` in ``results_dir``, validated, in section order (none if the directory is missing)."""
+    results = []
+    for path in sorted(Path(results_dir).glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ResultError(f"{path}: not valid JSON ({e})") from None
+        results.append(check_result(data, path))
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return sorted(results, key=lambda r: (rank.get(r["name"], len(ORDER)), r["name"]))
+
+
+# ------------------------------------------------------------------------------------------------
+# Markdown
+# ------------------------------------------------------------------------------------------------
+def cell(value) -> str:
+    """A table cell: integers as is, floats to 6 significant digits, None and NaN as n/a."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, float):
+        if value.is_integer() and abs(value) < 1e15:
+            return str(int(value))
+        return f"{value:.6g}"
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence]) -> List[str]:
+    lines = ["| " + " | ".join(cell(c) for c in columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return lines
+
+
+def versions(r: dict) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted((r.get("versions") or {}).items()))
+
+
+def provenance(r: dict) -> str:
+    """"GPU, date" of one result."""
+    return f"{r['gpu']}, {r['date']}"
+
+
+def render_section(r: dict) -> List[str]:
+    lines = [f"## {r['title']}", "", f"`{r['command']}`", ""]
+    lines.append(f"GPU: {r['gpu']}; date: {r['date']}" + (f"; {versions(r)}" if versions(r) else "") + ".")
+    if r.get("notes"):
+        lines += ["", r["notes"].rstrip(".") + "."]
+    lines += [""] + table(r["columns"], r["rows"])
+    if r.get("summary"):
+        lines += [""] + [f"- {key}: {cell(value)}" for key, value in r["summary"].items()]
+    return lines + [""]
+
+
+def render_benchmarks(results: Sequence[dict]) -> str:
+    lines = [
+        "# Benchmarks",
+        "",
+        f"<!-- Generated by `{COMMAND}` from benchmarks/results/*.json: edit those, not this file. -->",
+        "",
+        "Current results only, one section per result file; earlier results are in the history of "
+        "`benchmarks/results/`. Each section gives the command that produced it, the GPU, the date and the "
+        "versions it ran with.",
+        "",
+    ]
+    if not results:
+        width = max(len(cmd) for cmd, _ in PRODUCERS)
+        lines += [
+            "No results are recorded yet. Run the benchmarks on a GPU; each writes "
+            "`benchmarks/results/<name>.json` (`--no-save` skips it, `--name` renames it):",
+            "",
+            "```",
+            *(f"{cmd:<{width}}  # {name}" for cmd, name in PRODUCERS),
+            "```",
+            "",
+            f"then `{COMMAND}` to rewrite this file, the README's performance section and `docs/perf.png`.",
+            "",
+        ]
+        return "\n".join(lines)
+    lines += ["Contents: " + ", ".join(f"[{r['title']}](#{anchor(r['title'])})" for r in results) + ".", ""]
+    for r in results:
+        lines += render_section(r)
+    return "\n".join(lines)
+
+
+def anchor(title: str) -> str:
+    """GitHub's heading anchor: lower case, punctuation dropped, spaces to hyphens."""
+    kept = "".join(ch for ch in title.lower() if ch.isalnum() or ch in " -_")
+    return kept.replace(" ", "-")
+
+
+def headline(r: dict, h: Headline) -> List[str]:
+    lines = [f"**{r['title']}** ({provenance(r)}; `{r['command']}`)", ""]
+    if h.summary and r.get("summary"):
+        return lines + table(("measure", "value"), list(r["summary"].items())) + [""]
+    at = {c: i for i, c in enumerate(r["columns"])}
+    picked = [row for row in r["rows"] if all(c in at and row[at[c]] == v for c, v in h.where)] or r["rows"]
+    keep = [at[c] for c in h.columns if c in at] or list(range(len(r["columns"])))
+    rows = [[row[i] for i in keep] for row in picked[: h.max_rows]]
+    return lines + table([r["columns"][i] for i in keep], rows) + [""]
+
+
+def render_perf_block(results: Sequence[dict], plot: Optional[str]) -> str:
+    """The README's text between the markers (markers excluded). ``plot``: the image's path relative to the
+    README, or None."""
+    by_name = {r["name"]: r for r in results}
+    quoted = [(by_name[h.name], h) for h in HEADLINES if h.name in by_name]
+    if not quoted:
+        return f"No benchmark results are recorded yet: run the benchmarks on a GPU, then `{COMMAND}`."
+    lines = []
+    for r, h in quoted:
+        lines += headline(r, h)
+    if plot:
+        lines += [f"![time ratio to cuBLAS per shape]({plot})", ""]
+    lines.append(f"All tables, with their commands: [BENCHMARKS.md](BENCHMARKS.md) (rendered by `{COMMAND}`).")
+    return "\n".join(lines)
+
+
+def replace_block(text: str, block: str, where: str = "README") -> str:
+    begin, end = text.find(PERF_BEGIN), text.find(PERF_END)
+    if begin < 0 or end < begin:
+        raise ResultError(f"{where} has no {PERF_BEGIN} ... {PERF_END} block to fill")
+    return text[: begin + len(PERF_BEGIN)] + "\n" + block + "\n" + text[end:]
+
+
+# ------------------------------------------------------------------------------------------------
+# Plot
+# ------------------------------------------------------------------------------------------------
+def plotted_result(results: Sequence[dict]) -> Optional[dict]:
+    by_name = {r["name"]: r for r in results}
+    return next((by_name[n] for n in PLOTTED if n in by_name and RATIO_COLUMN in by_name[n]["columns"]), None)
+
+
+def ratio_series(r: dict) -> Dict[str, List[tuple]]:
+    """{series (recipe, or the title): [(shape label, ratio)]} in row order; rows without a ratio are left out."""
+    cols = r["columns"]
+    at = {c: i for i, c in enumerate(cols)}
+    series: Dict[str, List[tuple]] = {}
+    for row in r["rows"]:
+        ratio = row[at[RATIO_COLUMN]]
+        if not isinstance(ratio, (int, float)) or isinstance(ratio, bool) or math.isnan(ratio):
+            continue
+        shape = "x".join(cell(row[at[c]]) for c in ("M", "N", "K") if c in at) or str(len(series))
+        key = cell(row[at["recipe"]]) if "recipe" in at else r["title"]
+        series.setdefault(key, []).append((shape, float(ratio)))
+    return series
+
+
+def draw_plot(r: dict, path: Path) -> bool:
+    """Bar chart of each shape's ratio to cuBLAS, one bar group per shape; False if matplotlib is missing or
+    the result has no ratios (the old image, if any, is left as it is)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    series = ratio_series(r)
+    if not series:
+        return False
+    shapes = list(dict.fromkeys(s for points in series.values() for s, _ in points))
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(max(6.0, 2.0 + 0.4 * len(shapes)), 4.0))
+    for i, (name, points) in enumerate(series.items()):
+        got = dict(points)
+        xs = [j + (i - (len(series) - 1) / 2) * width for j, s in enumerate(shapes) if s in got]
+        ax.bar(xs, [got[s] for s in shapes if s in got], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(shapes)))
+    ax.set_xticklabels(shapes, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("cuBLAS time / ours (> 1: faster)")
+    ax.set_title(f"{r['title']} ({r['gpu']}, {r['date']})", fontsize=9)
+    if len(series) > 1:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, metadata={"Software": None})
+    plt.close(fig)
+    return True
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point
+# ------------------------------------------------------------------------------------------------
+def relative_to(path: Path, start: Path) -> str:
+    try:
+        return path.resolve().relative_to(start.resolve()).as_posix()
+    except ValueError:
+        return path.resolve().as_posix()
+
+
+def render(results_dir: Path = RESULTS_DIR, benchmarks_md: Path = BENCHMARKS_MD, readme: Path = README_MD,
+           plot: Path = PERF_PNG, check: bool = False) -> List[Path]:
+    """Rewrite the outputs from the result files; return the text files that changed (with ``check``: that
+    would change, writing nothing and drawing no plot)."""
+    results = load_results(results_dir)
+    drawn = plotted_result(results)
+    if drawn is not None and not check:
+        draw_plot(drawn, plot)
+    plot_ref = relative_to(plot, readme.parent) if drawn is not None and plot.exists() else None
+    outputs = {
+        benchmarks_md: render_benchmarks(results),
+        readme: replace_block(readme.read_text(), render_perf_block(results, plot_ref), str(readme)),
+    }
+    changed = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]
+    if not check:
+        for p in changed:
+            p.write_text(outputs[p])
+    return changed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Render BENCHMARKS.md, the README's performance block and the "
+                                             "perf plot from benchmarks/results/*.json.")
+    ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="result files directory (default: %(default)s)")
+    ap.add_argument("--benchmarks", type=Path, default=BENCHMARKS_MD, help="page to write (default: %(default)s)")
+    ap.add_argument("--readme", type=Path, default=README_MD, help="README with the perf block (default: %(default)s)")
+    ap.add_argument("--plot", type=Path, default=PERF_PNG, help="plot to draw, with matplotlib (default: %(default)s)")
+    ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is out of date")
+    args = ap.parse_args(argv)
+    try:
+        changed = render(args.results, args.benchmarks, args.readme, args.plot, check=args.check)
+    except (ResultError, OSError) as e:
+        print(f"render: {e}", file=sys.stderr)
+        return 2
+    if args.check and changed:
+        print("out of date: " + ", ".join(str(p) for p in changed) + f"; run `{COMMAND}`", file=sys.stderr)
+        return 1
+    print(("updated: " + ", ".join(str(p) for p in changed)) if changed else "up to date")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
