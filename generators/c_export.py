@@ -1,4 +1,4 @@
-"""One manifest instance through the DSL's C export: compile for the target arch, write ``<key>.o`` and
+"""One instance of the table through the DSL's C export: compile for the target arch, write ``<key>.o`` and
 ``<key>.h``, and describe the entry point for the registry templates.
 
 The entry's arguments are read from the kernel class's ``__call__`` signature, so a kernel that gains an
@@ -23,10 +23,10 @@ from typing import Dict, List, Tuple
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import jinja2
+from cutedsl_gemm.generators.runner import code_key
 from cutlass import Int32, Int64
 
 from cutedsl_gemm.selection.instances import KernelInstance
-from cutedsl_gemm.generators.runner import code_key
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
@@ -174,9 +174,9 @@ def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
 
 def _sm90_gemm(inst: KernelInstance):
     """(kernel object, fake args) as the runtime traces them, with a plain fake stream for the C caller."""
+    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
     from cutlass.cute.runtime import make_fake_stream
 
-    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
     from cutedsl_gemm.runtime.compile import fake_gemm_args
 
     cfg = inst.sm90_config()
@@ -185,10 +185,15 @@ def _sm90_gemm(inst: KernelInstance):
     return Sm90Fp8Gemm(cfg), args, cfg
 
 
+def exportable(inst: KernelInstance) -> bool:
+    """Whether the C export covers the instance's kernel family (the Hopper GEMMs)."""
+    return inst.arch == "sm_90a" and inst.op == "gemm"
+
+
 def export_one(job: Tuple[KernelInstance, str]) -> dict:
     """Compile one instance and write ``<key>.o`` and ``<key>.h`` into ``job[1]`` (runs in a worker)."""
     inst, kernels_dir = job
-    if not (inst.arch == "sm_90a" and inst.op == "gemm"):
+    if not exportable(inst):
         raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}")
     kernel, args, cfg = _sm90_gemm(inst)
     params = entry_params(type(kernel))

@@ -1,38 +1,34 @@
-"""The kernel catalog: ``docs/kernels.md``, every manifest instance and what it compiles to.
+"""The kernel catalog, rendered on demand: instances of the table and what each one compiles to.
 
-Compiling every instance takes minutes on a small machine, so the compiled facts (registers, stack frame,
-shared memory, stages, MMA instructions in the PTX) live in a committed sidecar, ``docs/kernels.json``,
-keyed by ``runner.code_key`` and stamped with a fingerprint of the sources that shape the instance's code
-(the import closure of its compile path within this package, plus the DSL version). ``cutedsl-gemm
-catalog`` compiles only instances that are missing or stamped with an older fingerprint, then renders the
-page from the manifest and the sidecar alone, so rendering is cheap and deterministic.
+``cutedsl-gemm catalog [--arch A] [--filter SUBSTR] [--sample] [--out DIR]`` compiles the selected instances
+(no GPU needed) and writes ``DIR/kernels.md``, a table per tile configuration, and ``DIR/kernels.json``, the
+facts: registers per thread and stack frame (read from the cubin), dynamic shared memory and mainloop stages
+(the kernel's shared-memory plan) and the MMA instructions in the PTX. Facts already in ``DIR/kernels.json``
+for the same configuration, DSL version and sources are reused, so a run stopped by Ctrl-C (which keeps what
+finished) resumes where it stopped.
 
-``check`` compiles nothing. Its problems come in two kinds: ``manifest`` (an instance without facts, facts
-for a different configuration, or a page that differs from what the manifest renders to) and ``sources``
-(facts taken from older kernel sources; the numbers may have moved). The CPU test fails on the first kind
-and warns on the second, so kernel edits are not blocked on a full recompile.
+``sample`` picks one instance per kernel family (``family_key``), which covers every code path of the table
+in about a minute of compiling on two cores; the CPU tests render it.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import ast
 import hashlib
-import importlib.util
 import json
+import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from cutedsl_gemm.generators.runner import Interrupted, SelectionError, code_key, pick, run_parallel
+
+from cutedsl_gemm.numerics.formats import RECIPES
 from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
-from cutedsl_gemm.generators.runner import code_key, run_parallel
 
-DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
-DOC_NAME, SIDECAR_NAME = "kernels.md", "kernels.json"
-SIDECAR_VERSION = 1
-REGENERATE = "cutedsl-gemm catalog"
+DOC_NAME, FACTS_NAME = "kernels.md", "kernels.json"
+FACTS_VERSION = 2
 # Fields that only steer dispatch; everything else may change the generated code.
 DISPATCH_ONLY = ("m_min", "m_max")
 
@@ -40,124 +36,123 @@ DISPATCH_ONLY = ("m_min", "m_max")
 def code_config(inst: KernelInstance) -> dict:
     cfg = {k: getattr(inst, k) for k in inst.__dataclass_fields__ if k not in DISPATCH_ONLY}
     if (inst.arch, inst.op) == ("sm_90a", "gemm"):
-        # What the manifest derives for the kernel class (e.g. split_k) shapes the code too.
+        # What the table derives for the kernel class (e.g. split_k) shapes the code too.
         cfg["kernel"] = dataclasses.asdict(inst.sm90_config())
     return cfg
 
 
 # ------------------------------------------------------------------------------------------------
-# Kernel families: the modules a family's code comes from and how its facts are read
+# Facts of one instance
 # ------------------------------------------------------------------------------------------------
-def _sm90_gemm_facts(inst: KernelInstance) -> dict:
-    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
-    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-
-    rep = inspect_instance(inst)
-    mma = {k: v for k, v in sorted(rep.instructions.items()) if k.startswith(("wgmma.mma_async", "tcgen05.mma"))}
-    return {
-        "registers": rep.registers,
-        "frame_bytes": rep.frame_bytes,
-        "smem_bytes": rep.smem_bytes,
-        "stages": Sm90Fp8Gemm(inst.sm90_config()).ab_stages,
-        "mma": mma,
-    }
+MMA_PREFIXES = ("wgmma.mma_async", "tcgen05.mma")
 
 
-@dataclass(frozen=True)
-class Family:
-    roots: Tuple[str, ...]  # modules whose import closure shapes the code (and the facts read from it)
-    facts: Callable[[KernelInstance], dict]
+def facts_fingerprint() -> str:
+    """The sources facts are read from: the kernels and host package (as the JIT cache keys them) and this
+    module."""
+    from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
 
-
-FAMILIES: Dict[Tuple[str, str], Family] = {
-    ("sm_90a", "gemm"): Family(("cutedsl_gemm.runtime.compile", "cutedsl_gemm.tools.ptx_inspect"), _sm90_gemm_facts),
-}
-
-
-def family(inst: KernelInstance) -> Optional[Family]:
-    return FAMILIES.get((inst.arch, inst.op))
-
-
-def module_closure(roots: Sequence[str], package: str = "cutedsl_gemm") -> Dict[str, Path]:
-    """Module name -> source file for ``roots`` and every ``package`` module they import, transitively.
-
-    Read from the sources (ast), not from sys.modules, so the answer does not depend on what this process
-    happened to import; imports inside functions count too.
-    """
-    found: Dict[str, Path] = {}
-    stack = list(roots)
-    while stack:
-        name = stack.pop()
-        if name in found:
-            continue
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            continue
-        found[name] = Path(spec.origin)
-        pkg = name if spec.submodule_search_locations else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(found[name].read_text(), filename=spec.origin)):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                base = importlib.util.resolve_name("." * node.level + (node.module or ""), pkg) if node.level else node.module
-                names = [base] + [f"{base}.{a.name}" for a in node.names]  # "from pkg import module"
-            else:
-                continue
-            stack += [n for n in names if n and (n == package or n.startswith(package + "."))]
-    return found
-
-
-_FINGERPRINTS: Dict[Tuple[str, ...], str] = {}
-
-
-def facts_fingerprint(inst: KernelInstance) -> Optional[str]:
-    fam = family(inst)
-    if fam is None:
-        return None
-    fp = _FINGERPRINTS.get(fam.roots)
-    if fp is None:
-        from cutedsl_gemm.runtime.jit import dsl_version
-
-        h = hashlib.sha256(f"dsl {dsl_version()}\n".encode())
-        for name, path in sorted(module_closure(fam.roots).items()):
-            h.update(f"{name}\n".encode())
-            h.update(path.read_bytes())
-        fp = _FINGERPRINTS[fam.roots] = h.hexdigest()[:16]
-    return fp
+    mine = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
+    return f"{dsl_version()}-{source_fingerprint()}-{mine}"
 
 
 def collect_facts(inst: KernelInstance) -> dict:
-    """Compile one instance and read its facts (runs in a worker process)."""
-    fam = family(inst)
-    if fam is None:
-        raise ValueError(f"{inst.name}: no inspector for arch={inst.arch} op={inst.op}")
-    from cutedsl_gemm.runtime.jit import dsl_version
+    """Compile one instance the runtime's way and read its facts (runs in a worker process)."""
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance, kernel_resources
 
-    return {"fingerprint": facts_fingerprint(inst), "dsl": dsl_version(), "config": code_config(inst), **fam.facts(inst)}
+    rep = inspect_instance(inst)
+    smem_bytes, stages = kernel_resources(inst)
+    mma = {k: v for k, v in sorted(rep.instructions.items()) if k.startswith(MMA_PREFIXES)}
+    return {"fingerprint": facts_fingerprint(), "config": code_config(inst), "registers": rep.registers,
+            "frame_bytes": rep.frame_bytes, "smem_bytes": smem_bytes, "stages": stages, "mma": mma}
 
 
 # ------------------------------------------------------------------------------------------------
-# Sidecar, rendering, check, refresh
+# Selection: the whole table, a filtered part, or one instance per kernel family
 # ------------------------------------------------------------------------------------------------
-def instances() -> Tuple[KernelInstance, ...]:
-    return tuple(dict.fromkeys(INSTANCES))  # identical rows of the expanded table appear once
+def family_key(inst: KernelInstance) -> tuple:
+    """The kind of code an instance compiles to: architecture, op, schedule, the MMA kind (sm_100a) or where the
+    scales apply (sm_90a: in the main loop, block-scaled, or in the epilogue), swapped operands, CTAs per SM,
+    last-wave split and accumulation. Tiles, recipes of one kind and types vary within a family as parameters
+    of the same code."""
+    scaling = inst.mma_kind or ("block-scaled" if RECIPES[inst.recipe].in_mainloop else "epilogue-scaled")
+    return (inst.arch, inst.op, inst.schedule, scaling, inst.swap_ab, inst.ctas_per_sm, inst.split_tail, inst.accum)
 
 
-def load_sidecar(docs_dir: Path) -> Dict[str, dict]:
-    path = Path(docs_dir) / SIDECAR_NAME
-    if not path.exists():
+def sample(insts: Sequence[KernelInstance]) -> tuple[KernelInstance, ...]:
+    """One instance per kernel family, families in table order. Each comes from its family's first tile
+    configuration, with the recipe and types (``SAMPLE_AXES``) that add the most values not yet in the
+    sample (the first such in table order), so the sample also holds every recipe, operand, output and bias
+    type; separately per arch, and for swapped and unswapped kernels (operands and scales on the other sides)."""
+    families: dict[tuple, list[KernelInstance]] = {}
+    for inst in dict.fromkeys(insts):
+        families.setdefault(family_key(inst), []).append(inst)
+    covered: set[tuple] = set()
+    out = []
+    for members in families.values():
+        tile = _without_sample_axes(members[0])
+        candidates = [i for i in members if _without_sample_axes(i) == tile]
+        best = max(candidates, key=lambda i: len(_axis_values(i) - covered))  # max keeps the first of equals
+        covered |= _axis_values(best)
+        out.append(best)
+    return tuple(out)
+
+
+SAMPLE_AXES = ("recipe", "a_dtype", "b_dtype", "out_dtype", "bias_dtype")
+
+
+def _axis_values(inst: KernelInstance) -> set[tuple]:
+    return {(inst.arch, inst.swap_ab, a, getattr(inst, a)) for a in SAMPLE_AXES}
+
+
+def _without_sample_axes(inst: KernelInstance) -> KernelInstance:
+    return dataclasses.replace(inst, **dict.fromkeys(SAMPLE_AXES))
+
+
+def select(arch: str | None = None, filters: Sequence[str] = (), limit: int | None = None,
+           sampled: bool = False) -> tuple[KernelInstance, ...]:
+    """The instances to catalog, in table order: of ``arch`` (every arch when None), whose name contains any
+    of ``filters`` (all when none), one per family with ``sampled``, at most ``limit``. SelectionError when
+    nothing matches."""
+    archs = [arch] if arch else list(dict.fromkeys(i.arch for i in INSTANCES))
+    insts: list[KernelInstance] = []
+    for a in archs:
+        try:
+            insts += pick(a, filters)
+        except SelectionError:
+            if arch:
+                raise
+    if not insts:
+        raise SelectionError(f"no instance name contains any of {list(filters)}")
+    if sampled:
+        insts = list(sample(insts))
+    if limit is not None:
+        if limit < 1:
+            raise SelectionError(f"--limit must be >= 1, got {limit}")
+        insts = insts[:limit]
+    return tuple(insts)
+
+
+# ------------------------------------------------------------------------------------------------
+# Facts file and page
+# ------------------------------------------------------------------------------------------------
+def load_facts(out_dir: Path) -> dict[str, dict]:
+    """Facts of an earlier run in ``out_dir`` that still hold (same layout and sources); {} otherwise."""
+    path = Path(out_dir) / FACTS_NAME
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
         return {}
-    data = json.loads(path.read_text())
-    if data.get("version") != SIDECAR_VERSION:
+    if not isinstance(data, dict) or data.get("version") != FACTS_VERSION:
         return {}  # an older layout is recomputed rather than misread
-    return data["entries"]
+    fingerprint = facts_fingerprint()
+    return {k: v for k, v in data.get("entries", {}).items() if v.get("fingerprint") == fingerprint}
 
 
-def sidecar_text(entries: Dict[str, dict]) -> str:
-    return json.dumps({"version": SIDECAR_VERSION, "entries": entries}, indent=1, sort_keys=True) + "\n"
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)  # a reader (or a second Ctrl-C) never sees half a file
 
 
 def _group_title(inst: KernelInstance) -> str:
@@ -167,97 +162,82 @@ def _group_title(inst: KernelInstance) -> str:
             f"{inst.cluster_m}x{inst.cluster_n}, {inst.accum} accumulation{stages}, M {inst.m_min}..{m_max}")
 
 
-def render(insts: Sequence[KernelInstance], entries: Dict[str, dict]) -> str:
+def render(insts: Sequence[KernelInstance], entries: dict[str, dict], missing: dict[str, str],
+           scope: str) -> str:
+    """The page: ``entries`` by code key; ``missing`` says why an instance has no facts."""
     from cutedsl_gemm.generators.export import template_env
 
-    groups: Dict[str, List[dict]] = {}
+    groups: dict[str, list[dict]] = {}
     for inst in insts:
         key = code_key(inst)
-        facts = entries.get(key) if family(inst) is not None else None
+        facts = entries.get(key)
         if facts is not None and facts.get("config") != code_config(inst):
             facts = None
-        groups.setdefault(_group_title(inst), []).append({"inst": inst, "key": key, "facts": facts,
-                                                           "supported": family(inst) is not None})
-    used = [r["facts"] for rows in groups.values() for r in rows if r["facts"] is not None]
-    stamps = sorted({f"CuTe DSL {f.get('dsl', '?')}, kernel sources {f['fingerprint']}" for f in used})
+        why = missing.get(key, "not compiled")
+        groups.setdefault(_group_title(inst), []).append({"inst": inst, "key": key, "facts": facts, "why": why})
+    from cutedsl_gemm.runtime.jit import dsl_version
+
     return template_env().get_template("kernels.md.j2").render(
-        groups=groups, total=len(insts), distinct=len({code_key(i) for i in insts}), stamps=stamps,
-        regenerate=REGENERATE, sidecar=SIDECAR_NAME,
+        groups=groups, total=len(insts), distinct=len({code_key(i) for i in insts}), scope=scope,
+        dsl=dsl_version(), sidecar=FACTS_NAME,
     )
 
 
-@dataclass(frozen=True)
-class Problem:
-    kind: str  # "manifest" | "sources"
-    text: str
-
-
-def check(docs_dir: Path = DOCS_DIR) -> List[Problem]:
-    """What is stale about the committed catalog (nothing is compiled)."""
-    docs_dir = Path(docs_dir)
-    entries = load_sidecar(docs_dir)
-    problems: List[Problem] = []
-    insts = instances()
-    moved: Dict[Tuple[str, str], List[str]] = {}
-    for inst in insts:
-        if family(inst) is None:
-            continue  # rendered as "no inspector"; nothing to refresh
-        e = entries.get(code_key(inst))
-        if e is None:
-            problems.append(Problem("manifest", f"{inst.name}: no compiled facts in {SIDECAR_NAME}"))
-        elif e.get("config") != code_config(inst):
-            problems.append(Problem("manifest", f"{inst.name}: facts in {SIDECAR_NAME} are for another configuration"))
-        elif e.get("fingerprint") != facts_fingerprint(inst):
-            moved.setdefault((str(e.get("fingerprint")), str(facts_fingerprint(inst))), []).append(inst.name)
-    for (old, new), names in sorted(moved.items()):
-        problems.append(Problem("sources", f"{len(names)} instance(s) catalogued from kernel sources {old}, now {new} "
-                                           f"(e.g. {names[0]})"))
-    doc = docs_dir / DOC_NAME
-    if not doc.exists() or doc.read_text() != render(insts, entries):
-        problems.append(Problem("manifest", f"{doc} differs from what the manifest and {SIDECAR_NAME} render to"))
-    return problems
-
-
-def stale(docs_dir: Path = DOCS_DIR) -> List[KernelInstance]:
-    """Instances whose facts are missing, for another configuration, or from older sources (one per code key)."""
-    entries = load_sidecar(docs_dir)
-    out: Dict[str, KernelInstance] = {}
-    for inst in instances():
-        key = code_key(inst)
-        e = entries.get(key)
-        if family(inst) is not None and (e is None or e.get("config") != code_config(inst)
-                                         or e.get("fingerprint") != facts_fingerprint(inst)):
-            out.setdefault(key, inst)
-    return list(out.values())
-
-
 @dataclass
-class RefreshReport:
+class CatalogReport:
+    selected: int
     compiled: int
-    failed: List[Tuple[str, str]]
+    reused: int
+    failed: list[tuple[str, str]]
     doc: Path
-    sidecar: Path
+    facts: Path
 
 
-def refresh(docs_dir: Path = DOCS_DIR, jobs: Optional[int] = None, stream=None) -> RefreshReport:
-    """Compile what is stale, prune facts no instance uses, rewrite the sidecar and the page."""
-    docs_dir = Path(docs_dir)
-    if not docs_dir.parent.is_dir():
-        raise FileNotFoundError(f"{docs_dir.parent} does not exist: pass --docs DIR (the repository's docs/)")
-    docs_dir.mkdir(exist_ok=True)
-    todo = stale(docs_dir)
-    entries = load_sidecar(docs_dir)
-    results = run_parallel(collect_facts, todo, jobs, "catalog", describe=lambda i: i.name, stream=stream)
+def write_catalog(out_dir, insts: Sequence[KernelInstance], jobs: int | None = None, scope: str = "",
+                  stream=None) -> CatalogReport:
+    """Compile what ``out_dir`` has no facts for and write the page and the facts file.
+
+    On Ctrl-C (``Interrupted`` from the runner) both files are written with what finished before the
+    exception goes on.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    stream = stream if stream is not None else sys.stderr
+    insts = tuple(dict.fromkeys(insts))  # identical rows of the expanded table appear once
+    entries = load_facts(out)
+    todo: dict[str, KernelInstance] = {}
+    for inst in insts:
+        key = code_key(inst)
+        known = entries.get(key)
+        if known is None or known.get("config") != code_config(inst):
+            todo.setdefault(key, inst)
+    print(f"catalog: {len(insts)} instance(s) ({scope or 'as selected'}): {len(todo)} to compile, "
+          f"{len(insts) - len(todo)} with facts already in {out / FACTS_NAME}", file=stream)
+    missing: dict[str, str] = {}
+    interrupted = None
+    try:
+        results = run_parallel(collect_facts, list(todo.values()), jobs, "catalog", describe=lambda i: i.name,
+                               stream=stream)
+    except Interrupted as e:
+        results, interrupted = e.results, e
+        missing = {k: "not compiled: interrupted" for k in todo}
     for r in results:
+        key = code_key(r.item)
         if r.ok:
-            entries[code_key(r.item)] = r.value
-    insts = instances()
-    used = {code_key(i) for i in insts}
-    entries = {k: v for k, v in entries.items() if k in used}
-    sidecar, doc = docs_dir / SIDECAR_NAME, docs_dir / DOC_NAME
-    sidecar.write_text(sidecar_text(entries))
-    doc.write_text(render(insts, entries))
+            entries[key] = r.value
+            missing.pop(key, None)
+        else:
+            missing[key] = f"failed: {r.error}"
+    doc, facts = out / DOC_NAME, out / FACTS_NAME
+    _write(facts, json.dumps({"version": FACTS_VERSION, "instances": {i.name: code_key(i) for i in insts},
+                              "entries": entries}, indent=1, sort_keys=True) + "\n")
+    _write(doc, render(insts, entries, missing, scope))
+    if interrupted is not None:
+        raise interrupted
     failed = [(r.item.name, r.error) for r in results if not r.ok]
-    print(f"catalog: {len(insts)} instances, {sum(r.ok for r in results)} (re)compiled, {len(failed)} failed; "
-          f"wrote {doc} and {sidecar}", file=stream if stream is not None else sys.stderr)
-    return RefreshReport(sum(r.ok for r in results), failed, doc, sidecar)
+    compiled = sum(r.ok for r in results)
+    print(f"catalog: {compiled} compiled, {len(failed)} failed; wrote {doc} and {facts}", file=stream)
+    reused = sum(1 for i in insts if code_key(i) not in todo)
+    return CatalogReport(len(insts), compiled, reused, failed, doc, facts)

@@ -1,4 +1,4 @@
-"""Ahead-of-time export: every manifest instance as a C object file + header, a registry, a build file.
+"""Ahead-of-time export: instances of the table as C object files + headers, a registry, a build file.
 
 ``cutedsl-gemm export --arch sm_90a --out DIR`` needs no GPU. Per instance it compiles the kernel for the
 target arch and writes what the DSL's C export produces (``kernels/<key>.o`` holding host launch code and
@@ -9,7 +9,8 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
   (ranks, static extents, divisibility, shared M/N/K, alignment), lazy per-instance module loading and a
   lookup by (op, arch, recipe, dtypes, accumulation, M) that follows ``cutedsl_gemm.selection.dispatch``;
 * ``cutedsl_gemm_kernels.cmake`` + ``CMakeLists.txt``: the static library ``cutedsl_gemm_kernels``;
-* ``export.json``: what was exported, from which sources.
+* ``export.json``: what was exported, from which sources, and the files written (a later export into
+  the same directory removes them first).
 
 Compiling and describing one instance is ``c_export.export_one``; this module renders and builds.
 """
@@ -19,16 +20,17 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import jinja2
+from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, exportable, field_name
+from cutedsl_gemm.generators.runner import code_key, pick_ahead_of_time, run_parallel
 
-from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, field_name
-from cutedsl_gemm.selection.instances import KernelInstance
 from cutedsl_gemm.selection.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
-from cutedsl_gemm.generators.runner import code_key, pick, run_parallel
+from cutedsl_gemm.selection.instances import KernelInstance
 
 LIB_NAME = "cutedsl_gemm_kernels"
 C_TYPES = {"int32": "int32_t", "int64": "int64_t"}
@@ -43,7 +45,8 @@ FIELD_DOCS = {
     "workspace": "split-K fp32 partials, >= tiles x splits x tile_m x tile_n; data NULL when splits <= 1",
     "counters": "split-K int32, one per output tile, zeroed before first use (launches leave them zero)",
     "splits": "K splits: <= 1 none; > 1 only on split_k instances (normalised: no empty split)",
-    "max_clusters": "persistent clusters to launch; <= 0: the clusters the current device holds at once (SM count / cluster size; 10/11 of that for clusters of more than 2 CTAs, as dispatch.cluster_slots)",
+    "max_clusters": "persistent clusters to launch; <= 0: the clusters the current device holds at once (SM count / "
+                    "cluster size; 10/11 of that for clusters of more than 2 CTAs, as dispatch.cluster_slots)",
 }
 
 
@@ -111,18 +114,69 @@ class ExportResult:
     arg_fields: List[dict]  # cutedsl_gemm_args_t, in order: {"field", "ctype", "doc"}
 
 
-def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int] = None,
-           jobs: Optional[int] = None, stream=None) -> ExportResult:
-    """Export the selected instances of ``arch`` into ``out_dir``; raise ExportError if any fails."""
+RENDERED = (("registry.h.j2", "cutedsl_gemm_registry.h"), ("registry.c.j2", "cutedsl_gemm_registry.c"),
+            ("kernels.cmake.j2", f"{LIB_NAME}.cmake"), ("CMakeLists.txt.j2", "CMakeLists.txt"))
+
+
+EXPORT_RECORD = "export.json"  # what was exported, and every file this exporter wrote (removed by the next export)
+
+
+def _relative_files(keys) -> list[str]:
+    fixed = [name for _, name in RENDERED] + [EXPORT_RECORD, f"lib{LIB_NAME}.so"]
+    return fixed + [f"kernels/{k}.{ext}" for k in keys for ext in ("o", "h")]
+
+
+def remove_previous_export(out: Path) -> list[Path]:
+    """Delete the files an earlier export into ``out`` listed in its record (and nothing else): a
+    re-export must not leave another selection's objects beside the new build files."""
+    try:
+        listed = json.loads((out / EXPORT_RECORD).read_text()).get("files", [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    removed = []
+    for rel in listed:
+        path = (out / rel).resolve()
+        if path.parent not in (out, out / "kernels") or not path.is_file():
+            continue  # only the exporter's own places: a hand-edited record cannot delete elsewhere
+        path.unlink()
+        removed.append(path)
+    return removed
+
+
+def _check_out_dir(out: Path) -> None:
+    for p in (out, out / "kernels"):
+        if p.exists() and not p.is_dir():
+            raise ExportError(f"--out {out}: {p} is a file, not a directory")
+
+
+def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = None,
+           jobs: int | None = None, stream=None, everything: bool = False) -> ExportResult:
+    """Export the selected instances of ``arch`` into ``out_dir``; raise ExportError if any fails.
+
+    The selection is ``runner.pick_ahead_of_time``'s (without ``filters``: the default set, or the whole
+    table with ``everything``). Files of an earlier export into ``out_dir`` are removed first.
+    """
     from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
 
-    insts = pick(arch, filters, limit)
+    selection = pick_ahead_of_time(arch, filters, limit, everything)
+    insts = selection.instances
+    refused = [i for i in insts if not exportable(i)]
+    if refused:
+        raise ExportError(f"no AOT exporter for {refused[0].arch} {refused[0].op} instances (the C export covers "
+                          f"sm_90a GEMMs); selected e.g. {refused[0].name}")
     out = Path(out_dir).resolve()
+    _check_out_dir(out)
     kdir = out / "kernels"
-    kdir.mkdir(parents=True, exist_ok=True)
-    first: Dict[str, KernelInstance] = {}
+    first: dict[str, KernelInstance] = {}
     for inst in insts:
         first.setdefault(code_key(inst), inst)  # instances differing only in M range share one object
+    kdir.mkdir(parents=True, exist_ok=True)
+    remove_previous_export(out)
+    # Listed before compiling: an export that fails or is interrupted is still cleaned up by the next one.
+    (out / EXPORT_RECORD).write_text(json.dumps({"arch": arch, "complete": False,
+                                            "files": _relative_files(first)}, indent=1) + "\n")
+    print(f"export: {len(insts)} instance(s) of {arch} ({selection.scope}): {len(first)} kernel(s) to compile",
+          file=stream if stream is not None else sys.stderr)
     results = run_parallel(export_one, [(i, str(kdir)) for i in first.values()], jobs, "export",
                            describe=lambda job: job[0].name, stream=stream)
     failed = [r for r in results if not r.ok]
@@ -153,15 +207,15 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: Optional[int]
     }
     env = template_env()
     files = []
-    for tmpl, name in (("registry.h.j2", "cutedsl_gemm_registry.h"), ("registry.c.j2", "cutedsl_gemm_registry.c"),
-                       ("kernels.cmake.j2", f"{LIB_NAME}.cmake"), ("CMakeLists.txt.j2", "CMakeLists.txt")):
+    for tmpl, name in RENDERED:
         path = out / name
         path.write_text(env.get_template(tmpl).render(**ctx))
         files.append(path)
-    meta = {"arch": arch, "dsl_version": ctx["dsl_version"], "source_fingerprint": ctx["fingerprint"],
+    meta = {"arch": arch, "complete": True, "dsl_version": ctx["dsl_version"],
+            "source_fingerprint": ctx["fingerprint"], "files": _relative_files(first),
             "instances": [{"name": e["name"], "key": e["key"], **e["fields"]} for e in ctx["entries"]]}
-    (out / "export.json").write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    files.append(out / "export.json")
+    (out / EXPORT_RECORD).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
+    files.append(out / EXPORT_RECORD)
     for k in first:
         files += [kdir / f"{k}.o", kdir / f"{k}.h"]
     return ExportResult(out, insts, kernels, files, ctx["arg_fields"])

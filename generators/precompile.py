@@ -1,7 +1,8 @@
 """Fill the on-disk JIT cache ahead of time, in parallel worker processes.
 
-``cutedsl-gemm precompile --arch sm_90a [--filter SUBSTR] [--jobs N]`` compiles every selected manifest
-instance into ``cutedsl_gemm.runtime.jit.KERNEL_CACHE`` under the same key the runtime looks up (see
+``cutedsl-gemm precompile --arch sm_90a [--filter SUBSTR | --all] [--jobs N]`` compiles the selected
+instances (``runner.pick_ahead_of_time``: without a filter, the default set that most callers need; ``--all``
+for the whole table) into ``cutedsl_gemm.runtime.jit.KERNEL_CACHE`` under the same key the runtime looks up (see
 ``cache_key``), so the first ``scaled_mm`` call of a process loads a shared library instead of compiling.
 Entries already on disk are found before any worker starts: a second run compiles nothing.
 """
@@ -11,10 +12,11 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Sequence, Tuple
+
+from cutedsl_gemm.generators.runner import pick_ahead_of_time, run_parallel
 
 from cutedsl_gemm.selection.instances import KernelInstance
-from cutedsl_gemm.generators.runner import pick, run_parallel
 
 
 class PrecompileError(RuntimeError):
@@ -22,21 +24,14 @@ class PrecompileError(RuntimeError):
 
 
 def cache_key(inst: KernelInstance) -> Tuple[KernelInstance, str]:
-    """(key, arch) as ``cutedsl_gemm.ops.scaled_mm`` passes them to ``KERNEL_CACHE.get`` (a test holds them equal)."""
+    """(key, arch) as ``cutedsl_gemm.runtime.launch.compiled`` passes them to ``KERNEL_CACHE.get`` (a test holds
+    them equal)."""
     return inst, inst.arch
-
-
-def compile_instance(inst: KernelInstance):
-    """The runtime's compilation of one instance (TVM-FFI calling convention)."""
-    if inst.arch == "sm_90a" and inst.op == "gemm":
-        from cutedsl_gemm.runtime.compile import compile_gemm
-
-        return compile_gemm(inst.sm90_config(), inst.arch)
-    raise PrecompileError(f"{inst.name}: the runtime has no JIT path for arch={inst.arch} op={inst.op}")
 
 
 def precompile_one(inst: KernelInstance) -> dict:
     """Compile one instance into the disk cache unless present (runs in a worker process)."""
+    from cutedsl_gemm.runtime.compile import compile_instance
     from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     key, arch = cache_key(inst)
@@ -59,15 +54,21 @@ class PrecompileReport:
                 f"cached, {len(self.failed)} failed in {self.seconds:.2f} s (cache: {self.cache_dir})")
 
 
-def precompile(arch: str, filters: Sequence[str] = (), jobs: Optional[int] = None, limit: Optional[int] = None,
-               stream=None) -> PrecompileReport:
+def precompile(arch: str, filters: Sequence[str] = (), jobs: int | None = None, limit: int | None = None,
+               stream=None, everything: bool = False) -> PrecompileReport:
+    """Compile the selection into the disk cache. Ctrl-C raises ``runner.Interrupted``; the entries that
+    finished are in the cache already."""
     from cutedsl_gemm.runtime.jit import KERNEL_CACHE, cache_dir, disk_cache_enabled
 
+    stream = stream if stream is not None else sys.stderr
     t0 = time.perf_counter()
     if not disk_cache_enabled():
         raise PrecompileError("CUTEDSL_GEMM_DISABLE_DISK_CACHE is set: there is no disk cache to fill")
-    insts = pick(arch, filters, limit)
+    selection = pick_ahead_of_time(arch, filters, limit, everything)
+    insts = selection.instances
     todo = [i for i in insts if not KERNEL_CACHE.entry_path(*cache_key(i)).exists()]
+    print(f"precompile: {len(insts)} instance(s) of {arch} ({selection.scope}): {len(todo)} to compile, "
+          f"{len(insts) - len(todo)} already cached", file=stream)
     results = run_parallel(precompile_one, todo, jobs, "precompile", describe=lambda i: i.name, stream=stream)
     report = PrecompileReport(
         selected=len(insts),
@@ -76,11 +77,12 @@ def precompile(arch: str, filters: Sequence[str] = (), jobs: Optional[int] = Non
         failed=[(r.item.name, r.error) for r in results if not r.ok],
         cache_dir=str(cache_dir()),
     )
-    moved = [r.item.name for r in results if r.ok and r.value["path"] != str(KERNEL_CACHE.entry_path(*cache_key(r.item)))]
+    moved = [r.item.name for r in results
+             if r.ok and r.value["path"] != str(KERNEL_CACHE.entry_path(*cache_key(r.item)))]
     if moved:
         # The cache key includes a fingerprint of the kernel sources; an edit during the run re-keys entries.
         print(f"precompile: kernel sources changed while compiling; {len(moved)} entries were keyed by the new "
-              f"sources (run again to fill the cache for the current ones)", file=stream if stream is not None else sys.stderr)
+              f"sources (run again to fill the cache for the current ones)", file=stream)
     report.seconds = time.perf_counter() - t0
-    print(report.summary(), file=stream if stream is not None else sys.stderr)
+    print(report.summary(), file=stream)
     return report

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Callable, Iterable, List, Optional, Sequence, TextIO, Tuple
 
-from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
+from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance, operand_dtypes
 
 
 class SelectionError(ValueError):
@@ -33,7 +34,7 @@ def code_key(inst: KernelInstance) -> str:
 
 def pick(arch: str, filters: Sequence[str] = (), limit: Optional[int] = None,
          instances: Sequence[KernelInstance] = None) -> Tuple[KernelInstance, ...]:
-    """Instances of ``arch`` whose name contains any of ``filters`` (all when none), manifest order.
+    """Instances of ``arch`` whose name contains any of ``filters`` (all when none), table order.
 
     Raises SelectionError naming what exists when nothing matches, so a typo never passes as success.
     """
@@ -43,7 +44,7 @@ def pick(arch: str, filters: Sequence[str] = (), limit: Optional[int] = None,
     # takes the first, so the copies are dropped here.
     sel = list(dict.fromkeys(i for i in rows if i.arch == arch))
     if not sel:
-        raise SelectionError(f"the manifest has no {arch} instances (archs with instances: {', '.join(archs) or 'none'})")
+        raise SelectionError(f"the table has no {arch} instances (archs with instances: {', '.join(archs) or 'none'})")
     if filters:
         sel = [i for i in sel if any(f in i.name for f in filters)]
         if not sel:
@@ -56,6 +57,39 @@ def pick(arch: str, filters: Sequence[str] = (), limit: Optional[int] = None,
     return tuple(sel)
 
 
+def in_default_set(inst: KernelInstance) -> bool:
+    """What most callers need ahead of time: the kernels that run e4m3 x e4m3 operands (on sm_100a, the
+    f8f6f4 kernels), bf16 output, no bias or a bf16 one; every tile, schedule and recipe."""
+    return ((inst.a_dtype, inst.b_dtype) == operand_dtypes(inst.arch, inst.recipe, "e4m3", "e4m3")
+            and inst.out_dtype == "bf16" and inst.bias_dtype in (None, "bf16"))
+
+
+DEFAULT_SET = "e4m3 x e4m3 operands, bf16 output, without bias or with a bf16 bias"
+
+
+@dataclass(frozen=True)
+class Selection:
+    instances: Tuple[KernelInstance, ...]
+    scope: str  # how they were chosen, for the line printed before compiling
+
+
+def pick_ahead_of_time(arch: str, filters: Sequence[str] = (), limit: Optional[int] = None,
+                       everything: bool = False) -> Selection:
+    """What precompile and export build: the instances named by ``filters`` (over the whole table), the whole
+    table with ``everything``, else the default set (``in_default_set``): an unfiltered run never compiles
+    thousands of kernels unasked."""
+    if filters:
+        return Selection(pick(arch, filters, limit), f"names containing any of {list(filters)}")
+    table = pick(arch)
+    if everything:
+        return Selection(table[:limit] if limit else table, "the whole table")
+    default = [i for i in table if in_default_set(i)]
+    if not default:
+        raise SelectionError(f"no {arch} instance is in the default set ({DEFAULT_SET}); pass --all or --filter")
+    return Selection(pick(arch, limit=limit, instances=default),
+                     f"the default set: {DEFAULT_SET}; --all for all {len(table)}")
+
+
 @dataclass
 class TaskResult:
     item: Any
@@ -63,6 +97,14 @@ class TaskResult:
     value: Any = None
     error: str = ""
     seconds: float = 0.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during ``run_parallel``: the workers are stopped; ``results`` holds the tasks that finished."""
+
+    def __init__(self, results: List[TaskResult], total: int):
+        super().__init__(f"interrupted: {len(results)} of {total} done")
+        self.results, self.total = results, total
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -85,8 +127,21 @@ def _timed(fn, item):
         return False, None, condense_error(e), time.perf_counter() - t0
 
 
+def _ignore_sigint():
+    # Ctrl-C reaches every process of the terminal's group; the parent alone decides (it stops the workers),
+    # so a worker neither dies mid-task with a traceback nor survives the parent's shutdown.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else (
+        f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s")
+
+
 class Progress:
-    """A progress line on stderr: redrawn in place on a terminal, one line per item otherwise (CI logs)."""
+    """A progress line on stderr: redrawn in place on a terminal, one line per item otherwise (CI logs).
+    Each line has done/total, the time so far and the time left at the rate so far."""
 
     def __init__(self, total: int, label: str, stream: TextIO = None):
         self.total, self.label, self.done = total, label, 0
@@ -100,7 +155,9 @@ class Progress:
         fill = width * self.done // max(self.total, 1)
         bar = "#" * fill + "." * (width - fill)
         status = "ok " if ok else "ERR"
-        line = (f"{self.label} [{bar}] {self.done}/{self.total} {time.perf_counter() - self.t0:6.1f}s "
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        line = (f"{self.label} [{bar}] {self.done}/{self.total} {duration(elapsed)} ETA {duration(eta)} "
                 f"{status} {what} ({seconds:.1f}s)")
         if self.tty:
             self.stream.write("\r\x1b[2K" + line + ("\n" if self.done == self.total or not ok else ""))
@@ -108,29 +165,62 @@ class Progress:
             self.stream.write(line + "\n")
         self.stream.flush()
 
+    def end_line(self):
+        if self.tty and 0 < self.done < self.total:
+            self.stream.write("\n")  # leave the redrawn line before whatever is printed next
+            self.stream.flush()
+
+
+def _stop_pool(pool: ProcessPoolExecutor, futures) -> None:
+    """Cancel what has not started and terminate the workers now (not after their current task)."""
+    for fut in futures:
+        fut.cancel()
+    workers = list((getattr(pool, "_processes", None) or {}).values())
+    for proc in workers:
+        if proc.is_alive():
+            proc.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in workers:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+
 
 def run_parallel(fn: Callable[[Any], Any], items: Iterable[Any], jobs: Optional[int], label: str,
                  describe: Callable[[Any], str] = str, stream: TextIO = None) -> List[TaskResult]:
     """``fn(item)`` for every item in ``jobs`` spawned worker processes; results in input order.
 
     ``fn`` must be a module-level function (it is pickled by reference). ``jobs=0`` runs in this process
-    (used where the caller already paid for the DSL import and has a single item).
+    (used where the caller already paid for the DSL import and has a single item). Ctrl-C stops the workers
+    at once and raises ``Interrupted`` holding the results of the tasks that finished.
     """
     items = list(items)
     if not items:
         return []
     jobs = (os.cpu_count() or 1) if jobs is None else jobs
     if jobs < 0:
-        raise ValueError(f"--jobs must be >= 0, got {jobs}")
+        raise ValueError(f"jobs must be >= 0, got {jobs}")
     progress = Progress(len(items), label, stream)
     results: List[Optional[TaskResult]] = [None] * len(items)
+
+    def finished():
+        return [r for r in results if r is not None]
+
     if jobs == 0:
-        for idx, item in enumerate(items):
-            ok, value, err, secs = _timed(fn, item)
-            results[idx] = TaskResult(item, ok, value, err, secs)
-            progress.step(describe(item) + ("" if ok else f": {err}"), ok, secs)
+        try:
+            for idx, item in enumerate(items):
+                ok, value, err, secs = _timed(fn, item)
+                results[idx] = TaskResult(item, ok, value, err, secs)
+                progress.step(describe(item) + ("" if ok else f": {err}"), ok, secs)
+        except KeyboardInterrupt:
+            progress.end_line()
+            raise Interrupted(finished(), len(items)) from None
         return results  # type: ignore[return-value]
-    with ProcessPoolExecutor(max_workers=min(jobs, len(items)), mp_context=get_context("spawn")) as pool:
+    pool = ProcessPoolExecutor(max_workers=min(jobs, len(items)), mp_context=get_context("spawn"),
+                               initializer=_ignore_sigint)
+    futures = {}
+    try:
         futures = {pool.submit(_timed, fn, item): idx for idx, item in enumerate(items)}
         for fut in as_completed(futures):
             idx = futures[fut]
@@ -140,4 +230,17 @@ def run_parallel(fn: Callable[[Any], Any], items: Iterable[Any], jobs: Optional[
                 ok, value, err, secs = False, None, f"worker failed: {type(e).__name__}: {e}", 0.0
             results[idx] = TaskResult(items[idx], ok, value, err, secs)
             progress.step(describe(items[idx]) + ("" if ok else f": {err}"), ok, secs)
+    except KeyboardInterrupt:
+        try:  # a second Ctrl-C while the workers are being stopped must not leave them running
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:  # not the main thread: signals cannot be set here
+            previous = None
+        try:
+            _stop_pool(pool, futures)
+            progress.end_line()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        raise Interrupted(finished(), len(items)) from None
+    pool.shutdown(wait=True)
     return results  # type: ignore[return-value]

@@ -1,31 +1,39 @@
-"""generators/: manifest validity rules, AOT export (C objects, registry, CMake, linking), precompile into
-the JIT cache, and the kernel catalog's freshness. Compiling tests keep to one or two instances."""
+"""generators/ and the command line: table validity rules, AOT export (C objects, registry, CMake, linking),
+precompile into the JIT cache, the kernel catalog rendered for one instance per kernel family, the parallel
+runner (progress, Ctrl-C) and the CLI's arguments and errors. Compiling tests keep to a few instances."""
 
 import ctypes
+import io
+import json
+import os
+import re
 import shutil
+import signal
 import subprocess
+import sys
+import textwrap
 import time
-import warnings
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
-
-from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.dispatch import select_gemm
 from cutedsl_gemm.generators import catalog as C
-from cutedsl_gemm.selection import instances as M
-from cutedsl_gemm.generators.runner import SelectionError, code_key, pick
+from cutedsl_gemm.generators.runner import Interrupted, SelectionError, TaskResult, code_key, pick
 from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
-# Whatever the manifest dispatches to (its tiles change): the no-bias row-wise bf16 GEMM (the GPU test
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection import instances as M
+from cutedsl_gemm.selection.dispatch import select_gemm
+
+# Whatever the table dispatches to (its tiles change): the no-bias row-wise bf16 GEMM (the GPU test
 # runs it) and a tensor-wise fp32 one with bias (bias length is a third shared extent).
 M_TEST = 1000  # not a multiple of any tile: the GPU run has a partial tile
 ROW_BF16 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_TEST, "promoted").name
 # 128x256 fast accumulation (what an 8192-wide output gets): the one Hopper tile built without the split-K
 # reduction
 TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "fast", n=8192, sms=132).name
-M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the manifest has one
+M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the table has one
 SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
 # A short-K output: the two-CTAs-per-SM tile that dispatch's epilogue term picks there
 PAIR = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=7168, sms=132, k=256).name
@@ -34,19 +42,22 @@ CLUSTER4 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "pro
 # 2D recipe, M=3072 N=8192: 128x192 in two waves ties 128x128 in three (wave_cost); the long-K rate
 # (dispatch.LONG_K) gives the tie to 128x192 from K = LONG_K, 128x128 keeps it below (the DeepSeek recipe gives
 # it to 128x192 at every K)
-BLOCK2D_SHORT_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=1536).name
-BLOCK2D_LONG_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192, sms=132, k=8192).name
-EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4, BLOCK2D_SHORT_K, BLOCK2D_LONG_K]))  # the AOT tests' instances
+BLOCK2D_SHORT_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192,
+                              sms=132, k=1536).name
+BLOCK2D_LONG_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192,
+                             sms=132, k=8192).name
+# the AOT tests' instances
+EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4, BLOCK2D_SHORT_K, BLOCK2D_LONG_K]))
 
 
 def _instance(name):
     hits = [i for i in M.INSTANCES if i.name == name]
-    assert hits, f"{name} is not in the manifest"
+    assert hits, f"{name} is not in the table"
     return hits[0]
 
 
 # ------------------------------------------------------------------------------------------------
-# Manifest and selection (no compile)
+# Instance table and selection (no compile)
 # ------------------------------------------------------------------------------------------------
 def test_validate_rejects_promoted_tile_too_wide_for_registers():
     bad = replace(_instance(ROW_BF16), tile_n=256, accum="promoted")
@@ -56,7 +67,8 @@ def test_validate_rejects_promoted_tile_too_wide_for_registers():
 
 
 def test_validate_rejects_stages_beyond_shared_memory():
-    with pytest.raises(M.ManifestError, match=r"12 stages of \d+ B .* need \d+ B of shared memory; the budget is \d+ B"):
+    with pytest.raises(M.ManifestError,
+                       match=r"12 stages of \d+ B .* need \d+ B of shared memory; the budget is \d+ B"):
         M.validate(replace(_instance(ROW_BF16), stages=12))
 
 
@@ -79,8 +91,8 @@ def test_pick_selects_filters_and_explains_empty_selections():
     assert [i.name for i in sel] == [ROW_BF16]
     assert len(pick("sm_90a", ["_bf16_"], limit=3)) == 3
     assert len(set(pick("sm_90a"))) == len(pick("sm_90a"))  # identical expanded rows appear once
-    with pytest.raises(SelectionError, match=r"no sm_100a instances \(archs with instances: sm_90a"):
-        pick("sm_100a")
+    with pytest.raises(SelectionError, match=r"no sm_80 instances \(archs with instances: (sm_\w+, )*sm_90a"):
+        pick("sm_80")
     with pytest.raises(SelectionError, match="no sm_90a instance name contains"):
         pick("sm_90a", ["no-such-kernel"])
 
@@ -88,8 +100,20 @@ def test_pick_selects_filters_and_explains_empty_selections():
 def test_cli_export_of_an_arch_without_instances_is_an_error(tmp_path, capsys):
     from cutedsl_gemm.tools.cli import main
 
-    assert main(["export", "--arch", "sm_100a", "--out", str(tmp_path)]) == 2
-    assert "no sm_100a instances" in capsys.readouterr().err
+    assert main(["export", "--arch", "sm_80", "--out", str(tmp_path)]) == 2
+    assert "no sm_80 instances" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_export_of_an_arch_without_an_exporter_is_an_error(tmp_path, capsys):
+    from cutedsl_gemm.tools.cli import main
+
+    arch = next((i.arch for i in M.INSTANCES if i.arch != "sm_90a"), None)
+    if arch is None:
+        pytest.skip("the table holds only sm_90a instances")
+    assert main(["export", "--arch", arch, "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"cutedsl-gemm export: no AOT exporter for {arch} gemm instances") and err.count("\n") == 1
     assert not any(tmp_path.iterdir())
 
 
@@ -124,7 +148,8 @@ class Tensor(ctypes.Structure):
 class Kernel(ctypes.Structure):
     _fields_ = ([(f, ctypes.c_char_p) for f in ("name", "arch", "op", "schedule", "recipe", "a_dtype", "b_dtype",
                                                 "out_dtype", "bias_dtype", "accum")]
-                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k", "swap_ab", "split_tail", "ctas_per_sm", "rate", "rate_long_k")]
+                + [(f, ctypes.c_int32) for f in ("tile_m", "tile_n", "cluster_m", "cluster_n", "stages", "split_k",
+                                                 "swap_ab", "split_tail", "ctas_per_sm", "rate", "rate_long_k")]
                 + [("m_min", ctypes.c_int64), ("m_max", ctypes.c_int64), ("launch", ctypes.c_void_p)])
 
 
@@ -137,7 +162,8 @@ def _args_type(arg_fields):
 def _open(path, args_type):
     lib = ctypes.CDLL(str(path))
     lib.cutedsl_gemm_find.restype = ctypes.POINTER(Kernel)
-    lib.cutedsl_gemm_find.argtypes = [ctypes.c_char_p] * 8 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32]
+    lib.cutedsl_gemm_find.argtypes = ([ctypes.c_char_p] * 8
+                                      + [ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int32])
     lib.cutedsl_gemm_find_by_name.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_kernel_at.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_launch.argtypes = [ctypes.POINTER(Kernel), ctypes.POINTER(args_type), ctypes.c_void_p]
@@ -172,6 +198,8 @@ def test_export_writes_objects_headers_registry_and_build_files(exported):
     assert all(f"cdg_launch_{k}" in registry for k in keys)
     assert "cutedsl_gemm_find" in (out / "cutedsl_gemm_registry.h").read_text()
     assert "add_library(cutedsl_gemm_kernels STATIC" in (out / "cutedsl_gemm_kernels.cmake").read_text()
+    record = json.loads((out / "export.json").read_text())  # what the next export into `out` removes
+    assert record["complete"] and {str(p.relative_to(out)) for p in exported.files} <= set(record["files"])
     print(f"export of {len(keys)} instances: {exported.seconds:.1f} s")
 
 
@@ -194,37 +222,46 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     assert k.contents.bias_dtype is None and k.contents.tile_n == _instance(ROW_BF16).tile_n
     assert k.contents.rate == dispatch.tile_rate(_instance(ROW_BF16)) and k.contents.ctas_per_sm == 1
     assert k.contents.rate_long_k == dispatch.tile_rate(_instance(ROW_BF16), dispatch.LONG_K)
-    small = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_SMALL, 0, 0, 0)
+    small = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_SMALL,
+                                  0, 0, 0)
     assert small.contents.name.decode() == SMALL and small.contents.swap_ab == 1 and k.contents.swap_ab == 0
     # with K too: the epilogue term sends short K to the two-CTAs-per-SM tile, long K to the 128-row one,
     # as dispatch.wave_cost does over the same candidates
     assert _instance(PAIR).ctas_per_sm == 2 and _instance(ROW_BF16).ctas_per_sm == 1
     for kdim, want in ((256, PAIR), (7168, ROW_BF16)):
-        by_python = min((_instance(x) for x in (ROW_BF16, PAIR)), key=lambda i: dispatch.wave_cost(i, 6144, 7168, 132, kdim))
-        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 7168,
-                                    kdim, 132)
+        by_python = min((_instance(x) for x in (ROW_BF16, PAIR)),
+                        key=lambda i, kdim=kdim: dispatch.wave_cost(i, 6144, 7168, 132, kdim))
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144,
+                                    7168, kdim, 132)
         assert got.contents.name.decode() == by_python.name == want, (kdim, lib.cutedsl_gemm_last_error())
-    # with N (and K) and the SM count, over every exported row-wise candidate, C picks what dispatch.wave_cost picks, 4-CTA cluster slots included
+    # with N (and K) and the SM count, over every exported row-wise candidate, C picks what dispatch.wave_cost picks,
+    # 4-CTA cluster slots included
     assert _instance(CLUSTER4).cluster_m == 4
     row_names = [x for x in EXPORTED if _instance(x).recipe == "row"]
-    for m, n, kdim in ((M_TEST, 512, 1024), (6144, 576, 7168), (1024, 4096, 512), (6144, 7168, 256), (8192, 8192, 8192), (3072, 576, 7168)):
+    for m, n, kdim in ((M_TEST, 512, 1024), (6144, 576, 7168), (1024, 4096, 512), (6144, 7168, 256),
+                       (8192, 8192, 8192), (3072, 576, 7168)):
         holding = [_instance(x) for x in row_names if _instance(x).m_min <= m <= _instance(x).m_max]
         by_python = min(holding, key=lambda i: dispatch.wave_cost(i, m, n, 132, kdim))
-        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, kdim, 132)
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n,
+                                    kdim, 132)
         assert got.contents.name.decode() == by_python.name, (m, n, kdim)
     assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 576,
                                  7168, 132).contents.name.decode() == CLUSTER4
     # the 2D recipe's long-K rate: C switches at the same K as dispatch.tile_rate
     assert (_instance(BLOCK2D_SHORT_K).tile_n, _instance(BLOCK2D_LONG_K).tile_n) == (128, 192)
-    for kdim, want in ((1536, BLOCK2D_SHORT_K), (dispatch.LONG_K - 128, BLOCK2D_SHORT_K), (dispatch.LONG_K, BLOCK2D_LONG_K), (8192, BLOCK2D_LONG_K)):
-        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"128x128_128x128", b"e4m3", b"e4m3", b"bf16", None, b"promoted",
-                                    3072, 8192, kdim, 132)
-        by_python = min((_instance(x) for x in (BLOCK2D_SHORT_K, BLOCK2D_LONG_K)), key=lambda i: dispatch.wave_cost(i, 3072, 8192, 132, kdim))
+    for kdim, want in ((1536, BLOCK2D_SHORT_K), (dispatch.LONG_K - 128, BLOCK2D_SHORT_K),
+                       (dispatch.LONG_K, BLOCK2D_LONG_K), (8192, BLOCK2D_LONG_K)):
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"128x128_128x128", b"e4m3", b"e4m3", b"bf16", None,
+                                    b"promoted", 3072, 8192, kdim, 132)
+        by_python = min((_instance(x) for x in (BLOCK2D_SHORT_K, BLOCK2D_LONG_K)),
+                        key=lambda i, kdim=kdim: dispatch.wave_cost(i, 3072, 8192, 132, kdim))
         assert got.contents.name.decode() == by_python.name == want, kdim
         assert got.contents.rate_long_k == dispatch.tile_rate(_instance(want), dispatch.LONG_K)
-    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST, 0, 0, 0)
+    kb = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"tensor", b"e4m3", b"e5m2", b"fp32", b"fp32", b"fast", M_TEST,
+                               0, 0, 0)
     assert kb and kb.contents.name.decode() == TENSOR_BIAS
-    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted", 1, 0, 0, 0)
+    assert not lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e5m2", b"e4m3", b"bf16", None, b"promoted",
+                                     1, 0, 0, 0)
     assert b"no exported kernel for op=gemm arch=sm_90a recipe=row A=e5m2" in lib.cutedsl_gemm_last_error()
 
     def refused(args, kernel=k):
@@ -262,7 +299,7 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
 def test_registry_split_k_rules(exported, exported_lib):
     fields = [f["field"] for f in exported.arg_fields]
     if "splits" not in fields or not getattr(_instance(SMALL).sm90_config(), "split_k", False):
-        pytest.skip("the manifest has no split-K instance")
+        pytest.skip("the table has no split-K instance")
     Args = _args_type(exported.arg_fields)
     lib = _open(exported_lib, Args)
     small = lib.cutedsl_gemm_find_by_name(SMALL.encode())
@@ -305,7 +342,8 @@ def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
     (src / "main.c").write_text(
         '#include <stdio.h>\n#include "cutedsl_gemm_registry.h"\n'
         "int main(void) {\n"
-        "    for (int i = 0; i < cutedsl_gemm_kernel_count(); ++i) printf(\"%s\\n\", cutedsl_gemm_kernel_at(i)->name);\n"
+        "    for (int i = 0; i < cutedsl_gemm_kernel_count(); ++i)\n"
+        "        printf(\"%s\\n\", cutedsl_gemm_kernel_at(i)->name);\n"
         "    return 0;\n}\n")
     (src / "CMakeLists.txt").write_text(
         "cmake_minimum_required(VERSION 3.18)\nproject(consumer C)\n"
@@ -328,7 +366,7 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
                        "cluster4": (CLUSTER4, M_TEST, 0)}[which]
     inst = _instance(name)
     if which == "split_k" and not getattr(inst.sm90_config(), "split_k", False):
-        pytest.skip("the manifest has no split-K instance")
+        pytest.skip("the table has no split-K instance")
     Args = _args_type(exported.arg_fields)
     lib = _open(exported_lib, Args)
     torch.manual_seed(7)
@@ -352,7 +390,8 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
     if which == "cluster4":  # max_clusters 0: the registry's default, 30 4-CTA clusters on the H100
         kern = lib.cutedsl_gemm_find_by_name(name.encode())
     else:
-        kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n, k, 0)
+        kern = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n,
+                                     k, 0)
     assert kern and kern.contents.name.decode() == name, lib.cutedsl_gemm_last_error()
     rc = lib.cutedsl_gemm_launch(kern, ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
     assert rc == 0, lib.cutedsl_gemm_last_error()
@@ -368,8 +407,9 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
 # ------------------------------------------------------------------------------------------------
 def test_precompile_uses_the_runtime_cache_key(monkeypatch):
     """precompile must fill exactly the entry scaled_mm looks up."""
-    from cutedsl_gemm.runtime import launch
     from cutedsl_gemm.generators.precompile import cache_key
+
+    from cutedsl_gemm.runtime import launch
 
     seen = []
 
@@ -387,6 +427,7 @@ def test_precompile_uses_the_runtime_cache_key(monkeypatch):
 @pytest.mark.compile
 def test_precompile_fills_the_cache_once(tmp_path, monkeypatch):
     from cutedsl_gemm.generators.precompile import precompile
+
     from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
@@ -404,38 +445,335 @@ def test_precompile_fills_the_cache_once(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------------------------
 # Catalog
 # ------------------------------------------------------------------------------------------------
-def test_catalog_is_fresh():
-    problems = C.check()
-    stale_sources = [p.text for p in problems if p.kind == "sources"]
-    if stale_sources:
-        warnings.warn(f"docs/kernels.md: {len(stale_sources)} instances were catalogued from older kernel sources "
-                      f"(e.g. {stale_sources[0]}); run `{C.REGENERATE}`")
-    manifest = [p.text for p in problems if p.kind == "manifest"]
-    assert not manifest, (f"docs/kernels.md is stale relative to the manifest; run `{C.REGENERATE}`:\n  "
-                          + "\n  ".join(manifest[:10]))
+def test_catalog_sample_is_one_instance_per_kernel_family():
+    sample = C.sample(M.INSTANCES)
+    families = {C.family_key(i) for i in M.INSTANCES}
+    assert sorted(map(C.family_key, sample)) == sorted(families)  # every family, once
+    assert C.select(sampled=True) == sample
+    hopper = C.select("sm_90a", sampled=True)
+    assert 8 <= len(hopper) <= 15 and set(hopper) <= set(sample)
+    for arch in {i.arch for i in M.INSTANCES}:  # every recipe and type of each arch's table
+        mine, table = [i for i in sample if i.arch == arch], [i for i in M.INSTANCES if i.arch == arch]
+        for axis in C.SAMPLE_AXES:
+            assert {getattr(i, axis) for i in mine} == {getattr(i, axis) for i in table}, (arch, axis)
+    # the Hopper family key separates the code paths: schedules, block scales, swapped, paired, last-wave split,
+    # accumulation
+    assert {i.schedule for i in hopper} == {"small_m", "cooperative"}
+    assert {(i.swap_ab, i.ctas_per_sm, i.split_tail, i.accum) for i in hopper} >= {
+        (True, 1, False, "promoted"), (False, 1, False, "fast"), (False, 2, False, "promoted"),
+        (True, 2, False, "promoted"), (False, 1, True, "promoted")}
 
 
-def test_catalog_fingerprint_covers_the_kernel_sources():
-    mods = C.module_closure(C.FAMILIES[("sm_90a", "gemm")].roots)
-    assert {"cutedsl_gemm.runtime.compile", "cutedsl_gemm.kernels.sm90.fp8_gemm",
-            "cutedsl_gemm.kernels.common.tile_scheduler"} <= set(mods)
-    assert "cutedsl_gemm.kernels.sm90.quantize_fp8" not in mods  # unrelated edits keep the facts
+def _expected_mma(inst) -> str:
+    """The MMA instruction an instance's PTX must hold, from its configuration."""
+    if inst.arch == "sm_90a":  # the swapped kernels run W on WGMMA's A side
+        first, second = (inst.b_dtype, inst.a_dtype) if inst.swap_ab else (inst.a_dtype, inst.b_dtype)
+        n = Sm90GemmPlan.wgmma_n(inst.sm90_config())
+        return rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{first}\.{second}"
+    return rf"tcgen05\.mma\.cta_group::{inst.cluster_m}\.kind::{inst.mma_kind}\.[\w.:]+"
 
 
 @pytest.mark.compile
-def test_catalog_refresh_compiles_only_what_is_missing(tmp_path, monkeypatch):
-    inst = _instance(ROW_BF16)
-    other_range = replace(inst, m_min=1, m_max=64)  # same code, another dispatch range: shares the facts
-    monkeypatch.setattr(C, "instances", lambda: (inst, other_range))
-    rep = C.refresh(tmp_path, jobs=0)
-    assert (rep.compiled, rep.failed) == (1, [])
-    doc = (tmp_path / "kernels.md").read_text()
-    wgmma_n = Sm90GemmPlan.wgmma_n(inst.sm90_config())  # 96 for a 192-wide promoted tile (two N halves)
-    assert f"`{code_key(inst)}`" in doc and f"`wgmma.mma_async.sync.aligned.m64n{wgmma_n}k32.f32.e4m3.e4m3`" in doc
-    facts = C.load_sidecar(tmp_path)[code_key(inst)]
-    assert facts["registers"] > 0 and facts["smem_bytes"] > 0 and facts["stages"] >= 2
-    assert C.check(tmp_path) == []
+def test_catalog_renders_the_sample_with_its_facts(tmp_path, monkeypatch):
+    sample = C.select(sampled=True)
+    rep = C.write_catalog(tmp_path, sample, jobs=2, scope="sample", stream=io.StringIO())
+    assert (rep.selected, rep.compiled, rep.failed) == (len(sample), len(sample), [])
+    data = json.loads((tmp_path / C.FACTS_NAME).read_text())
+    doc = (tmp_path / C.DOC_NAME).read_text()
+    for inst in sample:
+        key = code_key(inst)
+        facts = data["entries"][key]
+        assert data["instances"][inst.name] == key
+        assert facts["registers"] > 0 and facts["smem_bytes"] > 0 and facts["stages"] >= 2, key
+        (mma, count), = facts["mma"].items()
+        assert re.fullmatch(_expected_mma(inst), mma) and count > 0, (key, facts["mma"])
+        assert f"`{key}`" in doc and f"`{mma}`" in doc
+    # A second run into the same directory reuses every fact
     monkeypatch.setattr(C, "collect_facts", lambda i: pytest.fail("must not compile again"))
-    assert C.refresh(tmp_path, jobs=0).compiled == 0
-    (tmp_path / "kernels.md").write_text(doc + "edited\n")
-    assert [p.kind for p in C.check(tmp_path)] == ["manifest"]
+    again = C.write_catalog(tmp_path, sample, jobs=0, stream=io.StringIO())
+    assert (again.compiled, again.reused) == (0, len(sample))
+    doc = (tmp_path / C.DOC_NAME).read_text()
+    assert "not compiled" not in doc and all(f"`{code_key(i)}`" in doc for i in sample)
+
+
+def _fake_facts(inst):
+    return {"fingerprint": C.facts_fingerprint(), "config": C.code_config(inst), "registers": 1, "frame_bytes": 0,
+            "smem_bytes": 1, "stages": 2, "mma": {"wgmma.fake": 1}}
+
+
+def test_interrupted_catalog_keeps_what_finished_and_resumes(tmp_path, monkeypatch):
+    insts = pick("sm_90a", limit=4)
+    done = []
+
+    def interrupt_third(inst):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(inst)
+        return _fake_facts(inst)
+
+    monkeypatch.setattr(C, "collect_facts", interrupt_third)
+    with pytest.raises(Interrupted) as e:
+        C.write_catalog(tmp_path, insts, jobs=0, stream=io.StringIO())
+    assert (len(e.value.results), e.value.total) == (2, 4)
+    kept = json.loads((tmp_path / C.FACTS_NAME).read_text())["entries"]
+    assert sorted(kept) == sorted(code_key(i) for i in insts[:2])
+    doc = (tmp_path / C.DOC_NAME).read_text()
+    assert doc.count("not compiled: interrupted") == 2 and f"`{code_key(insts[3])}`" in doc
+    compiled = []
+    monkeypatch.setattr(C, "collect_facts", lambda i: compiled.append(i) or _fake_facts(i))
+    rep = C.write_catalog(tmp_path, insts, jobs=0, stream=io.StringIO())
+    assert compiled == list(insts[2:]) and (rep.compiled, rep.reused) == (2, 2)
+    assert "interrupted" not in (tmp_path / C.DOC_NAME).read_text()
+
+
+def test_catalog_output_must_be_a_directory(tmp_path, capsys):
+    from cutedsl_gemm.tools.cli import main
+
+    path = tmp_path / "taken"
+    path.write_text("x")
+    assert main(["catalog", "--out", str(path), "--limit", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"cutedsl-gemm catalog: --out {path} is a file, not a directory"
+
+
+# ------------------------------------------------------------------------------------------------
+# Ahead-of-time selections
+# ------------------------------------------------------------------------------------------------
+def test_unfiltered_ahead_of_time_builds_take_the_default_set():
+    from cutedsl_gemm.generators.runner import in_default_set, pick_ahead_of_time
+
+    table = pick("sm_90a")
+    default = pick_ahead_of_time("sm_90a")
+    assert default.instances == tuple(i for i in table if in_default_set(i))
+    assert 0 < len(default.instances) < len(table) / 10 and f"--all for all {len(table)}" in default.scope
+    assert {(i.a_dtype, i.b_dtype, i.out_dtype) for i in default.instances} == {("e4m3", "e4m3", "bf16")}
+    assert {i.bias_dtype for i in default.instances} == {None, "bf16"}
+    # every tile, schedule and recipe of the table is in it
+    def shape(i):
+        return (i.schedule, i.recipe, i.tile_m, i.tile_n, i.cluster_m, i.cluster_n, i.accum, i.swap_ab, i.split_tail,
+                i.ctas_per_sm, i.stages)
+
+    assert {shape(i) for i in default.instances} == {shape(i) for i in table}
+    assert pick_ahead_of_time("sm_90a", everything=True).instances == table
+    assert len(pick_ahead_of_time("sm_90a", limit=3).instances) == 3
+    # a filter selects from the whole table
+    fp32 = pick_ahead_of_time("sm_90a", ["_fp32_"]).instances
+    assert fp32 and not any(in_default_set(i) for i in fp32)
+
+
+def test_precompile_says_how_many_kernels_it_will_compile(monkeypatch):
+    from cutedsl_gemm.generators import precompile as P
+    from cutedsl_gemm.generators.runner import in_default_set
+
+    seen = []
+    monkeypatch.setattr(P, "run_parallel", lambda fn, items, *a, **k: seen.append(list(items)) or [])
+    out = io.StringIO()
+    rep = P.precompile("sm_90a", stream=out)
+    n = sum(map(in_default_set, pick("sm_90a")))
+    assert rep.selected == n and len(seen[0]) == n  # nothing cached in the tests' cache directory
+    first = out.getvalue().splitlines()[0]
+    assert first.startswith(f"precompile: {n} instance(s) of sm_90a (the default set: e4m3 x e4m3")
+    assert first.endswith(f": {n} to compile, 0 already cached")
+
+
+# ------------------------------------------------------------------------------------------------
+# Parallel runner: progress and Ctrl-C
+# ------------------------------------------------------------------------------------------------
+def test_progress_lines_count_and_estimate_the_time_left():
+    from cutedsl_gemm.generators.runner import Progress, duration
+
+    out = io.StringIO()
+    progress = Progress(3, "precompile", out)
+    progress.step("first", True, 1.0)
+    progress.step("second", False, 2.0)
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and " 1/3 " in lines[0] and " 2/3 " in lines[1]
+    assert re.search(r" ETA \d+s ok  first \(1\.0s\)$", lines[0]) and " ERR second" in lines[1]
+    assert [duration(s) for s in (5, 65, 3725)] == ["5s", "1m05s", "1h02m"]
+
+
+def test_an_interrupt_in_process_returns_what_finished():
+    from cutedsl_gemm.generators.runner import run_parallel
+
+    ran = []
+
+    def task(x):
+        if x == 2:
+            raise KeyboardInterrupt
+        ran.append(x)
+        return x * 10
+
+    with pytest.raises(Interrupted) as e:
+        run_parallel(task, range(5), 0, "test", stream=io.StringIO())
+    assert [r.value for r in e.value.results] == [0, 10] and e.value.total == 5
+    assert ran == [0, 1]  # nothing after the interrupt ran
+
+
+INTERRUPTED_SCRIPT = """
+import sys, time
+from cutedsl_gemm.generators.runner import Interrupted, run_parallel
+
+def task(x):
+    if x >= 2:
+        time.sleep(600)
+    return x * 10
+
+if __name__ == "__main__":
+    try:
+        run_parallel(task, range(6), 2, "test")
+    except Interrupted as e:
+        print("kept", [r.value for r in e.results], "of", e.total, flush=True)
+        sys.exit(130)
+    sys.exit(1)
+"""
+
+
+def test_ctrl_c_stops_the_worker_processes_and_keeps_what_finished(tmp_path):
+    script = tmp_path / "interrupted_run.py"
+    script.write_text(textwrap.dedent(INTERRUPTED_SCRIPT))
+    # in a process group of its own, which Ctrl-C reaches as a terminal's would
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        for line in proc.stderr:  # wait for the two quick tasks; the others sleep
+            if " 2/6 " in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert out.strip() == "kept [0, 10] of 6"
+    assert "Traceback" not in err
+    deadline = time.time() + 10  # the workers are gone (their parent waited for them)
+    while time.time() < deadline and _group_alive(proc.pid):
+        time.sleep(0.1)
+    assert not _group_alive(proc.pid)
+
+
+def _group_alive(pgid) -> bool:
+    """Whether a live (not zombie) process is left in the process group."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# Command line
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cmd", ["precompile", "export", "catalog"])
+@pytest.mark.parametrize("jobs", ["-3", "0", "two"])
+def test_cli_refuses_a_bad_job_count_in_one_line(cmd, jobs, tmp_path, capsys):
+    from cutedsl_gemm.tools.cli import main
+
+    extra = ["--out", str(tmp_path)] if cmd != "precompile" else []
+    with pytest.raises(SystemExit) as e:
+        main([cmd, "--jobs", jobs, *extra])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"cutedsl-gemm {cmd}: error: argument --jobs: expected a whole number >= 1, got " in err
+    assert "Traceback" not in err
+
+
+def test_cli_reports_an_interrupt_in_one_line(monkeypatch, capsys):
+    from cutedsl_gemm.generators import precompile as P
+
+    from cutedsl_gemm.tools.cli import main
+
+    def interrupted(*a, **k):
+        raise Interrupted([TaskResult(None, True)] * 2, 5)
+
+    monkeypatch.setattr(P, "precompile", interrupted)
+    assert main(["precompile"]) == 130
+    assert capsys.readouterr().err == "interrupted: 2 of 5 done, kept\n"
+
+
+def test_cli_export_into_a_file_is_a_one_line_error(tmp_path, capsys):
+    from cutedsl_gemm.tools.cli import main
+
+    path = tmp_path / "registry.c"
+    path.write_text("int x;\n")
+    assert main(["export", "--out", str(path), "--filter", ROW_BF16]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == f"cutedsl-gemm export: --out {path}: {path} is a file, not a directory"
+    assert path.read_text() == "int x;\n"
+
+
+def test_reexport_removes_the_previous_exports_files(tmp_path, monkeypatch):
+    from cutedsl_gemm.generators import export as E
+
+    kernels = tmp_path / "kernels"
+    kernels.mkdir()
+    old = ["cutedsl_gemm_registry.c", "CMakeLists.txt", "kernels/old_kernel.o", "kernels/old_kernel.h"]
+    for rel in old:
+        (tmp_path / rel).write_text("old")
+    (tmp_path / "notes.txt").write_text("mine")
+    (kernels / "hand_written.h").write_text("mine")
+    outside = tmp_path.parent / f"{tmp_path.name}_outside.o"
+    outside.write_text("not the exporter's")
+    (tmp_path / E.EXPORT_RECORD).write_text(json.dumps({"files": [*old, E.EXPORT_RECORD, f"../{outside.name}"]}))
+    # the new export fails to compile: the old files are gone all the same, and its own are listed
+    monkeypatch.setattr(E, "run_parallel", lambda fn, jobs, *a, **k: [TaskResult(j, False, error="boom") for j in jobs])
+    with pytest.raises(E.ExportError, match="1 of 1 instances failed to export"):
+        E.export("sm_90a", tmp_path, [ROW_BF16], stream=io.StringIO())
+    assert not any((tmp_path / rel).exists() for rel in old)
+    assert (tmp_path / "notes.txt").exists() and (kernels / "hand_written.h").exists() and outside.exists()
+    record = json.loads((tmp_path / E.EXPORT_RECORD).read_text())
+    key = code_key(_instance(ROW_BF16))
+    assert record["complete"] is False
+    assert {f"kernels/{key}.o", f"kernels/{key}.h", E.EXPORT_RECORD} <= set(record["files"])
+    assert E.remove_previous_export(tmp_path) == [(tmp_path / E.EXPORT_RECORD).resolve()]
+
+
+def test_cli_help_describes_every_command(capsys):
+    from cutedsl_gemm.tools.cli import main
+
+    for cmd, words in (("demo", "With a Hopper GPU: run scaled_mm"), ("info", "Print the GPU (if any), the arch"),
+                       ("catalog", "kernels.md"), ("precompile", "--all"), ("export", "--all")):
+        with pytest.raises(SystemExit) as e:
+            main([cmd, "--help"])
+        assert e.value.code == 0
+        assert words in " ".join(capsys.readouterr().out.split()), cmd
+
+
+def test_cli_bench_help_shows_the_benchmarks_options(capsys, monkeypatch, tmp_path):
+    from cutedsl_gemm.tools.cli import main
+
+    monkeypatch.chdir(tmp_path)  # no checkout here: the description alone, and where the options come from
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Runs the GEMM benchmark of a source checkout" in out and "No benchmarks/bench_gemm.py" in out
+    monkeypatch.chdir(Path(__file__).resolve().parent.parent)  # the repository root
+    assert main(["bench", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "Runs the GEMM benchmark of a source checkout, benchmarks/bench_gemm.py" in out
+    for option in ("--sets", "--recipes", "--shapes", "--fast-accum"):
+        assert option in out
+    assert "usage: cutedsl-gemm bench [-h] [--sets SETS]" in out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
+def test_cli_bench_passes_its_options_on_and_needs_a_gpu(capsys):
+    from cutedsl_gemm.tools.cli import main
+
+    assert main(["bench", "--sets", "dsv3", "--recipes", "row"]) == 2
+    assert capsys.readouterr().err == "cutedsl-gemm bench: needs a Hopper GPU\n"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the answer without a GPU")
+def test_cli_info_prints_an_arch_line_without_a_gpu(capsys, monkeypatch):
+    from cutedsl_gemm.tools.cli import main
+
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    assert main(["info"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "arch:       none (no GPU and CUTE_DSL_ARCH unset; CUTE_DSL_ARCH=sm_90a compiles for Hopper)" in lines
+    monkeypatch.setenv("CUTE_DSL_ARCH", "sm_100a")
+    assert main(["info"]) == 0
+    assert "arch:       sm_100a (from CUTE_DSL_ARCH)" in capsys.readouterr().out.splitlines()

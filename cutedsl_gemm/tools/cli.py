@@ -4,14 +4,31 @@ arguments; the work is in ``cutedsl_gemm.generators``)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
+import io
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
+
+INTERRUPTED = 130  # the shell's exit status for a process ended by SIGINT
 
 
 def _hopper_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+
+
+def _arch_line() -> str:
+    from cutedsl_gemm.runtime.jit import target_arch
+
+    if os.environ.get("CUTE_DSL_ARCH"):
+        return f"{target_arch()} (from CUTE_DSL_ARCH)"
+    if torch.cuda.is_available():
+        return f"{target_arch()} (this GPU)"
+    return "none (no GPU and CUTE_DSL_ARCH unset; CUTE_DSL_ARCH=sm_90a compiles for Hopper)"
 
 
 def cmd_info(args) -> int:
@@ -21,9 +38,11 @@ def cmd_info(args) -> int:
 
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
-        print(f"GPU:        {torch.cuda.get_device_name()} (sm_{major}{minor}, {torch.cuda.get_device_properties(0).multi_processor_count} SMs)")
+        sms = torch.cuda.get_device_properties(0).multi_processor_count
+        print(f"GPU:        {torch.cuda.get_device_name()} (sm_{major}{minor}, {sms} SMs)")
     else:
         print("GPU:        none (kernels compile for a target arch; run with a Hopper GPU to execute them)")
+    print(f"arch:       {_arch_line()}")
     print(f"CuTe DSL:   {cutlass.__version__}")
     print(f"torch:      {torch.__version__}")
     print(f"cache dir:  {cache_dir()}")
@@ -34,20 +53,23 @@ DEMO_SHAPES = [(1, 7168, 2048), (128, 4608, 7168), (1024, 7168, 2048), (4096, 40
 
 
 def _demo_gpu() -> int:
-    import cutedsl_gemm
-    from cutedsl_gemm.numerics import reference as R
-
     from triton.testing import do_bench
 
-    print(f"{'recipe':13s} {'M':>5s} {'N':>5s} {'K':>5s} | {'rel err':>8s} | {'ours TFLOPS':>11s} {'cuBLAS TFLOPS':>13s} {'ratio':>6s}")
-    from cutedsl_gemm.benchmarks.common import cublas_call, make_operands
+    import cutedsl_gemm
+    from cutedsl_gemm.numerics import reference as R
+    from cutedsl_gemm.tools.anchors import cublas_call, make_operands
 
+    print(f"{'recipe':13s} {'M':>5s} {'N':>5s} {'K':>5s} | {'rel err':>8s} | {'ours TFLOPS':>11s} "
+          f"{'cuBLAS TFLOPS':>13s} {'ratio':>6s}")
     worst = 0.0
     for recipe in ("tensor", "row", "1x128_128x128"):
         for m, n, k in DEMO_SHAPES:
             qa, qw, scale_a, scale_b, plain = make_operands(m, n, k, recipe)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-            run = lambda: cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b, out=out)
+
+            def run(qa=qa, qw=qw, scale_a=scale_a, scale_b=scale_b, out=out):
+                return cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b, out=out)
+
             run()
             err = R.rel_error(out, R.reference_gemm(*plain, recipe))
             worst = max(worst, err)
@@ -56,20 +78,22 @@ def _demo_gpu() -> int:
                 t_ref = do_bench(cublas_call(recipe, qa, qw.t(), scale_a, scale_b), return_mode="median")
             except (RuntimeError, ValueError):  # cuBLAS refuses some recipe/shape pairs (blockwise at M=1)
                 t_ref = float("nan")
-            tf = lambda t: 2 * m * n * k / (t * 1e-3) / 1e12
-            print(f"{recipe:13s} {m:5d} {n:5d} {k:5d} | {err:8.2e} | {tf(t_ours):11.0f} {tf(t_ref):13.0f} {t_ref / t_ours:6.3f}")
+            flops = 2 * m * n * k
+            print(f"{recipe:13s} {m:5d} {n:5d} {k:5d} | {err:8.2e} | {flops / t_ours / 1e9:11.0f} "
+                  f"{flops / t_ref / 1e9:13.0f} {t_ref / t_ours:6.3f}")
     ok = worst <= 2e-3
     print(f"\n{'PASS' if ok else 'FAIL'}: worst relative error {worst:.2e} (limit 2e-3)")
     return 0 if ok else 1
 
 
 def _demo_cpu() -> int:
-    from cutedsl_gemm.selection import dispatch
     from cutedsl_gemm.numerics import reference as R
+    from cutedsl_gemm.selection import dispatch
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
     print("No Hopper GPU here: compiling the FP8 GEMM instances for sm_90a and inspecting them.\n")
-    expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA", "setmaxnreg": "register reallocation"}
+    expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA",
+              "setmaxnreg": "register reallocation"}
     ok = True
     cases = [(recipe, a, b, accum, 4096) for accum in ("promoted", "fast")
              for recipe, a, b in (("row", "e4m3", "e4m3"), ("tensor", "e5m2", "e4m3"))]
@@ -99,26 +123,79 @@ def cmd_demo(args) -> int:
     return _demo_gpu() if _hopper_available() else _demo_cpu()
 
 
-def cmd_bench(args) -> int:
-    if not _hopper_available():
-        print("cutedsl-gemm bench needs a Hopper GPU", file=sys.stderr)
-        return 2
-    from cutedsl_gemm.benchmarks import bench_gemm
+# ------------------------------------------------------------------------------------------------
+# bench: the GEMM benchmark of a source checkout (benchmarks/ is not part of the installed package)
+# ------------------------------------------------------------------------------------------------
+BENCH_MODULE = "benchmarks.bench_gemm"
+BENCH_DESCRIPTION = (
+    "Time scaled_mm against cuBLAS (torch._scaled_mm, F.scaled_mm for the block recipes) on a Hopper GPU, with "
+    "the relative error of both. Runs the GEMM benchmark of a source checkout, benchmarks/bench_gemm.py "
+    "(the same as `python -m benchmarks.bench_gemm`), from the repository root; every argument after `bench` "
+    "goes to it.")
 
-    return bench_gemm.main(args.rest) or 0
+
+def _bench_module():
+    """benchmarks.bench_gemm of the source checkout in the working directory, or None."""
+    root = Path.cwd()
+    if not (root / "benchmarks" / "bench_gemm.py").is_file():
+        return None
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))  # a console script's path does not hold the working directory
+    return importlib.import_module(BENCH_MODULE)
+
+
+def _bench_help(parser: argparse.ArgumentParser) -> str:
+    text = parser.format_help()
+    module = _bench_module()
+    if module is None:
+        return text + ("\nNo benchmarks/bench_gemm.py in the working directory: run from the repository root of a "
+                       "source checkout to see and use its options.\n")
+    buf, argv0 = io.StringIO(), sys.argv[0]
+    sys.argv[0] = "cutedsl-gemm bench"  # the module's parser names itself after argv[0]
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):
+            module.main(["--help"])
+    finally:
+        sys.argv[0] = argv0
+    return text + "\nOptions of benchmarks/bench_gemm.py:\n\n" + buf.getvalue()
+
+
+def cmd_bench(args) -> int:
+    if args.help:
+        print(_bench_help(args.parser), end="")
+        return 0
+    if not _hopper_available():
+        print("cutedsl-gemm bench: needs a Hopper GPU", file=sys.stderr)
+        return 2
+    module = _bench_module()
+    if module is None:
+        print("cutedsl-gemm bench: no benchmarks/bench_gemm.py in the working directory; run from the repository "
+              "root of a source checkout", file=sys.stderr)
+        return 2
+    return module.main(args.rest) or 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Ahead of time: export, precompile, catalog
+# ------------------------------------------------------------------------------------------------
+def _interrupted(e, what: str = "kept") -> int:
+    print(f"interrupted: {len(e.results)} of {e.total} done, {what}", file=sys.stderr)
+    return INTERRUPTED
 
 
 def cmd_export(args) -> int:
     from cutedsl_gemm.generators import export as E
-    from cutedsl_gemm.generators.runner import SelectionError
+    from cutedsl_gemm.generators.runner import Interrupted, SelectionError
 
     try:
-        res = E.export(args.arch, args.out, args.filter or (), args.limit, args.jobs)
-        print(f"exported {len(res.instances)} instance(s) ({len(res.kernels)} kernels) for {args.arch} to {res.out_dir}; "
-              f"build: cmake -S {res.out_dir} -B build && cmake --build build")
+        res = E.export(args.arch, args.out, args.filter or (), args.limit, args.jobs, everything=args.all)
+        print(f"exported {len(res.instances)} instance(s) ({len(res.kernels)} kernels) for {args.arch} to "
+              f"{res.out_dir}; build: cmake -S {res.out_dir} -B build && cmake --build build")
         if args.shared:
             print(f"linked {E.build_shared(res.out_dir)}")
-    except (SelectionError, E.ExportError) as e:
+    except Interrupted as e:
+        return _interrupted(e, "the export is incomplete: run it again")
+    except (SelectionError, E.ExportError, OSError) as e:
         print(f"cutedsl-gemm export: {e}", file=sys.stderr)
         return 2
     return 0
@@ -129,8 +206,8 @@ def cmd_precompile(args) -> int:
     from cutedsl_gemm.generators.runner import SelectionError
 
     try:
-        rep = precompile(args.arch, args.filter or (), args.jobs, args.limit)
-    except (SelectionError, PrecompileError) as e:
+        rep = precompile(args.arch, args.filter or (), args.jobs, args.limit, everything=args.all)
+    except (SelectionError, PrecompileError, OSError) as e:
         print(f"cutedsl-gemm precompile: {e}", file=sys.stderr)
         return 2
     for name, err in rep.failed:
@@ -140,21 +217,15 @@ def cmd_precompile(args) -> int:
 
 def cmd_catalog(args) -> int:
     from cutedsl_gemm.generators import catalog as C
+    from cutedsl_gemm.generators.runner import SelectionError
 
-    docs = args.docs or C.DOCS_DIR
-    if args.check:
-        problems = C.check(docs)
-        for kind in ("manifest", "sources"):
-            mine = [p for p in problems if p.kind == kind]
-            for p in mine[:10]:
-                print(f"  {kind}: {p.text}", file=sys.stderr)
-            if len(mine) > 10:
-                print(f"  {kind}: ... and {len(mine) - 10} more", file=sys.stderr)
-        print(f"catalog: {'stale, run `' + C.REGENERATE + '`' if problems else 'up to date'} ({docs})", file=sys.stderr)
-        return 1 if problems else 0
+    scope = "; ".join([f"arch {args.arch}"] * bool(args.arch)
+                      + [f"names containing any of {args.filter}"] * bool(args.filter)
+                      + ["one instance per kernel family"] * args.sample) or "the whole table"
     try:
-        rep = C.refresh(docs, args.jobs)
-    except FileNotFoundError as e:
+        insts = C.select(args.arch, args.filter or (), args.limit, args.sample)
+        rep = C.write_catalog(args.out, insts, args.jobs, scope)
+    except (SelectionError, OSError) as e:
         print(f"cutedsl-gemm catalog: {e}", file=sys.stderr)
         return 2
     for name, err in rep.failed:
@@ -162,34 +233,87 @@ def cmd_catalog(args) -> int:
     return 1 if rep.failed else 0
 
 
-def _add_selection(p, what: str):
-    p.add_argument("--arch", default="sm_90a", help="target arch of the instances (default sm_90a)")
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {value}")
+    return value
+
+
+def _add_selection(p, what: str, arch_default: str | None = "sm_90a"):
+    p.add_argument("--arch", default=arch_default,
+                   help=f"target arch of the instances (default {arch_default or 'every arch of the table'})")
     p.add_argument("--filter", action="append", metavar="SUBSTR",
                    help=f"{what} only instances whose name contains SUBSTR (repeatable: any of them)")
-    p.add_argument("--limit", type=int, help="at most N instances (manifest order)")
-    p.add_argument("--jobs", type=int, help="parallel compile processes (default: CPU count)")
+    p.add_argument("--limit", type=positive_int, metavar="N", help="at most N instances (table order)")
+    p.add_argument("--jobs", type=positive_int, metavar="N", help="parallel compile processes (default: CPU count)")
 
 
-def main(argv=None) -> int:
+def _add_all(p, what: str):
+    from cutedsl_gemm.generators.runner import DEFAULT_SET
+
+    p.add_argument("--all", action="store_true",
+                   help=f"{what} every instance of the table (thousands); without --all or --filter: the default "
+                        f"set ({DEFAULT_SET}, every tile, schedule and recipe)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cutedsl-gemm", description="FP8/FP6/FP4 GEMM kernels in the CuTe DSL")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("demo", help="GPU: run and check against cuBLAS; CPU: compile for sm_90a and inspect").set_defaults(fn=cmd_demo)
-    sub.add_parser("info", help="GPU, arch, DSL version, cache directory").set_defaults(fn=cmd_info)
-    b = sub.add_parser("bench", help="benchmark against cuBLAS (Hopper GPU); arguments go to benchmarks.bench_gemm")
-    b.add_argument("rest", nargs=argparse.REMAINDER)
-    b.set_defaults(fn=cmd_bench)
-    e = sub.add_parser("export", help="AOT: C objects + headers, registry, CMake fragment for manifest instances (no GPU)")
+    demo_help = "GPU: run and check against cuBLAS; CPU: compile for sm_90a and inspect"
+    sub.add_parser("demo", help=demo_help, description=(
+        "With a Hopper GPU: run scaled_mm on a few shapes per recipe, check it against the float64 reference "
+        "and time it against cuBLAS. Without one: compile GEMM instances for sm_90a and check their PTX for "
+        "the tensor-core MMA, TMA and register reallocation instructions, then check the reference numerics."
+    )).set_defaults(fn=cmd_demo)
+    sub.add_parser("info", help="GPU, arch, DSL version, cache directory", description=(
+        "Print the GPU (if any), the arch kernels compile for, the CuTe DSL and torch versions and the "
+        "kernel cache directory.")).set_defaults(fn=cmd_info)
+    b = sub.add_parser("bench", help="benchmark against cuBLAS (Hopper GPU; runs benchmarks/bench_gemm.py)",
+                       description=BENCH_DESCRIPTION, add_help=False, usage="cutedsl-gemm bench [-h] [OPTION ...]")
+    b.add_argument("-h", "--help", action="store_true", help="show this help and the benchmark's options")
+    b.set_defaults(fn=cmd_bench, parser=b, rest=[])
+    e = sub.add_parser("export", help="AOT: C objects + headers, registry, CMake fragment for table instances (no GPU)",
+                       description="Compile table instances for a target arch (no GPU) into C objects and headers "
+                                   "with a registry and CMake files. A previous export in --out is replaced.")
     _add_selection(e, "export")
+    _add_all(e, "export")
     e.add_argument("--out", required=True, help="output directory")
     e.add_argument("--shared", action="store_true", help="also link lib<...>.so with the system C compiler")
     e.set_defaults(fn=cmd_export)
-    pc = sub.add_parser("precompile", help="fill the on-disk JIT cache for manifest instances, in parallel")
+    pc = sub.add_parser("precompile", help="fill the on-disk JIT cache for table instances, in parallel",
+                        description="Compile table instances into the on-disk JIT cache, so that the first "
+                                    "scaled_mm call of a process loads them instead of compiling. Entries already "
+                                    "cached are skipped; Ctrl-C keeps the entries that finished.")
     _add_selection(pc, "compile")
+    _add_all(pc, "compile")
     pc.set_defaults(fn=cmd_precompile)
-    c = sub.add_parser("catalog", help="render docs/kernels.md (compiles only new or changed instances)")
-    c.add_argument("--check", action="store_true", help="exit 1 if the catalog is stale; compiles nothing")
-    c.add_argument("--docs", help="docs directory (default: the repository's docs/)")
-    c.add_argument("--jobs", type=int, help="parallel compile processes (default: CPU count)")
+    c = sub.add_parser("catalog", help="render the kernel catalog (markdown + JSON facts) into --out",
+                       description="Compile table instances (no GPU) and write DIR/kernels.md and DIR/kernels.json: "
+                                   "registers, stack frame, shared memory, stages and MMA instructions per "
+                                   "instance. Facts already in DIR for the same sources are reused; Ctrl-C keeps "
+                                   "what finished.")
+    _add_selection(c, "catalog", arch_default=None)
+    c.add_argument("--sample", action="store_true", help="one instance per kernel family (every code path)")
+    c.add_argument("--out", default="catalog", metavar="DIR", help="output directory (default: ./catalog)")
     c.set_defaults(fn=cmd_catalog)
-    args = p.parse_args(argv)
-    return args.fn(args)
+    return p
+
+
+def main(argv=None) -> int:
+    p = build_parser()
+    args, rest = p.parse_known_args(argv)
+    if args.cmd == "bench":
+        args.rest = rest
+    elif rest:
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        return args.fn(args)
+    except KeyboardInterrupt as e:
+        if hasattr(e, "results"):  # runner.Interrupted: the workers are stopped, finished work is kept
+            return _interrupted(e)
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED

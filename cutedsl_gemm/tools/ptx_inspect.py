@@ -172,14 +172,25 @@ def inspect_compiled(name: str, compiled, smem_bytes: int = -1) -> KernelReport:
     )
 
 
-def inspect_instance(inst) -> KernelReport:
-    """Compile a manifest instance for its arch (no GPU needed) and report on it."""
+def kernel_resources(inst) -> tuple[int, int]:
+    """(dynamic shared memory bytes, A/B mainloop stages) of an instance's kernel, as its plan sets them."""
     if inst.arch == "sm_90a" and inst.op == "gemm":
         from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-        from cutedsl_gemm.runtime.compile import compile_gemm
 
-        cfg = inst.sm90_config()
-        with keep_artifacts(inst.arch):
-            compiled = compile_gemm(cfg, inst.arch)
-        return inspect_compiled(inst.name, compiled, Sm90Fp8Gemm(cfg).smem_bytes)
-    raise ValueError(f"no inspector for {inst.name}")
+        kernel = Sm90Fp8Gemm(inst.sm90_config())
+        return kernel.smem_bytes, kernel.ab_stages
+    if inst.arch == "sm_100a" and inst.op == "gemm":
+        from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import describe_resources
+
+        res = describe_resources(inst.sm100_kernel())
+        return res["smem_bytes"], res["num_ab_stage"]
+    raise ValueError(f"no shared-memory plan known for {inst.name} (arch={inst.arch}, op={inst.op})")
+
+
+def inspect_instance(inst) -> KernelReport:
+    """Compile an instance of the table for its arch (no GPU needed), the runtime's way, and report on it."""
+    from cutedsl_gemm.runtime.compile import compile_instance
+
+    with keep_artifacts(inst.arch):
+        compiled = compile_instance(inst)
+    return inspect_compiled(inst.name, compiled, kernel_resources(inst)[0])
