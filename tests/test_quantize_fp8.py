@@ -10,7 +10,6 @@ on special groups (signed zeros, subnormal and boundary scales, inf/NaN, FP8 tie
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -20,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from cutedsl_gemm.numerics.formats import E4M3, E5M2, BLOCK_128x128_128x128, DEEPSEEK_1x128_128x128, ScaleGranularity
 from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.numerics.formats import E4M3, E5M2, BLOCK_128x128_128x128, DEEPSEEK_1x128_128x128, ScaleGranularity
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.tools.ptx_inspect import find_ptxas, ptxas_registers_and_spills, ptxas_report
 
@@ -282,6 +281,25 @@ def test_recipe_objects_and_operands():
     assert s.shape == (2, 2)
 
 
+def test_granularity_names_follow_the_recipe_rule():
+    """quantize_fp8 takes what formats.recipe takes: a granularity name is that granularity (for A or W alike,
+    the recipe that uses it on both operands), a recipe name with operand= one side of the pair."""
+    import torch.nn.functional as TF
+
+    from cutedsl_gemm.numerics.formats import recipe
+    from cutedsl_gemm.ops.quantize import resolve_granularity
+
+    for name in ("tensor", "row", "1x128", "128x128"):
+        g = resolve_granularity(name)
+        assert recipe(name).a is g and recipe(name).b is g  # the default "1x128" is a recipe name too
+    assert resolve_granularity(TF.ScalingType.BlockWise1x128) is ScaleGranularity.GROUP_1x128
+    assert resolve_granularity("1x128_128x128", "b") is ScaleGranularity.BLOCK_128x128
+    assert resolve_granularity("256x256") is ScaleGranularity.BLOCK_128x128
+    x = random_input(128, 256, torch.bfloat16, seed=8)
+    for alias in ("group", "BlockWise1x128", TF.ScalingType.BlockWise1x128):
+        assert torch.equal(quantize_fp8(x, alias, backend="reference")[1], quantize_fp8(x, backend="reference")[1])
+
+
 def test_empty_input():
     q, s = quantize_fp8(torch.empty(0, 256), "1x128", backend="reference")
     assert q.shape == (0, 256) and s.shape == (0, 2)
@@ -304,8 +322,10 @@ def test_empty_input():
         (dict(recipe="1x128", block=256), ValueError, "only applies to 2-D block"),
         (dict(recipe="1x128", scale_layout="padded"), ValueError, "mn_major"),
         (dict(recipe="row", scale_layout="row_major"), ValueError, "does not apply"),
-        (dict(recipe="mx"), ValueError, "microscaling"),
-        (dict(recipe="9x9"), ValueError, "unknown scaling recipe"),
+        (dict(recipe="mx"), ValueError, "quantize_mx and quantize_nvfp4"),
+        (dict(recipe="9x9"), ValueError, "unknown recipe '9x9'; expected a granularity ('tensor', 'row', '1x128', "
+                                         "'128x128', '256x256' or a ScaleGranularity)"),
+        (dict(recipe="1x64"), ValueError, "unknown recipe '1x64'; expected a granularity ('tensor', 'row', '1x128'"),
         (dict(recipe=3.5), TypeError, "ScaleGranularity"),
         (dict(recipe=BLOCK_128x128_128x128, operand="c"), ValueError, "'a' or 'b'"),
         (dict(backend="triton"), ValueError, "backend"),
@@ -371,9 +391,9 @@ def _count(text, needle):
 def _loads_before_arithmetic(text):
     """Index of the last global load and of the first arithmetic instruction of the kernel body."""
     lines = text.splitlines()
-    last_ld = max(i for i, l in enumerate(lines) if "ld.global.v4" in l)
+    last_ld = max(i for i, line in enumerate(lines) if "ld.global.v4" in line)
     math_ops = ("sub.rn.bf16x2", "cvt.f32.bf16", "div.rn")
-    first_math = min(i for i, l in enumerate(lines) if any(op in l for op in math_ops))
+    first_math = min(i for i, line in enumerate(lines) if any(op in line for op in math_ops))
     return last_ld, first_math
 
 
@@ -390,7 +410,7 @@ def test_ptx_vectorized_memory(ptx):
         # every load is issued before the first arithmetic, and none sits under a branch
         last_ld, first_math = _loads_before_arithmetic(t)
         assert last_ld < first_math, name
-        assert "@%p" not in "".join(l for l in t.splitlines()[:last_ld] if "bra" in l), name
+        assert "@%p" not in "".join(line for line in t.splitlines()[:last_ld] if "bra" in line), name
     t = ptx["group_f32_e4m3_rowmajor"][1]  # 2 vectors x 16 fp32 per thread
     assert _count(t, "ld.global.v4.b32") == 8 and _count(t, "st.global.v4.b32") == 2
     assert _count(ptx["tensor_amax_bf16"][1], "ld.global.v4.b32") == 8

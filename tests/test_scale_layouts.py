@@ -123,3 +123,75 @@ def test_block_w_scale_views_are_kept_and_refreshed():
     big = torch.rand(1 << 19, 2)  # 4 MiB of scales: not kept (the view would pin the buffer)
     L.kernel_views("1x128_128x128", kb, sa, big)
     assert id(big) not in L._W_BLOCK_VIEWS
+
+
+# ---------------------------------------------------------------- SWIZZLE_32_4_4 blocked layout (MX / NVFP4 scales)
+
+RAGGED = [(1, 1), (5, 3), (127, 4), (128, 4), (129, 5), (300, 9), (256, 8), (33, 17)]
+
+
+def loop_to_blocked(plain: torch.Tensor) -> torch.Tensor:
+    """cuBLAS 'block scaling factors layout' formula, one element at a time (flat uint8)."""
+    rows, cols = plain.shape
+    row_tiles, col_tiles = -(-rows // 128), -(-cols // 4)
+    out = torch.zeros(row_tiles * col_tiles * 512, dtype=torch.uint8)
+    for i in range(rows):
+        for j in range(cols):
+            tile = (i // 128) * col_tiles + j // 4
+            outer, inner = i % 128, j % 4
+            out[512 * tile + (outer % 32) * 16 + (outer // 32) * 4 + inner] = plain[i, j]
+    return out
+
+
+@pytest.mark.parametrize("rows,cols", RAGGED)
+def test_to_blocked_matches_cublas_formula(rows, cols):
+    from cutedsl_gemm.numerics import scale_layouts as L
+
+    g = torch.Generator().manual_seed(rows * 100 + cols)
+    plain = torch.randint(1, 256, (rows, cols), dtype=torch.uint8, generator=g)
+    blocked = L.to_blocked(plain)
+    assert blocked.shape == L.blocked_scale_shape(rows, cols)
+    assert torch.equal(blocked.flatten(), loop_to_blocked(plain))
+    assert torch.equal(L.from_blocked(blocked, rows, cols), plain)
+    # the offset helper (used by the kernel's address arithmetic) agrees with the same formula
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    off = L.blocked_offset(r, c, cols)
+    assert torch.equal(blocked.flatten()[off], plain)
+
+
+def test_blocked_padding_is_zero_and_keeps_dtype():
+    from cutedsl_gemm.numerics import scale_layouts as L
+
+    plain = torch.full((130, 5), 127, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    b = L.to_blocked(plain)
+    assert b.dtype == torch.float8_e8m0fnu and b.shape == (256, 8)
+    nz = (b.view(torch.uint8) != 0).sum().item()
+    assert nz == 130 * 5
+    assert torch.equal(L.from_blocked(b.flatten(), 130, 5).view(torch.uint8), plain.view(torch.uint8))
+
+
+def test_blocked_validation():
+    from cutedsl_gemm.numerics import scale_layouts as L
+
+    with pytest.raises(ValueError, match="2-D"):
+        L.to_blocked(torch.zeros(4, dtype=torch.uint8))
+    with pytest.raises(TypeError, match="one-byte"):
+        L.to_blocked(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="128"):
+        L.from_blocked(torch.zeros(100, dtype=torch.uint8), 4, 4)
+    with pytest.raises(ValueError, match="one-byte blocked scales"):
+        L.blocked_scale_words(torch.zeros(100, dtype=torch.uint8), 4, 4)
+
+
+def test_recipe_pairs_follow_the_recipe_table():
+    """scaled_mm's supported pairs are formats.RECIPES' fp32 recipes, in its order, named by the granularity."""
+    from cutedsl_gemm.numerics import formats as FM
+    from cutedsl_gemm.numerics import scale_layouts as L
+
+    fp32 = [r for r in FM.RECIPES.values() if r.scale_format == "fp32"]
+    assert list(L._PAIRS.items()) == [((r.a, r.b), r.name) for r in fp32]
+    assert L.granularity(F.ScalingType.BlockWise1x128) is FM.ScaleGranularity.GROUP_1x128
+    assert L.granularity("rowwise") is FM.ScaleGranularity.ROW
+    m, n, k = 64, 64, 128
+    with pytest.raises(ValueError, match="1x32 x 1x32 are not supported"):  # known, but not a Hopper recipe
+        resolve(torch.rand(m, 4), torch.rand(4, 2), m, n, k, "1x32", F.ScalingType.BlockWise1x32)

@@ -1,5 +1,11 @@
-"""``quantize_fp8``: bf16/fp16/fp32 -> E4M3/E5M2 with scales in the layouts the GEMMs consume.
+"""The quantize family: ``quantize_fp8``, ``quantize_mx`` and ``quantize_nvfp4``.
 
+Each takes ``backend``: ``"kernel"`` runs the CuTe DSL kernels (CUDA tensors only), ``"reference"`` the torch
+reference of :mod:`cutedsl_gemm.numerics.reference` (any device), and ``"auto"`` (the default) the kernel for
+CUDA tensors and the reference for every other device. Kernel and reference give the same bits, so ``"auto"``
+on a CPU tensor is the same function computed by torch; ask for ``"kernel"`` to make a CPU tensor an error.
+
+``quantize_fp8``: bf16/fp16/fp32 -> E4M3/E5M2 with fp32 scales in the layouts the Hopper GEMMs consume.
 Numerics are the contract of :mod:`cutedsl_gemm.numerics.reference` (the CuTe DSL kernels reproduce it bit for
 bit): per scale group, ``amax`` = largest finite ``|x|`` (NaN and +-inf ignored), ``scale = amax / fmax``
 in fp32 (1 for an all-zero or non-finite-only group), ``q = RNE(clamp(x / scale, -fmax, fmax))``.
@@ -26,79 +32,89 @@ BxB                ``"padded"``           shape ``(ceil(M/B), L4)``, strides ``(
 =================  =====================  ==========================================================
 
 The data ``q`` always has x's shape (M, K), row-major, in the FP8 torch dtype.
+
+``quantize_mx`` / ``quantize_nvfp4``: bf16/fp32 (fp16 on the reference only) -> a
+:class:`~cutedsl_gemm.numerics.reference.BlockScaledTensor`: packed elements and SWIZZLE_32_4_4 blocked
+scales (MX: UE8M0 per 32 elements; NVFP4: E4M3 per 16 and an fp32 global decode scale that stays on the
+device), the layouts the Blackwell block-scaled GEMMs and ``F.scaled_mm`` read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+import tempfile
 
 import torch
 
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.numerics.formats import FP8_FORMATS, ScaleGranularity, ScalingRecipe, element_format, recipe as as_recipe
+from cutedsl_gemm.numerics.codecs import fp32_bits, packed_row_bytes, storage_view
+from cutedsl_gemm.numerics.formats import (
+    BF16,
+    DTYPE_FORMATS,
+    E2M1,
+    E4M3,
+    FLOAT_FORMATS,
+    FP8_FORMATS,
+    FP32,
+    FP32_SCALE_GRANULARITIES,
+    RECIPES,
+    UE8M0,
+    ScaleGranularity,
+    ScalingRecipe,
+    ceil_div,
+    element_format,
+    float_format,
+    round_up,
+)
+from cutedsl_gemm.numerics.formats import recipe as as_recipe
+from cutedsl_gemm.numerics.scale_layouts import blocked_scale_shape
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
 G = ScaleGranularity
-VEC = 16  # the kernels' vector width in elements: K must be a multiple of it
-
-_IN_DTYPES = {torch.bfloat16: "BFloat16", torch.float16: "Float16", torch.float32: "Float32"}
-_GRAN_NAMES = {
-    "tensor": G.TENSOR,
-    "per_tensor": G.TENSOR,
-    "row": G.ROW,
-    "per_row": G.ROW,
-    "1x128": G.GROUP_1x128,
-    "group": G.GROUP_1x128,
-    "128x128": G.BLOCK_128x128,
-    "block": G.BLOCK_128x128,
-}
+VEC = 16  # the FP8 kernels' vector width in elements: K must be a multiple of it
+BACKENDS = ("auto", "kernel", "reference")
 _LAYOUTS = {G.GROUP_1x128: ("mn_major", "row_major"), G.BLOCK_128x128: ("row_major", "padded")}
+BLOCK_QUANTIZER_INPUTS = (BF16, FP32)  # what the MX / NVFP4 kernels read
 
 
-@dataclass(frozen=True)
-class _Blocks:
-    """A BxB granularity for the reference (which only reads ``rows``/``cols``)."""
-
-    rows: int
-    cols: int
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def _fp8_choices() -> str:
+    grans = ", ".join(repr(g.label) for g in FP32_SCALE_GRANULARITIES)
+    return (
+        f"a granularity ({grans}, '256x256' or a ScaleGranularity), or a GEMM recipe "
+        f"({', '.join(repr(r.name) for r in RECIPES.values() if r.scale_format == 'fp32')} or a ScalingRecipe) with "
+        "operand='a' or 'b'"
+    )
 
 
-def resolve_granularity(recipe, operand: str = "a") -> ScaleGranularity:
-    """A ScaleGranularity from a granularity, a name ("tensor", "row", "1x128", "128x128", "256x256",
-    or a recipe name such as "1x128_128x128") or a ScalingRecipe (then ``operand`` picks "a" or "b")."""
-    if isinstance(recipe, str) and recipe.lower() in _GRAN_NAMES:
-        return _GRAN_NAMES[recipe.lower()]
-    if isinstance(recipe, str) and recipe.lower() == "256x256":
+def resolve_granularity(gran, operand: str = "a") -> ScaleGranularity:
+    """The granularity quantize_fp8 applies: ``gran`` itself (a ScaleGranularity, any of its names, a
+    ``F.ScalingType``), "256x256" (the 2-D block family with block=256), or operand "a" / "b" of a
+    recipe (a ScalingRecipe or a recipe name; :func:`~cutedsl_gemm.numerics.formats.recipe`'s rule)."""
+    if isinstance(gran, str) and gran.lower() == "256x256":
         return G.BLOCK_128x128  # the 2-D block family; block=256 selects the size
-    if isinstance(recipe, ScaleGranularity):
-        gran = recipe
-    elif isinstance(recipe, (str, ScalingRecipe)):
-        rec = as_recipe(recipe)  # raises ValueError naming the known recipes
-        if operand not in ("a", "b"):
-            raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
-        gran = getattr(rec, operand)
-    else:
-        raise TypeError(
-            f"recipe must be a ScaleGranularity, a ScalingRecipe or a name ({sorted(_GRAN_NAMES)} or a "
-            f"recipe name), got {type(recipe).__name__}"
-        )
-    if gran not in (G.TENSOR, G.ROW, G.GROUP_1x128, G.BLOCK_128x128):
+    if not isinstance(gran, (str, ScalingRecipe, ScaleGranularity)) and not isinstance(getattr(gran, "name", 0), str):
+        raise TypeError(f"recipe must be {_fp8_choices()}; got {type(gran).__name__}")
+    if operand not in ("a", "b"):
+        raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
+    try:
+        g = G.named(gran)
+    except ValueError:
+        try:
+            g = getattr(as_recipe(gran), operand)
+        except ValueError:
+            raise ValueError(f"quantize_fp8 got an unknown recipe {gran!r}; expected {_fp8_choices()}") from None
+    if g not in FP32_SCALE_GRANULARITIES:
+        grans = ", ".join(x.label for x in FP32_SCALE_GRANULARITIES)
         raise ValueError(
-            f"quantize_fp8 handles tensor, row, 1x128 and 128x128/256x256 granularities; got {gran.name} "
-            "(MX/NVFP4 use cutedsl_gemm.numerics.microscaling)"
+            f"quantize_fp8 handles the {grans} (and 256x256) granularities; got {g.label} "
+            "(MX and NVFP4 scales come from quantize_mx and quantize_nvfp4)"
         )
-    return gran
+    return g
 
 
 def _validate(x, gran, fmt, block, scale_layout, backend):
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _IN_DTYPES:
+    if DTYPE_FORMATS.get(x.dtype) not in FLOAT_FORMATS:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (rows, K), got shape {tuple(x.shape)}")
@@ -111,17 +127,17 @@ def _validate(x, gran, fmt, block, scale_layout, backend):
         if block not in (128, 256):
             raise ValueError(f"block must be 128 or 256 for 2-D block scaling, got {block!r}")
     elif block != 128:
-        raise ValueError(f"block={block!r} only applies to 2-D block scaling; {gran.name} uses 128")
+        raise ValueError(f"block={block!r} only applies to 2-D block scaling; {gran.label} uses 128")
     allowed = _LAYOUTS.get(gran)
     if allowed is None:
         if scale_layout is not None:
-            raise ValueError(f"scale_layout does not apply to {gran.name} scaling (got {scale_layout!r})")
+            raise ValueError(f"scale_layout does not apply to {gran.label} scaling (got {scale_layout!r})")
         scale_layout = None
     else:
         scale_layout = allowed[0] if scale_layout is None else scale_layout
         if scale_layout not in allowed:
-            raise ValueError(f"scale_layout for {gran.name} must be one of {allowed}, got {scale_layout!r}")
-    if backend not in ("auto", "kernel", "reference"):
+            raise ValueError(f"scale_layout for {gran.label} must be one of {allowed}, got {scale_layout!r}")
+    if backend not in BACKENDS:
         raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
     use_kernel = backend == "kernel" or (backend == "auto" and x.is_cuda)
     if use_kernel:
@@ -135,7 +151,7 @@ def _validate(x, gran, fmt, block, scale_layout, backend):
         if not x.is_cuda:
             raise ValueError(f"backend='kernel' needs a CUDA tensor, got device {x.device}")
         tile_cols = block if gran is G.BLOCK_128x128 else 128  # the tile kernels' grid.y = ceil(K / tile)
-        if gran is not G.ROW and _ceil_div(k, tile_cols) > 65535:
+        if gran is not G.ROW and ceil_div(k, tile_cols) > 65535:
             raise ValueError(f"at most {65535 * tile_cols} columns (K) are supported by the kernels, got {k}")
     return fmt, scale_layout, use_kernel
 
@@ -160,7 +176,7 @@ def _layout_scales(plain: torch.Tensor, gran, scale_layout) -> torch.Tensor:
         out.copy_(plain)
         return out
     if scale_layout == "padded":
-        out = torch.ones((r, _ceil_div(c, 4) * 4), dtype=torch.float32, device=plain.device)
+        out = torch.ones((r, round_up(c, 4)), dtype=torch.float32, device=plain.device)
         out[:, :c] = plain
         return out
     return plain.contiguous()
@@ -172,22 +188,22 @@ def quantize_fp8(
     *,
     fmt="e4m3",
     block: int = 128,
-    scale_layout: Optional[str] = None,
+    scale_layout: str | None = None,
     operand: str = "a",
     backend: str = "auto",
 ):
     """Quantize a 2-D tensor (rows, K) to FP8. Returns ``(q, scales)`` (see the module docstring).
 
-    ``recipe``: "tensor", "row", "1x128", "128x128", "256x256", a ScaleGranularity, or a ScalingRecipe /
-    recipe name together with ``operand`` ("a" for A (M, K), "b" for W (N, K)). ``block``: 128 or 256
-    for 2-D blocks. ``backend``: "kernel" (CuTe DSL, CUDA tensors), "reference" (torch, any device) or
-    "auto" (kernel on CUDA, reference elsewhere). The kernels need ``K % 16 == 0`` and a row-major x.
+    ``recipe``: a granularity ("tensor", "row", "1x128", "128x128", "256x256", a ScaleGranularity or a
+    ``F.ScalingType``), or a ScalingRecipe / recipe name together with ``operand`` ("a" for A (M, K), "b" for
+    W (N, K)); see :func:`resolve_granularity`. ``block``: 128 or 256 for 2-D blocks. ``backend``: "kernel"
+    (CuTe DSL, CUDA tensors), "reference" (torch, any device) or "auto" (kernel on CUDA, reference elsewhere).
+    The kernels need ``K % 16 == 0`` and a row-major x.
     """
     gran = resolve_granularity(recipe, operand)
     if isinstance(recipe, str) and recipe.lower() == "256x256" and block == 128:
         block = 256
     fmt, scale_layout, use_kernel = _validate(x, gran, fmt, block, scale_layout, backend)
-    rows, k = x.shape
     if x.numel() == 0 or not use_kernel:
         return _reference(x, gran, fmt, block, scale_layout)
     return _kernel(x, gran, fmt, block, scale_layout)
@@ -197,11 +213,11 @@ def _reference(x, gran, fmt, block, scale_layout):
     rows, k = x.shape
     gr, gc = _group_shape(gran, block)
     if x.numel() == 0:  # no elements: every group is empty -> scale 1
-        r = 1 if gr is None else _ceil_div(rows, gr)
-        c = 1 if gc is None else _ceil_div(k, gc)
+        r = 1 if gr is None else ceil_div(rows, gr)
+        c = 1 if gc is None else ceil_div(k, gc)
         plain = torch.ones((r, c), dtype=torch.float32, device=x.device)
         return torch.empty((rows, k), dtype=fmt.torch_dtype, device=x.device), _layout_scales(plain, gran, scale_layout)
-    g = _Blocks(block, block) if (gran is G.BLOCK_128x128 and block != 128) else gran
+    g = (block, block) if (gran is G.BLOCK_128x128 and block != 128) else gran
     q, plain = R.quantize(x, g, fmt)
     return q, _layout_scales(plain, gran, scale_layout)
 
@@ -209,12 +225,6 @@ def _reference(x, gran, fmt, block, scale_layout):
 # ----------------------------------------------------------------------------------------------------
 # kernel path
 # ----------------------------------------------------------------------------------------------------
-
-
-def _cutlass_types(x, fmt):
-    import cutlass
-
-    return getattr(cutlass, _IN_DTYPES[x.dtype]), fmt.cutlass_dtype()
 
 
 # Kernel tuning overrides per kind ("group", "block", "row_block", "row", "tensor_amax", "tensor_cast"):
@@ -228,10 +238,11 @@ def _get(kind, x, fmt, *cfg):
     from cutedsl_gemm.kernels.sm90 import quantize_fp8 as K
 
     tune = dict(TUNING.get(kind, {}))
-    key = ("quantize_fp8", kind, _IN_DTYPES[x.dtype], fmt.name) + tuple(cfg) + tuple(sorted(tune.items()))
+    src = float_format(x.dtype)
+    key = ("quantize_fp8", kind, src.cutlass_name, fmt.name) + tuple(cfg) + tuple(sorted(tune.items()))
 
     def build():
-        ti, to = _cutlass_types(x, fmt)
+        ti, to = src.cutlass_dtype(), fmt.cutlass_dtype()
         if kind == "group":
             return K.compile_group(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major", **tune)
         if kind == "block":
@@ -259,14 +270,14 @@ def _kernel(x, gran, fmt, block, scale_layout):
     f32 = dict(dtype=torch.float32, device=dev)
     q = torch.empty((rows, k), dtype=fmt.torch_dtype, device=dev)
     if gran is G.GROUP_1x128:
-        kb = _ceil_div(k, 128)
+        kb = ceil_div(k, 128)
         s = torch.empty((kb, rows), **f32).t() if scale_layout == "mn_major" else torch.empty((rows, kb), **f32)
         _get("group", x, fmt, 128, scale_layout)(x, q, s, s)
         return q, s
     if gran is G.BLOCK_128x128:
-        kb = _ceil_div(k, block)
-        width = _ceil_div(kb, 4) * 4 if scale_layout == "padded" else kb
-        s = torch.empty((_ceil_div(rows, block), width), **f32)
+        kb = ceil_div(k, block)
+        width = round_up(kb, 4) if scale_layout == "padded" else kb
+        s = torch.empty((ceil_div(rows, block), width), **f32)
         _get("block", x, fmt, block)(x, q, s, s)
         return q, s
     if gran is G.ROW:
@@ -280,9 +291,120 @@ def _kernel(x, gran, fmt, block, scale_layout):
             _get("row", x, fmt)(x, q, s)
         return q, s
     # per-tensor: partial maxima (grid-stride CTAs, no atomics), then the cast kernel folds them
-    ntiles = _ceil_div(rows, 128) * _ceil_div(k, 128)
+    ntiles = ceil_div(rows, 128) * ceil_div(k, 128)
     part = torch.empty((max(1, min(ntiles, AMAX_CTAS_PER_SM * _num_sms(dev))),), **f32)
     s = torch.empty((1,), **f32)
     _get("tensor_amax", x, fmt)(x, part)
     _get("tensor_cast", x, fmt)(x, q, s, part)
     return q, s.reshape(())
+
+
+# ----------------------------------------------------------------------------------------------------
+# MX and NVFP4
+# ----------------------------------------------------------------------------------------------------
+
+
+def _element_code(fmt):
+    """The plain numbers the quantizer kernel's encoder takes for ``fmt``."""
+    from cutedsl_gemm.kernels.sm100.quantize_mx import ElementCode
+
+    return ElementCode(fmt.bits, fmt.man_bits, fmt.bias, fp32_bits(fmt.max_finite), fmt.max_code, fmt.emax)
+
+
+def _block_recipe(name: str, fmt):
+    """The quantizer kernel's recipe numbers for "mx" / "nvfp4" with elements ``fmt`` (checked)."""
+    from cutedsl_gemm.kernels.sm100.quantize_mx import BlockRecipe
+
+    if name == "mx":
+        if fmt not in R.MX_ELEMENT_FORMATS:
+            names = [f.name for f in R.MX_ELEMENT_FORMATS]
+            raise ValueError(f"MX element format must be one of {names}; got {fmt.name}")
+        return BlockRecipe("mx", R.MX_BLOCK, R.UE8M0_NAN)
+    if name == "nvfp4":
+        if fmt is not E2M1:
+            raise ValueError(f"NVFP4 elements are e2m1; got {fmt.name}")
+        return BlockRecipe("nvfp4", R.NVFP4_BLOCK, R.E4M3_NAN, _element_code(E4M3), R.NVFP4_GLOBAL_DENOM)
+    raise ValueError(f"recipe must be 'mx' or 'nvfp4'; got {name!r}")
+
+
+def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, compute_global: bool = False,
+                      keep_ptx: bool = False):
+    """``cute.compile`` the MX / NVFP4 quantizer kernel (no GPU needed; the DSL's target arch applies).
+
+    Call signature of the result: ``fn(x, q_bytes, scale_bytes, global_scale, amax_scratch)`` on the
+    current stream. ``keep_ptx`` keeps the PTX text on the result (``.__ptx__``); what the DSL dumps on
+    the way goes to a temporary directory that is removed.
+    """
+    from cutedsl_gemm.kernels.sm100.quantize_mx import compile_block_scale
+
+    fmt = element_format(fmt)
+    rec = _block_recipe(recipe, fmt)
+    src = DTYPE_FORMATS.get(in_dtype)
+    if src not in BLOCK_QUANTIZER_INPUTS:
+        raise TypeError(f"quantizer input must be bfloat16 or float32; got {in_dtype}")
+    args = (rec, _element_code(fmt), src.cutlass_dtype(), compute_global)
+    if not keep_ptx:
+        return compile_block_scale(*args)
+    with tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_") as dump_dir:
+        return compile_block_scale(*args, ptx_dump_dir=dump_dir)
+
+
+def _quantizer(recipe: str, fmt, in_dtype: torch.dtype, compute_global: bool):
+    key = ("quantize_blockscaled", recipe, fmt.name, str(in_dtype), bool(compute_global))
+    return KERNEL_CACHE.get(key, lambda: compile_quantizer(recipe, fmt, in_dtype, compute_global))
+
+
+def _block_backend(x: torch.Tensor, block: int, backend: str) -> bool:
+    """Check ``x`` and ``backend``; True when the kernel runs."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
+    R.check_quantizer_input(x, block)
+    if x.numel() == 0 or (backend == "auto" and not x.is_cuda) or backend == "reference":
+        return False
+    if not x.is_cuda:
+        raise ValueError(f"backend='kernel' needs a CUDA tensor, got device {x.device} (the reference runs anywhere)")
+    if DTYPE_FORMATS[x.dtype] not in BLOCK_QUANTIZER_INPUTS:
+        raise TypeError(f"the quantizer kernels take bfloat16 or float32 input; got {x.dtype} (backend='reference' "
+                        "takes float16)")
+    return True
+
+
+def quantize_mx(x: torch.Tensor, fmt="e4m3", *, backend: str = "auto") -> R.BlockScaledTensor:
+    """OCP MX quantization of a (rows, K) tensor with 32-element blocks and UE8M0 scales (``fmt``: e4m3,
+    e5m2, e3m2, e2m3 or e2m1). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_mx_reference`;
+    ``backend`` as in the module doc."""
+    fmt = element_format(fmt)
+    if not _block_backend(x, R.MX_BLOCK, backend):
+        return R.quantize_mx_reference(x, fmt)
+    x = x.contiguous()
+    rows, k = x.shape
+    fn = _quantizer("mx", fmt, x.dtype, False)
+    q = torch.empty(rows, packed_row_bytes(k, fmt), dtype=torch.uint8, device=x.device)
+    s = torch.empty(blocked_scale_shape(rows, k // R.MX_BLOCK), dtype=torch.uint8, device=x.device)
+    unused_g = torch.ones(1, dtype=torch.float32, device=x.device)
+    unused_amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    fn(x, q, s.view(-1), unused_g, unused_amax)
+    return R.BlockScaledTensor(storage_view(q, fmt), s.view(UE8M0.torch_dtype), fmt, R.MX_BLOCK, (rows, k))
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
+                   backend: str = "auto") -> R.BlockScaledTensor:
+    """NVFP4 quantization of a (rows, K) tensor: E2M1 elements, an E4M3 scale per 16 and an fp32 per-tensor
+    decode scale (``global_scale``, a one-element fp32 tensor, or computed on the device: no host
+    synchronisation). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_nvfp4_reference`;
+    ``backend`` as in the module doc."""
+    if not _block_backend(x, R.NVFP4_BLOCK, backend):
+        return R.quantize_nvfp4_reference(x, global_scale)
+    x = x.contiguous()
+    rows, k = x.shape
+    fn = _quantizer("nvfp4", E2M1, x.dtype, global_scale is None)
+    q = torch.empty(rows, packed_row_bytes(k, E2M1), dtype=torch.uint8, device=x.device)
+    s = torch.empty(blocked_scale_shape(rows, k // R.NVFP4_BLOCK), dtype=torch.uint8, device=x.device)
+    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
+    if global_scale is None:
+        g = torch.empty(1, dtype=torch.float32, device=x.device)
+    else:
+        g = R.check_global_scale(global_scale, x.device).reshape(1).contiguous()
+    fn(x, q, s.view(-1), g, amax)
+    return R.BlockScaledTensor(storage_view(q, E2M1), s.view(E4M3.torch_dtype), E2M1, R.NVFP4_BLOCK, (rows, k),
+                               g.reshape(()))

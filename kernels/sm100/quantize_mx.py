@@ -3,31 +3,49 @@
 ``x`` (rows, K) in bf16 or fp32 -> packed elements (rows, K * bits / 8) uint8 and scale factors in the
 SWIZZLE_32_4_4 blocked layout (padding rows to 128 and scale columns to 4, padding bytes zero), exactly
 the layout ``tcgen05.mma ... .block_scale`` and ``F.scaled_mm`` read. The numerics are the contract of
-:mod:`cutedsl_gemm.numerics.microscaling` (OCP floor rule for UE8M0, NVIDIA's recipe for NVFP4); the element
-encoder is the same integer algorithm as ``microscaling.encode_minifloat``, so kernel and torch
+``cutedsl_gemm.numerics.reference`` (OCP floor rule for UE8M0, NVIDIA's recipe for NVFP4); the element
+encoder is the same integer algorithm as ``cutedsl_gemm.numerics.codecs.encode``, so kernel and torch
 reference agree bit for bit. Only IEEE-rounded fp32 operations appear (``div.rn``, ``rcp.rn``,
 ``mul.rn``; no fast-math), and nothing in the kernels is specific to sm_100: they are compiled for
 sm_100a with the GEMMs, and run as well on any CUDA GPU the DSL targets.
+
+Device code only: the host (``cutedsl_gemm.ops.quantize``) passes every format fact in as plain numbers
+(:class:`ElementCode`) and allocates, checks and caches.
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
-import torch
+from typing import NamedTuple
 
 import cutlass
-import cutlass.cute as cute
-from cutlass import Float32, Int32, Uint8, Uint32
+from cutlass import Float32, Int32, Uint8, Uint32, cute
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import dsl_user_op
-
-from cutedsl_gemm.numerics.formats import E2M1, E4M3, ElementFormat, element_format
-from cutedsl_gemm.numerics import microscaling as ms
 
 THREADS = 128
 _F32_MAX = 0x7F7FFFFF
 _F32_INF = 0x7F800000
+
+
+class ElementCode(NamedTuple):
+    """What the encoder needs to know of a minifloat format, as plain numbers."""
+
+    bits: int
+    man_bits: int
+    bias: int
+    max_bits: int  # fp32 bit pattern of the largest finite value
+    max_code: int  # code of the largest finite value
+    emax: int  # exponent of the largest normal value (the MX scale rule)
+
+
+class BlockRecipe(NamedTuple):
+    """What the quantizer needs to know of a block-scaling recipe, as plain numbers."""
+
+    name: str  # "mx" (power-of-two UE8M0 scales) or "nvfp4" (E4M3 scales and an fp32 global scale)
+    block: int  # K elements per scale
+    scale_nan: int  # scale code of a block holding a NaN
+    scale: ElementCode | None = None  # nvfp4: the E4M3 scale's encoding
+    global_denom: float = 0.0  # nvfp4: element max * scale max, the global scale's denominator
 
 
 @dsl_user_op
@@ -50,11 +68,11 @@ def _rne_shr(v: Uint32, sh) -> Uint32:
     return (v + ((one << (sh - one)) - one) + ((v >> sh) & one)) >> sh
 
 
-def encode_element(bits: Uint32, fmt: ElementFormat) -> Uint32:
-    """fp32 bit pattern -> element code: RNE, saturating, sign kept, NaN -> 0 (= microscaling.encode_minifloat)."""
+def encode_element(bits: Uint32, fmt: ElementCode) -> Uint32:
+    """fp32 bit pattern -> element code: RNE, saturating, sign kept, NaN -> 0 (= codecs.encode(nan="zero"))."""
     m, b = fmt.man_bits, fmt.bias
-    max_bits = int(torch.tensor(fmt.max_finite, dtype=torch.float32).view(torch.int32))
-    max_code = ms._max_code(fmt)
+    max_bits = fmt.max_bits
+    max_code = fmt.max_code
     sign = bits >> Uint32(31)
     a = bits & Uint32(0x7FFFFFFF)
     exp_field = a >> Uint32(23)
@@ -102,21 +120,17 @@ class BlockScaleQuantizer:
     written per element); consecutive threads own consecutive blocks of a row, so loads coalesce.
     """
 
-    def __init__(self, recipe: str, fmt, in_dtype, compute_global: bool = False):
-        self.recipe = recipe
-        self.fmt = element_format(fmt)
-        if recipe == "mx":
-            if self.fmt not in ms.MX_ELEMENT_FORMATS:
-                raise ValueError(f"MX element format must be one of e4m3, e5m2, e3m2, e2m3, e2m1; got {self.fmt.name}")
-            self.block = ms.MX_BLOCK
-        elif recipe == "nvfp4":
-            if self.fmt is not E2M1:
-                raise ValueError(f"NVFP4 elements are e2m1; got {self.fmt.name}")
-            self.block = ms.NVFP4_BLOCK
-        else:
-            raise ValueError(f"recipe must be 'mx' or 'nvfp4'; got {recipe!r}")
+    def __init__(self, recipe: BlockRecipe, element: ElementCode, in_dtype, compute_global: bool = False):
+        if recipe.name not in ("mx", "nvfp4") or (recipe.name == "nvfp4" and recipe.scale is None):
+            raise ValueError(f"recipe must be 'mx' or 'nvfp4' (with its scale encoding); got {recipe}")
+        self.recipe = recipe.name
+        self.block = recipe.block
+        self.scale_nan = recipe.scale_nan
+        self.scale_code = recipe.scale
+        self.global_denom = recipe.global_denom
+        self.fmt = element
         self.in_dtype = in_dtype
-        self.compute_global = compute_global and recipe == "nvfp4"
+        self.compute_global = compute_global and recipe.name == "nvfp4"
         self.out_bytes = self.block * self.fmt.bits // 8
 
     # ------------------------------------------------------------------ device code
@@ -162,7 +176,7 @@ class BlockScaleQuantizer:
         if cutlass.const_expr(self.recipe == "nvfp4"):
             if cutlass.const_expr(self.compute_global):
                 amax_t = _u2f(Uint32(mAmax[0]))
-                g = amax_t / Float32(ms.NVFP4_GLOBAL_DENOM)
+                g = amax_t / Float32(self.global_denom)
                 g = Float32(cutlass.select_(g > Float32(0.0), g, Float32(1.0)))
                 if gid == 0:
                     mG[0] = g
@@ -178,19 +192,19 @@ class BlockScaleQuantizer:
                 mul = Float32(0.0)
                 if cutlass.const_expr(self.recipe == "mx"):
                     # OCP floor rule: code = biased_exp(amax) - emax, clamped; all-zero block -> 1.0
-                    code = Int32(amax >> Uint32(23)) - Int32(ms.emax(fmt))
+                    code = Int32(amax >> Uint32(23)) - Int32(fmt.emax)
                     code = cutlass.min(cutlass.max(code, Int32(0)), Int32(254))
                     code = Uint32(_sel(amax > Uint32(0), Uint32(code), 127))
                     mul = _u2f((Uint32(254) - code) << Uint32(23))  # 2**(127 - code), exact
-                    scode = _sel(nan > Uint32(0), ms.UE8M0_NAN, code)
+                    scode = _sel(nan > Uint32(0), self.scale_nan, code)
                 else:
                     sf = (_u2f(amax) / Float32(6.0)) / g
-                    code = encode_element(_f2u(sf), E4M3)  # RNE + satfinite, as torch's cast
+                    code = encode_element(_f2u(sf), self.scale_code)  # RNE + satfinite, as torch's cast
                     denom = _decode_e4m3(code) * g
                     inv = Float32(1.0) / denom
                     inv = Float32(cutlass.select_(denom > Float32(0.0), inv, Float32(0.0)))
                     mul = Float32(cutlass.min(inv, _u2f(Uint32(_F32_MAX))))
-                    scode = _sel(nan > Uint32(0), ms.E4M3_NAN, code)
+                    scode = _sel(nan > Uint32(0), self.scale_nan, code)
                 # a NaN block keeps its NaN scale and all-zero codes (+0, whatever the input signs)
                 keep = _sel(nan > Uint32(0), 0, 0xFFFFFFFF)
                 codes = cute.make_rmem_tensor((self.block,), Uint32)
@@ -237,23 +251,20 @@ class BlockScaleQuantizer:
             grid=[(total + THREADS - 1) // THREADS, 1, 1], block=[THREADS, 1, 1], stream=stream)
 
 
-# ---------------------------------------------------------------------- compilation and host entry
-
-_IN_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
+# ---------------------------------------------------------------------- compilation
 
 
-def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, compute_global: bool = False,
-                      keep_ptx: bool = False):
+def compile_block_scale(recipe: BlockRecipe, element: ElementCode, in_dtype, compute_global: bool = False,
+                        ptx_dump_dir: str | None = None):
     """``cute.compile`` the quantizer for fake (dynamic-shape) tensors; returns the TVM-FFI callable.
 
-    Call signature: ``fn(x, q_bytes, scale_bytes, global_scale, amax_scratch)`` on the current stream.
-    ``keep_ptx`` keeps the PTX text on the result (``.__ptx__``) for inspection.
+    ``in_dtype`` is ``cutlass.BFloat16`` or ``cutlass.Float32``. Call signature:
+    ``fn(x, q_bytes, scale_bytes, global_scale, amax_scratch)`` on the current stream. With
+    ``ptx_dump_dir`` (an existing directory the caller owns) the PTX is kept on the result (``.__ptx__``).
     """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    if in_dtype not in _IN_DTYPES:
-        raise TypeError(f"quantizer input must be bfloat16 or float32; got {in_dtype}")
-    q = BlockScaleQuantizer(recipe, fmt, getattr(cutlass, _IN_DTYPES[in_dtype]), compute_global)
+    q = BlockScaleQuantizer(recipe, element, in_dtype, compute_global)
     rows = cute.sym_int()
     k = cute.sym_int(divisibility=q.block)
     qcols = cute.sym_int(divisibility=q.out_bytes)
@@ -263,50 +274,5 @@ def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, 
     fg = make_fake_compact_tensor(Float32, (1,), assumed_align=4)
     fa = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = "--enable-tvm-ffi" + (" --keep-ptx" if keep_ptx else "")
+    opts = "--enable-tvm-ffi" + ("" if ptx_dump_dir is None else f" --keep-ptx --dump-dir={ptx_dump_dir}")
     return cute.compile(q, fx, fq, fs, fg, fa, stream, options=opts)
-
-
-def _get(recipe, fmt, in_dtype, compute_global):
-    from cutedsl_gemm.runtime.jit import KERNEL_CACHE
-
-    key = ("quantize_blockscaled", recipe, element_format(fmt).name, str(in_dtype), bool(compute_global))
-    return KERNEL_CACHE.get(key, lambda: compile_quantizer(recipe, fmt, in_dtype, compute_global))
-
-
-def _check_x(x: torch.Tensor, block: int):
-    ms._check_input(x, block)
-    if x.dtype not in _IN_DTYPES:
-        raise TypeError(f"the quantizer kernels take bfloat16 or float32 input; got {x.dtype}")
-    if not x.is_cuda:
-        raise ValueError("the quantizer kernels need a CUDA tensor; use microscaling.quantize_*_reference on CPU")
-    return x.contiguous()
-
-
-def quantize_mx(x: torch.Tensor, fmt="e4m3") -> ms.BlockScaledTensor:
-    """MX-quantize a CUDA (rows, K) bf16/fp32 tensor with the CuTe DSL kernel (= quantize_mx_reference)."""
-    fmt = element_format(fmt)
-    x = _check_x(x, ms.MX_BLOCK)
-    rows, k = x.shape
-    q = torch.empty(rows, ms.packed_cols(fmt, k), dtype=torch.uint8, device=x.device)
-    s = torch.empty(ms.blocked_scale_shape(rows, k // ms.MX_BLOCK), dtype=torch.uint8, device=x.device)
-    dummy_g = torch.ones(1, dtype=torch.float32, device=x.device)
-    dummy_a = torch.zeros(1, dtype=torch.int32, device=x.device)
-    _get("mx", fmt, x.dtype, False)(x, q, s.view(-1), dummy_g, dummy_a)
-    return ms.BlockScaledTensor(ms.storage_view(q, fmt), s.view(torch.float8_e8m0fnu), fmt, ms.MX_BLOCK, (rows, k))
-
-
-def quantize_nvfp4(x: torch.Tensor, global_scale: Optional[torch.Tensor] = None) -> ms.BlockScaledTensor:
-    """NVFP4-quantize a CUDA (rows, K) bf16/fp32 tensor (= quantize_nvfp4_reference), no host sync."""
-    x = _check_x(x, ms.NVFP4_BLOCK)
-    rows, k = x.shape
-    q = torch.empty(rows, k // 2, dtype=torch.uint8, device=x.device)
-    s = torch.empty(ms.blocked_scale_shape(rows, k // ms.NVFP4_BLOCK), dtype=torch.uint8, device=x.device)
-    amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if global_scale is None:
-        g = torch.empty(1, dtype=torch.float32, device=x.device)
-    else:
-        g = ms._check_global_scale(global_scale, x.device).reshape(1).contiguous()
-    _get("nvfp4", E2M1, x.dtype, global_scale is None)(x, q, s.view(-1), g, amax)
-    return ms.BlockScaledTensor(q.view(torch.float4_e2m1fn_x2), s.view(torch.float8_e4m3fn), E2M1,
-                                ms.NVFP4_BLOCK, (rows, k), g.reshape(()))

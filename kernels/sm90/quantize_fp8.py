@@ -1,7 +1,7 @@
 """FP8 (E4M3 / E5M2) quantization kernels: per-tensor, per-row, 1x128 groups and BxB blocks.
 
 Plain CUDA-core code (no tensor cores, no TMA), so it compiles for sm_90a and sm_100a alike. The numerics
-are the contract of ``cutedsl_gemm/reference.py`` bit for bit: amax over finite |x|, fp32 IEEE
+are the contract of ``cutedsl_gemm/numerics/reference.py`` bit for bit: amax over finite |x|, fp32 IEEE
 ``scale = amax / fmax`` (1 for an all-zero group), ``q = cvt.rn.satfinite(RN(x / scale))`` with the
 correctly rounded fp32 quotient.
 
@@ -98,7 +98,8 @@ def _finite_amax(frag, acc):
                                         write_only_types=[Int32], read_only_args=[words[i], acc2])
         if cutlass.const_expr(kind == "bf16x2"):
             unpack = ("{ .reg .b32 lo, hi;\n .reg .f32 flo, fhi;\n shl.b32 lo, {$r0}, 16;\n"
-                      " and.b32 hi, {$r0}, 0xFFFF0000;\n mov.b32 flo, lo;\n mov.b32 fhi, hi;\n max.f32 {$w0}, flo, fhi;\n}")
+                      " and.b32 hi, {$r0}, 0xFFFF0000;\n mov.b32 flo, lo;\n mov.b32 fhi, hi;\n"
+                      " max.f32 {$w0}, flo, fhi;\n}")
         else:
             unpack = ("{ .reg .b16 lo, hi;\n .reg .f32 flo, fhi;\n mov.b32 {lo, hi}, {$r0};\n"
                       " cvt.f32.f16 flo, lo;\n cvt.f32.f16 fhi, hi;\n max.f32 {$w0}, flo, fhi;\n}")
@@ -171,7 +172,7 @@ def default_threads(mode: str, in_width: int, block_rows: int, block_cols: int) 
     elems = block_rows * block_cols
     if mode == MODE_BLOCK:
         per_thread = 64 if in_width <= 16 else 32
-        # (fp32 256x256 then re-reads with 1024 threads: 150 us on 8192^2 on the H100, 211 us with 512)
+        # (fp32 256x256 re-reads the block from L2; 1024 threads measured faster than 512 there)
         return max(32, min(1024, elems // per_thread))
     return 256
 
