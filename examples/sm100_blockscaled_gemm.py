@@ -3,7 +3,8 @@
     python examples/sm100_blockscaled_gemm.py [--m 512 --n 256 --k 1024]
 
 Both recipes quantize A (M, K) and W (N, K) from bf16 (CuTe DSL quantizer kernels on a CUDA GPU, the
-bit-identical torch reference elsewhere) and compute ``dequant(A) @ dequant(W).T``:
+bit-identical torch reference elsewhere) and compute ``dequant(A) @ dequant(W).T`` with
+``cutedsl_gemm.scaled_mm``, the scales passed as ``torch.nn.functional.scaled_mm`` takes them:
 
 * on an sm_100 GPU with the block-scaled tcgen05 GEMM, checked against the float64 reference;
 * anywhere else the GEMMs are only compiled for sm_100a (nothing runs): the script prints the float64
@@ -11,29 +12,52 @@ bit-identical torch reference elsewhere) and compute ``dequant(A) @ dequant(W).T
 """
 
 import argparse
-import os
 import re
 import sys
-import tempfile
 
 import torch
+from torch.nn.functional import ScalingType
 
-from cutedsl_gemm.numerics import microscaling as ms
-from cutedsl_gemm import sm100_blockscaled as bs
-from cutedsl_gemm.numerics.reference import rel_error
+import cutedsl_gemm
+from cutedsl_gemm import problem
+from cutedsl_gemm.numerics.reference import reference_blockscaled_mm, rel_error
+from cutedsl_gemm.numerics.scale_layouts import SF_ATOM_BYTES
+from cutedsl_gemm.selection import dispatch
 
-RECIPES = (("NVFP4", lambda x: bs.quantize_nvfp4(x)), ("MXFP8 e4m3", lambda x: bs.quantize_mx(x, "e4m3")))
+RECIPES = (("NVFP4", lambda x: cutedsl_gemm.quantize_nvfp4(x)),
+           ("MXFP8 e4m3", lambda x: cutedsl_gemm.quantize_mx(x, "e4m3")))
+NVFP4_SCALING = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
 
 
 def on_blackwell() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 10
 
 
-def report_ptx(cfg) -> None:
-    with tempfile.TemporaryDirectory() as d:
-        ptx = bs.build(cfg, ptx_dir=d).__ptx__
-    mode = "2-CTA 256x128" if cfg.use_2cta else "1-CTA 128x128"
-    print(f"  {cfg.kind} ({mode} tiles), compiled for {os.environ['CUTE_DSL_ARCH']}:")
+def gemm_args(qa, qw):
+    """scaled_mm's arguments for A and W: ``b = W.t()``; NVFP4's per-tensor scales as F.scaled_mm passes them,
+    ``[block scales, global scale]`` with ``[BlockWise1x16, TensorWise]``. MX scales (float8_e8m0fnu) name
+    their recipe (BlockWise1x32) by their dtype."""
+    if qa.global_scale is None:
+        return (qa.data, qw.data.t(), qa.scales, qw.scales), {}
+    return ((qa.data, qw.data.t(), [qa.scales, qa.global_scale], [qw.scales, qw.global_scale]),
+            dict(scale_recipe_a=NVFP4_SCALING, scale_recipe_b=NVFP4_SCALING))
+
+
+def instance_for(args, kw):
+    """The kernel instance scaled_mm picks for this call on an sm_100a GPU (the call described without one)."""
+    p, _ = problem.describe_scaled_mm(*args, None, torch.float32, None, False, kw.get("scale_recipe_a"),
+                                      kw.get("scale_recipe_b"), None, None, args[0].device, target=("sm_100a", 148))
+    return dispatch.select(p)[0]
+
+
+def report_ptx(inst) -> None:
+    from cutedsl_gemm.runtime.compile import compile_instance
+    from cutedsl_gemm.tools.ptx_inspect import keep_artifacts
+
+    with keep_artifacts(inst.arch):
+        ptx = compile_instance(inst).__ptx__
+    mode = "2-CTA 256x128" if inst.cluster_m == 2 else "1-CTA 128x128"
+    print(f"  {inst.mma_kind} ({mode} tiles), compiled for {inst.arch}:")
     for pat in (r"tcgen05\.mma\S*", r"tcgen05\.cp\S*", r"cp\.async\.bulk\.tensor\S*complete_tx\S*"):
         for name in sorted(set(re.findall(pat, ptx))):
             print(f"    {ptx.count(name):2d} x {name}")
@@ -52,29 +76,29 @@ def main():
     exact = a.double() @ w.double().t()
     run = on_blackwell()
     status = 0
-    configs = []
+    instances = []
 
     for name, quant in RECIPES:
         qa, qw = quant(a), quant(w)
-        ref = bs.mm_quantized(qa, qw, reference=True)  # float64 on the dequantized operands
-        p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=qa.fmt, fmt_b=qw.fmt,
-                                   global_scale_a=qa.global_scale, global_scale_b=qw.global_scale)
-        configs.append(p.config)
-        line = (f"{name:11s} {p.config.kind}, scales {tuple(qa.scales.shape)} {qa.scales.dtype}; "
+        ref = reference_blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales, global_scale_a=qa.global_scale,
+                                       global_scale_b=qw.global_scale)  # float64 on the dequantized operands
+        gemm, kw = gemm_args(qa, qw)
+        inst = instance_for(gemm, kw)
+        instances.append(inst)
+        line = (f"{name:11s} {inst.mma_kind}, scales {tuple(qa.scales.shape)} {qa.scales.dtype}; "
                 f"quantization error vs the bf16 GEMM {rel_error(ref, exact):.3e}")
         if run:
-            out = bs.mm_quantized(qa, qw, out_dtype=torch.float32)
+            out = cutedsl_gemm.scaled_mm(*gemm, out_dtype=torch.float32, **kw)
             err = rel_error(out, ref)
             status |= err > 1e-5
             line += f"; kernel vs float64 reference {err:.2e} (limit 1e-5)"
         print(line)
 
     if not run:
-        os.environ.setdefault("CUTE_DSL_ARCH", "sm_100a")
-        print(f"\nNo sm_100 GPU here: the GEMMs are compiled for {os.environ['CUTE_DSL_ARCH']} only (not executed).")
-        for cfg in configs:
-            report_ptx(cfg)
-        print(f"  ({ms.SF_ATOM_BYTES}-byte SWIZZLE_32_4_4 scale atoms: one TMA box per operand and stage, "
+        print("\nNo sm_100 GPU here: the GEMMs are compiled for sm_100a only (not executed).")
+        for inst in instances:
+            report_ptx(inst)
+        print(f"  ({SF_ATOM_BYTES}-byte SWIZZLE_32_4_4 scale atoms: one TMA box per operand and stage, "
               "one tcgen05.cp.32x128b.warpx4 per atom)")
     return int(status)
 

@@ -41,7 +41,9 @@ def main():
     xs = sx.double().repeat_interleave(128, 1)[:, :k]
     ws = sw[:, :kb].double().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
     exact = (qx.double() * xs) @ (qw.double() * ws).t()
-    err = lambda o: float((o.double() - exact).norm() / exact.norm())
+    def err(o):
+        return float((o.double() - exact).norm() / exact.norm())
+
     print(f"relative error vs float64: ours {err(out):.2e}, cuBLAS {err(ref):.2e}")
 
     from triton.testing import do_bench
@@ -50,7 +52,9 @@ def main():
     t_ref = do_bench(lambda: F.scaled_mm(qx, qw.t(), sx, F.ScalingType.BlockWise1x128, sw.t(),
                                          F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16),
                      return_mode="median")
-    tf = lambda t: 2 * m * n * k / (t * 1e-3) / 1e12
+    def tf(t):
+        return 2 * m * n * k / (t * 1e-3) / 1e12
+
     print(f"M={m} N={n} K={k} 1x128 x 128x128: ours {t_ours * 1e3:.1f} us ({tf(t_ours):.0f} TFLOPS), "
           f"cuBLAS {t_ref * 1e3:.1f} us ({tf(t_ref):.0f} TFLOPS), ratio {t_ref / t_ours:.3f}")
 

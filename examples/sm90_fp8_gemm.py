@@ -34,14 +34,18 @@ def main():
     out = cutedsl_gemm.scaled_mm(qx, qw.t(), sx, scale_w, out_dtype=torch.bfloat16)
     ref = torch._scaled_mm(qx, qw.t(), sx, scale_w, out_dtype=torch.bfloat16)
     exact = (qx.double() * sx.double()) @ (qw.double() * sw.double()).t()  # sw: () or (N, 1)
-    err = lambda o: float((o.double() - exact).norm() / exact.norm())
+    def err(o):
+        return float((o.double() - exact).norm() / exact.norm())
+
     print(f"relative error vs float64: ours {err(out):.2e}, cuBLAS {err(ref):.2e}")
 
     from triton.testing import do_bench
 
     t_ours = do_bench(lambda: cutedsl_gemm.scaled_mm(qx, qw.t(), sx, scale_w), return_mode="median")
     t_ref = do_bench(lambda: torch._scaled_mm(qx, qw.t(), sx, scale_w, out_dtype=torch.bfloat16), return_mode="median")
-    tf = lambda t: 2 * m * n * k / (t * 1e-3) / 1e12
+    def tf(t):
+        return 2 * m * n * k / (t * 1e-3) / 1e12
+
     print(f"M={m} N={n} K={k} {args.recipe}: ours {t_ours * 1e3:.1f} us ({tf(t_ours):.0f} TFLOPS), "
           f"cuBLAS {t_ref * 1e3:.1f} us ({tf(t_ref):.0f} TFLOPS), ratio {t_ref / t_ours:.3f}")
 

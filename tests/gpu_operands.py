@@ -5,9 +5,9 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.problem import OUT_NAMES
+from cutedsl_gemm.numerics.formats import FLOAT_FORMATS
 
-TORCH_DTYPES = {name: dtype for dtype, name in OUT_NAMES.items()}  # "bf16" -> torch.bfloat16, ...
+TORCH_DTYPES = {f.name: f.torch_dtype for f in FLOAT_FORMATS}  # "bf16" -> torch.bfloat16, ...
 # Relative Frobenius error allowed against the float64 reference, by output dtype (promoted accumulation).
 OUT_TOL = {torch.bfloat16: 2e-3, torch.float16: 5e-4, torch.float32: 2e-4}
 
@@ -41,12 +41,14 @@ def torch_scale_layout(s, gran_rows):
 def distinct_kernels(recipes):
     """One instance per distinct kernel among the Hopper manifest rows of ``recipes`` (E4M3 x E4M3, bf16 out,
     no bias): rows that differ only in their dispatch M range share code (``runner.code_key``)."""
-    from cutedsl_gemm.selection.instances import select
     from cutedsl_gemm.generators.runner import code_key
+
+    from cutedsl_gemm.selection.instances import select
 
     seen = {}
     for recipe in recipes:
-        for i in select(arch="sm_90a", recipe=recipe, a_dtype="e4m3", b_dtype="e4m3", out_dtype="bf16", bias_dtype=None):
+        for i in select(arch="sm_90a", recipe=recipe, a_dtype="e4m3", b_dtype="e4m3", out_dtype="bf16",
+                        bias_dtype=None):
             seen.setdefault(code_key(i), i)
     return list(seen.values())
 

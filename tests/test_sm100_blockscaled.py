@@ -1,18 +1,29 @@
 """Block-scaled GEMM family: quantizer kernels, host validation, compile-only PTX checks, Blackwell runs.
 
-Tiers: plain tests (CPU), ``compile`` tests (build for sm_100a without a GPU and inspect PTX),
-``cuda`` quantizer tests (the quantizer kernels use no sm_100-only instruction, so any CUDA GPU runs
-them, compiled for its own arch) and ``blackwell`` GEMM tests (need an sm_100 device).
+Tiers: plain tests (CPU: the sm_100a description of ``scaled_mm`` calls, without a GPU), ``compile`` tests
+(build for sm_100a without a GPU and inspect PTX), ``cuda`` quantizer tests (the quantizer kernels use no
+sm_100-only instruction, so any CUDA GPU runs them, compiled for its own arch) and ``blackwell`` GEMM tests
+(``pytest -m blackwell`` on a B200; skipped elsewhere).
 """
 
 import os
 import re
+import subprocess
+import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
-from cutedsl_gemm.numerics import microscaling as ms
-from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2
+import cutedsl_gemm
+from cutedsl_gemm import problem as P
+from cutedsl_gemm.numerics import codecs, scale_layouts
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2, RECIPES
+from cutedsl_gemm.runtime import launch
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection import instances as table
+from cutedsl_gemm.tools.ptx_inspect import keep_artifacts
 
 MX_FMTS = (E4M3, E5M2, E3M2, E2M3, E2M1)
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -40,13 +51,11 @@ def _special_input(rows, k, dtype, seed, device):
 @pytest.mark.parametrize("fmt", MX_FMTS, ids=lambda f: f.name)
 @pytest.mark.parametrize("rows,k", [(1, 32), (130, 96), (257, 512)])
 def test_quantize_mx_kernel_bit_exact(fmt, dtype, rows, k):
-    from cutedsl_gemm.kernels.sm100.quantize_mx import quantize_mx
-
     x = _special_input(rows, k, dtype, rows + k, "cuda")
-    got = quantize_mx(x, fmt)
-    ref = ms.quantize_mx_reference(x.cpu(), fmt)
+    got = cutedsl_gemm.quantize_mx(x, fmt, backend="kernel")
+    ref = R.quantize_mx_reference(x.cpu(), fmt)
     assert got.data.dtype == ref.data.dtype and got.scales.dtype == ref.scales.dtype
-    assert torch.equal(ms._as_bytes(got.data).cpu(), ms._as_bytes(ref.data))
+    assert torch.equal(codecs.as_bytes(got.data).cpu(), codecs.as_bytes(ref.data))
     assert torch.equal(got.scales.view(torch.uint8).cpu(), ref.scales.view(torch.uint8))
 
 
@@ -55,12 +64,10 @@ def test_quantize_mx_kernel_bit_exact(fmt, dtype, rows, k):
 @pytest.mark.parametrize("given", (False, True))
 @pytest.mark.parametrize("rows,k", [(1, 16), (130, 80), (257, 512)])
 def test_quantize_nvfp4_kernel_bit_exact(dtype, given, rows, k):
-    from cutedsl_gemm.kernels.sm100.quantize_mx import quantize_nvfp4
-
     x = _special_input(rows, k, dtype, rows * k, "cuda")
     gs = torch.tensor(0.37, device="cuda") if given else None
-    got = quantize_nvfp4(x, gs)
-    ref = ms.quantize_nvfp4_reference(x.cpu(), None if gs is None else gs.cpu())
+    got = cutedsl_gemm.quantize_nvfp4(x, gs, backend="kernel")
+    ref = R.quantize_nvfp4_reference(x.cpu(), None if gs is None else gs.cpu())
     assert got.global_scale.item() == ref.global_scale.item()
     assert torch.equal(got.data.view(torch.uint8).cpu(), ref.data.view(torch.uint8))
     assert torch.equal(got.scales.view(torch.uint8).cpu(), ref.scales.view(torch.uint8))
@@ -85,10 +92,11 @@ def sm100_env():
 @pytest.mark.parametrize(
     "recipe,fmt,dtype,cg",
     [("mx", f, torch.bfloat16, False) for f in ("e4m3", "e5m2", "e3m2", "e2m3", "e2m1")]
-    + [("mx", "e4m3", torch.float32, False), ("nvfp4", "e2m1", torch.bfloat16, True), ("nvfp4", "e2m1", torch.float32, False)],
+    + [("mx", "e4m3", torch.float32, False), ("nvfp4", "e2m1", torch.bfloat16, True),
+       ("nvfp4", "e2m1", torch.float32, False)],
 )
 def test_quantizer_compiles_for_sm100(sm100_env, recipe, fmt, dtype, cg):
-    from cutedsl_gemm.kernels.sm100.quantize_mx import compile_quantizer
+    from cutedsl_gemm.ops.quantize import compile_quantizer
 
     ptx = compile_quantizer(recipe, fmt, dtype, cg, keep_ptx=True).__ptx__
     assert ptx and ".target sm_100a" in ptx
@@ -100,10 +108,12 @@ def test_quantizer_compiles_for_sm100(sm100_env, recipe, fmt, dtype, cg):
         assert ("atom.global.max.u32" in ptx) == cg  # device-side tensor amax only when computing g
 
 
-# ---------------------------------------------------------------- host entry: conventions and validation (CPU)
+# ---------------------------------------------------------------- scaled_mm's block-scaled calls (CPU)
 
-from cutedsl_gemm import sm100_blockscaled as bs  # noqa: E402
 from torch.nn.functional import ScalingType, SwizzleType  # noqa: E402
+
+B200 = ("sm_100a", 148)  # (arch, SMs) the CPU tests describe calls for
+NVFP4_RECIPE = [ScalingType.BlockWise1x16, ScalingType.TensorWise]
 
 
 def _operands(m, n, k, fa, fb, seed=0, nvfp4=False):
@@ -111,8 +121,30 @@ def _operands(m, n, k, fa, fb, seed=0, nvfp4=False):
     a = torch.randn(m, k, generator=g)
     w = torch.randn(n, k, generator=g)
     if nvfp4:
-        return ms.quantize_nvfp4_reference(a), ms.quantize_nvfp4_reference(w)
-    return ms.quantize_mx_reference(a, fa), ms.quantize_mx_reference(w, fb)
+        return R.quantize_nvfp4_reference(a), R.quantize_nvfp4_reference(w)
+    return R.quantize_mx_reference(a, fa), R.quantize_mx_reference(w, fb)
+
+
+def describe(a, b, scale_a, scale_b, *, scale_recipe_a=None, scale_recipe_b=None, swizzle_a=None, swizzle_b=None,
+             fmt_a=None, fmt_b=None, bias=None, out_dtype=torch.bfloat16, schedule=None):
+    """(GemmProblem, GemmOperands) of ``scaled_mm`` with these arguments on an sm_100a GPU, without one."""
+    return P.describe_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, None, False, scale_recipe_a, scale_recipe_b,
+                                schedule, None, torch.device("cpu"), fmt_a, fmt_b, swizzle_a, swizzle_b, target=B200)
+
+
+def scaled_mm_args(qa, qw):
+    """``scaled_mm``'s arguments for two quantizer outputs A (M, K) and W (N, K): ``b = W.t()``; NVFP4's global
+    scales as F.scaled_mm passes them, [block scales, global] with [BlockWise1x16, TensorWise]."""
+    if qa.global_scale is None:
+        return (qa.data, qw.data.t(), qa.scales, qw.scales), dict(fmt_a=qa.fmt.name, fmt_b=qw.fmt.name)
+    return ((qa.data, qw.data.t(), [qa.scales, qa.global_scale], [qw.scales, qw.global_scale]),
+            dict(scale_recipe_a=NVFP4_RECIPE, scale_recipe_b=NVFP4_RECIPE))
+
+
+def reference(qa, qw, bias=None):
+    """float64 ``dequant(qa) @ dequant(qw).T (+ bias)`` through numerics.reference."""
+    return R.reference_blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=qa.fmt, fmt_b=qw.fmt,
+                                      global_scale_a=qa.global_scale, global_scale_b=qw.global_scale, bias=bias)
 
 
 @pytest.mark.parametrize(
@@ -123,88 +155,104 @@ def _operands(m, n, k, fa, fb, seed=0, nvfp4=False):
 )
 def test_reference_mm_mx_and_kind(fa, fb, kind):
     qa, qw = _operands(130, 72, 256, fa, fb, seed=1)
-    p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb)
-    assert p.config.kind == kind and p.config.sf_vec == 32
-    out = bs.mm_quantized(qa, qw, reference=True)
+    p, _ = describe(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb)
+    assert dispatch.select(p)[0].mma_kind == kind and RECIPES[p.recipe].k_block == 32
+    out = reference(qa, qw)
     # independent: dequantize through plain scales and the element decoder
-    deq = lambda q: (ms.decode_minifloat(q.codes(), q.fmt).double().view(q.shape[0], -1, 32)
-                     * torch.exp2(q.plain_scales().view(torch.uint8).double() - 127).unsqueeze(-1)).view(q.shape)
+    def deq(q):
+        return (codecs.decode(q.codes(), q.fmt).double().view(q.shape[0], -1, 32)
+                * torch.exp2(q.plain_scales().view(torch.uint8).double() - 127).unsqueeze(-1)).view(q.shape)
+
     assert torch.allclose(out, deq(qa) @ deq(qw).t(), rtol=1e-12, atol=1e-12)
 
 
 def test_reference_mm_nvfp4_global_scales():
     qa, qw = _operands(64, 32, 128, E2M1, E2M1, seed=2, nvfp4=True)
-    p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales,
-                               global_scale_a=qa.global_scale, global_scale_b=qw.global_scale)
-    assert p.config.kind == "mxf4nvf4" and p.config.sf_vec == 16
-    out = bs.mm_quantized(qa, qw, reference=True)
+    args, kw = scaled_mm_args(qa, qw)
+    p, ops = describe(*args, **kw)
+    assert dispatch.select(p)[0].mma_kind == "mxf4nvf4" and RECIPES[p.recipe].k_block == 16
+    assert torch.equal(ops.global_a, qa.global_scale.reshape(1))
+    assert torch.equal(ops.global_b, qw.global_scale.reshape(1))
+    out = reference(qa, qw)
     assert torch.allclose(out, qa.dequantize() @ qw.dequantize().t(), rtol=1e-12, atol=1e-12)
     # the global scales really are applied: dropping them changes the result by their product
-    no_g = bs.reference_blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales)
+    no_g = R.reference_blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales)
     ratio = qa.global_scale.double().item() * qw.global_scale.double().item()
     assert torch.allclose(out, no_g * ratio, rtol=1e-12)
 
 
-def test_scaled_mm_adapter_matches_torch_conventions():
+def test_scaled_mm_arguments_follow_torch_conventions():
+    """F.scaled_mm's recipes and swizzles describe the same kernel operands as the defaults: SWIZZLE_32_4_4
+    scales read in place, NO_SWIZZLE plain scales converted to the blocked layout, NVFP4's [block, global] lists."""
     qa, qw = _operands(128, 64, 256, E4M3, E4M3, seed=3)
-    direct = bs.mm_quantized(qa, qw, reference=True)
-    via = bs.scaled_mm(qa.data, qw.data.t(), qa.scales, ScalingType.BlockWise1x32, qw.scales, ScalingType.BlockWise1x32,
-                       swizzle_a=SwizzleType.SWIZZLE_32_4_4, swizzle_b=SwizzleType.SWIZZLE_32_4_4,
-                       output_dtype=torch.float32, reference=True)
-    assert via.dtype == torch.float32 and torch.allclose(via.double(), direct.float().double())
+    _, direct = describe(qa.data, qw.data.t(), qa.scales, qw.scales)
+    p, via = describe(qa.data, qw.data.t(), qa.scales, qw.scales, scale_recipe_a=ScalingType.BlockWise1x32,
+                      scale_recipe_b=ScalingType.BlockWise1x32, swizzle_a=SwizzleType.SWIZZLE_32_4_4,
+                      swizzle_b=SwizzleType.SWIZZLE_32_4_4, out_dtype=torch.float32)
+    assert (p.recipe, p.out_name) == ("mx", "fp32")
+    assert torch.equal(via.scale_a, direct.scale_a) and torch.equal(via.scale_b, direct.scale_b)
+    assert via.scale_a.data_ptr() == qa.scales.data_ptr()  # the blocked scales are read in place
     # NO_SWIZZLE plain scales are converted to the blocked layout
-    plain = bs.scaled_mm(qa.data, qw.data.t(), qa.plain_scales(), ScalingType.BlockWise1x32, qw.plain_scales(),
-                         ScalingType.BlockWise1x32, swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
-                         output_dtype=torch.float32, reference=True)
-    assert torch.equal(plain, via)
-    # NVFP4 with [BlockWise1x16, TensorWise] lists
+    _, plain = describe(qa.data, qw.data.t(), qa.plain_scales(), qw.plain_scales(), scale_recipe_a="BlockWise1x32",
+                        scale_recipe_b="BlockWise1x32", swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b="NO_SWIZZLE")
+    assert torch.equal(plain.scale_a, direct.scale_a) and torch.equal(plain.scale_b, direct.scale_b)
+    assert torch.equal(R.reference_blockscaled_mm(qa.data, qw.data.t(), qa.plain_scales(), qw.plain_scales(),
+                                                  swizzled=False), reference(qa, qw))
+    # NVFP4 with [BlockWise1x16, TensorWise] lists (the recipes may also be left to the scale dtypes)
     na, nw = _operands(64, 32, 128, E2M1, E2M1, seed=4, nvfp4=True)
-    nv = bs.scaled_mm(na.data, nw.data.t(), [na.scales, na.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
-                      [nw.scales, nw.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
-                      output_dtype=torch.float32, reference=True)
-    assert torch.allclose(nv.double(), (na.dequantize() @ nw.dequantize().t()).float().double())
+    args, kw = scaled_mm_args(na, nw)
+    for recipes in (kw, {}):
+        p, nv = describe(*args, **recipes)
+        assert p.recipe == "nvfp4" and float(nv.global_a) == float(na.global_scale)
+        assert torch.equal(nv.scale_a, P.scale_words("scale_a", na.scales.view(-1), 64, 128, 16))
 
 
 def test_validation_errors():
     qa, qw = _operands(128, 64, 256, E4M3, E4M3, seed=5)
     na, nw = _operands(128, 64, 256, E2M1, E2M1, seed=5, nvfp4=True)
+    st = ScalingType
     # wrong vector size for the scale dtype
     with pytest.raises(ValueError, match="vector size 16 does not match"):
-        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, block_size=16)
+        describe(qa.data, qw.data.t(), qa.scales, qw.scales, scale_recipe_a=st.BlockWise1x16,
+                 scale_recipe_b=st.BlockWise1x16)
+    # a recipe sm_100a does not run: the error names the ones it does
     with pytest.raises(ValueError, match="BlockWise1x32"):
-        bs.scaled_mm(qa.data, qw.data.t(), qa.scales, ScalingType.BlockWise1x128, qw.scales, ScalingType.BlockWise1x128)
+        describe(qa.data, qw.data.t(), qa.scales, qw.scales, scale_recipe_a=st.BlockWise1x128,
+                 scale_recipe_b=st.BlockWise1x128)
     # wrong scale dtype
     with pytest.raises(TypeError, match="float8_e8m0fnu"):
-        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales.view(torch.uint8), qw.scales)
+        describe(qa.data, qw.data.t(), qa.scales.view(torch.uint8), qw.scales)
     # NVFP4 scales with FP8 operands
     with pytest.raises(ValueError, match="e2m1 x e2m1"):
-        bs.prepare_blockscaled(qa.data, qw.data.t(), na.scales, nw.scales)
+        describe(qa.data, qw.data.t(), na.scales, nw.scales)
     # mixed recipes
     with pytest.raises(ValueError, match="different recipes"):
-        bs.prepare_blockscaled(na.data, nw.data.t(), na.scales, ms.quantize_mx_reference(torch.ones(64, 256), "e2m1").scales)
+        describe(na.data, nw.data.t(), na.scales, R.quantize_mx_reference(torch.ones(64, 256), "e2m1").scales)
     # K not a multiple of the block (FP8 K=48 passes TMA's 16-element rule but not MX's 32)
     a48 = torch.zeros(128, 48).to(torch.float8_e4m3fn)
     w48 = torch.zeros(64, 48).to(torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="multiple of the scale block 32"):
-        bs.prepare_blockscaled(a48, w48.t(), qa.scales, qw.scales)
+        describe(a48, w48.t(), qa.scales, qw.scales)
     # scale element count for the wrong shape names the padded expectation
     with pytest.raises(ValueError, match="rows padded to 128"):
-        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales[:64], qw.scales)
+        describe(qa.data, qw.data.t(), qa.scales[:64], qw.scales)
     # global scales only with NVFP4
     with pytest.raises(ValueError, match="belong to NVFP4"):
-        bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, global_scale_a=torch.ones(1))
+        describe(qa.data, qw.data.t(), [qa.scales, torch.ones(1)], qw.scales,
+                 scale_recipe_a=[st.BlockWise1x32, st.TensorWise], scale_recipe_b=st.BlockWise1x32)
     with pytest.raises(TypeError, match="float32"):
-        bs.prepare_blockscaled(na.data, nw.data.t(), na.scales, nw.scales, global_scale_a=torch.ones(2))
-    # the GEMM itself needs an sm_100 GPU and says so
+        describe(na.data, nw.data.t(), [na.scales, torch.ones(2)], nw.scales, scale_recipe_a=NVFP4_RECIPE,
+                 scale_recipe_b=st.BlockWise1x16)
+    # the GEMM itself needs a Blackwell GPU and says so
     if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="Blackwell"):
-            bs.blockscaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales)
+        with pytest.raises(ValueError, match="Blackwell"):
+            cutedsl_gemm.scaled_mm(qa.data, qw.data.t(), qa.scales, qw.scales)
 
 
 def test_quantize_dispatch_cpu_is_reference():
     x = torch.randn(33, 64)
-    a = bs.quantize_mx(x, "e3m2")
-    b = ms.quantize_mx_reference(x, "e3m2")
+    a = cutedsl_gemm.quantize_mx(x, "e3m2")
+    b = R.quantize_mx_reference(x, "e3m2")
     assert torch.equal(a.data, b.data) and torch.equal(a.scales.view(torch.uint8), b.scales.view(torch.uint8))
 
 
@@ -267,7 +315,8 @@ def _emulate_scale_path(kind, plain, rows, k):
     (smem row i of an atom -> lane i, 16 bytes -> 4 columns, copied to all four 32-lane groups) -> the
     MMA reading row r at lane r % 32, column block + r // 32, byte (see ScaleGeometry)."""
     g = bk.ScaleGeometry(kind, 128, False)
-    words = ms.blocked_scale_words(ms.to_blocked(plain), rows, plain.shape[1])  # (row atoms, col atoms*128)
+    # (row atoms, col atoms * 128)
+    words = scale_layouts.blocked_scale_words(scale_layouts.to_blocked(plain), rows, plain.shape[1])
     row_atoms, w = words.shape
     col_atoms = w // 128
     view = words.view(row_atoms, col_atoms, 128)  # the kernel's (128, col_atoms, row_atoms), reversed
@@ -358,7 +407,6 @@ def test_scale_tma_boxes(kind):
 
 def test_budgets_smem_tmem_and_expect_tx():
     import cutlass
-
     from cutedsl_gemm.kernels.sm100 import BlockScaling, Sm100F8F6F4Gemm, describe_resources
 
     dense = describe_resources(Sm100F8F6F4Gemm())
@@ -377,70 +425,115 @@ def test_budgets_smem_tmem_and_expect_tx():
 
 def test_blocked_scale_words_and_alignment():
     plain = torch.arange(200 * 9, dtype=torch.int64).remainder(251).to(torch.uint8).view(200, 9)
-    blocked = ms.to_blocked(plain)
-    w = ms.blocked_scale_words(blocked, 200, 9)
+    blocked = scale_layouts.to_blocked(plain)
+    w = scale_layouts.blocked_scale_words(blocked, 200, 9)
     assert w.shape == (2, 3 * 128) and w.dtype == torch.int32 and w.data_ptr() == blocked.data_ptr()
     atom = w[1, 128:256].contiguous().view(torch.uint8)  # row block 1, column block 1
     r, c = 130 - 128, 5 - 4
     assert atom[(r % 32) * 16 + (r // 32) * 4 + c] == plain[130, 5]
-    assert bs.scale_argument("scale_a", blocked, 200, 9 * 32, 32).shape == (2, 384)
+    assert P.scale_words("scale_a", blocked, 200, 9 * 32, 32).shape == (2, 384)
     with pytest.raises(ValueError, match="16-byte boundary"):  # TMA needs an aligned global base
-        bs.scale_argument("scale_a", torch.zeros(512 + 4, dtype=torch.uint8)[4:], 128, 128, 32)
+        P.scale_words("scale_a", torch.zeros(512 + 4, dtype=torch.uint8)[4:], 128, 128, 32)
 
 
 def test_packed_fp4_kinds_use_byte_rules():
     # K=32 FP4 passes for MXFP4 (packed bytes, 16-byte rows) but not for the unpacking mixed kind
-    a = ms.quantize_mx_reference(torch.randn(64, 32), "e2m1")
-    w = ms.quantize_mx_reference(torch.randn(16, 32), "e2m1")
-    p = bs.prepare_blockscaled(a.data, w.data.t(), a.scales, w.scales)
-    assert p.config.kind == "mxf4" and p.a.shape == (64, 16)
-    w8 = ms.quantize_mx_reference(torch.randn(16, 32), "e4m3")
+    a = R.quantize_mx_reference(torch.randn(64, 32), "e2m1")
+    w = R.quantize_mx_reference(torch.randn(16, 32), "e2m1")
+    p, ops = describe(a.data, w.data.t(), a.scales, w.scales)
+    assert dispatch.select(p)[0].mma_kind == "mxf4" and ops.a.shape == (64, 16)
+    w8 = R.quantize_mx_reference(torch.randn(16, 32), "e4m3")
     with pytest.raises(ValueError, match="multiple of 128 elements"):
-        bs.prepare_blockscaled(a.data, w8.data.t(), a.scales, w8.scales)
+        describe(a.data, w8.data.t(), a.scales, w8.scales)
     # NVFP4 K=16 is one scale block but only 8 bytes per row: TMA needs 16
-    n = ms.quantize_nvfp4_reference(torch.randn(64, 16))
+    n = R.quantize_nvfp4_reference(torch.randn(64, 16))
     with pytest.raises(ValueError, match="multiple of 32 elements"):
-        bs.prepare_blockscaled(n.data, n.data.t(), n.scales, n.scales)
+        describe(n.data, n.data.t(), n.scales, n.scales)
 
 
-def test_config_and_out_validation():
-    with pytest.raises(ValueError, match="tile_n=128"):
-        bs.BlockScaledConfig("mxf4", 32, "BFloat16", False, False, tile_n=64)
-    with pytest.raises(ValueError, match="16-element scale blocks"):
-        bs.BlockScaledConfig("mxf4nvf4", 32, "BFloat16", False, False)
-    with pytest.raises(ValueError, match="kind must be one of"):
-        bs.BlockScaledConfig("f8f6f4", 32, "BFloat16", False, False)
-    with pytest.raises(ValueError, match=r"out must be \(4, 8\)"):
-        bs._check_out(torch.empty(4, 9), 4, 8, torch.float32, torch.device("cpu"))
+def test_block_scaled_rows_validate_and_out_checks():
+    """The block-scaled rows are checked by the kernel's geometry (128-wide tiles only) and the table's kinds."""
+    (inst,) = table.select(arch="sm_100a", recipe="mx", a_dtype="e2m1", out_dtype="bf16", bias_dtype=None,
+                           schedule="1sm")
+    assert inst.mma_kind == "mxf4" and inst.tile_k == 256  # 128 bytes of packed e2m1 per row and K tile
+    with pytest.raises(table.ManifestError, match="tile_n=128"):
+        table.validate(replace(inst, tile_n=64))
+    with pytest.raises(table.ManifestError, match="is no tcgen05 kind"):
+        table.validate(replace(inst, recipe="nvfp4", a_dtype=table.F8F6F4, b_dtype=table.F8F6F4))
+    with pytest.raises(table.ManifestError, match="is no tcgen05 kind"):
+        table.validate(replace(inst, recipe="1x128_128x128"))
+    with pytest.raises(ValueError, match=r"out must be a \(4, 8\)"):
+        P.check_out(torch.empty(4, 9), 4, 8, torch.float32)
     with pytest.raises(ValueError, match="row-major"):
-        bs._check_out(torch.empty(8, 4).t(), 4, 8, torch.float32, torch.device("cpu"))
+        P.check_out(torch.empty(8, 4).t(), 4, 8, torch.float32)
+
+
+def test_launch_plans_pass_the_kernel_arguments_in_order(monkeypatch):
+    """What ``launch`` hands the compiled sm_100a kernels, in their parameter order (``Sm100F8F6F4Gemm.__call__``
+    and ``call_block_scaled``): each operand in the storage view of its format, stand-ins elsewhere, K, the
+    instruction-descriptor format codes and one persistent CTA per SM."""
+    calls = []
+    views = tuple(torch.zeros(128, w, dtype=torch.uint8) for w in (128, 96, 64))
+    unit, no_bias = torch.ones(1), torch.zeros(1)
+    monkeypatch.setattr(launch, "compiled", lambda inst: lambda *args: calls.append(args))
+    monkeypatch.setattr(launch, "device_info", lambda index: ("sm_100a", 148))
+    monkeypatch.setattr(launch, "_sm100_stand_ins", lambda index: (views, unit))
+    monkeypatch.setattr(launch, "dummy_bias", lambda index: no_bias)
+
+    def same(got, want):
+        assert len(got) == len(want) and all(g is w if isinstance(w, torch.Tensor) else g == w
+                                              for g, w in zip(got, want)), (got, want)
+
+    a, b, out, sa, sb, bias = (torch.zeros(1) for _ in range(6))
+    (dense,) = table.select(arch="sm_100a", recipe="tensor", out_dtype="bf16", bias_dtype="fp32", schedule="2sm")
+    launch.plan(dense, 300, 64, 1, 0, k=256, fmt_a="e2m3", fmt_b="e2m1").run(a, b, out, sa, sb, bias)
+    same(calls[-1], (views[0], a, views[2], views[0], views[1], b, out, sa, sb, bias, 256, 3, 5, 74))
+    mx_1cta = block_scaled_instance("mxf8f6f4", False)
+    launch.plan(mx_1cta, 64, 64, 1, 0, k=128, fmt_a="e4m3", fmt_b="e5m2").run(a, b, out, sa, sb, None)
+    same(calls[-1], (a, views[1], views[2], b, views[1], views[2], sa, sb, out, unit, unit, no_bias, 128, 0, 1, 148))
+    ga, gb = torch.ones(1), torch.ones(1)
+    launch.plan(block_scaled_instance("mxf4nvf4", True), 256, 64, 1, 0, k=512, fmt_a="e2m1", fmt_b="e2m1").run(
+        a, b, out, sa, sb, bias, ga, gb)  # packed FP4: the bytes go through the 8-bit view
+    same(calls[-1], (a, views[1], views[2], b, views[1], views[2], sa, sb, out, ga, gb, bias, 512, 5, 5, 74))
+    with pytest.raises(ValueError, match="without the split-K reduction"):
+        launch.plan(mx_1cta, 64, 64, 2, 0, k=128, fmt_a="e4m3", fmt_b="e4m3")
+    with pytest.raises(ValueError, match="give fmt_a and fmt_b"):
+        launch.bind(mx_1cta, a, b, sa, sb, out)
 
 
 def test_every_mx_pair_shares_one_compile_key():
     keys = set()
     for fa, fb in [(E4M3, E4M3), (E5M2, E2M3), (E3M2, E2M1), (E2M1, E4M3)]:
         qa, qw = _operands(128, 64, 256, fa, fb, seed=7)
-        keys.add(bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb,
-                                        use_2cta=False).config.key())
-    assert len(keys) == 1 and "mxf8f6f4" in repr(keys)
+        keys.add(dispatch.select(describe(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb,
+                                          schedule="1sm")[0])[0])
+    assert len(keys) == 1 and keys.pop().mma_kind == "mxf8f6f4"
 
 
 # ---------------------------------------------------------------- block-scaled GEMM: sm_100a PTX (compile only)
 
 CONFIGS = [(kind, two) for kind in ("mxf8f6f4", "mxf4", "mxf4nvf4") for two in (False, True)]
+KIND_ROWS = {"mxf8f6f4": ("mx", table.F8F6F4), "mxf4": ("mx", "e2m1"), "mxf4nvf4": ("nvfp4", "e2m1")}
+
+
+def block_scaled_instance(kind, two, out="bf16", bias="fp32"):
+    recipe, operands = KIND_ROWS[kind]
+    (inst,) = table.select(arch="sm_100a", recipe=recipe, a_dtype=operands, out_dtype=out, bias_dtype=bias,
+                           schedule="2sm" if two else "1sm")
+    assert inst.mma_kind == kind
+    return inst
 
 
 @pytest.fixture(scope="module")
-def bs_compiled(sm100_env, tmp_path_factory):
-    """Every kind in 1-CTA and 2-CTA mode (with bias) compiled once for the module, PTX kept."""
+def bs_compiled():
+    """Every kind in 1-CTA and 2-CTA mode (with bias) compiled once for the module through the JIT cache, PTX kept."""
     from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     out = {}
     before = KERNEL_CACHE.stats.compiles
     for kind, two in CONFIGS:
-        cfg = bs.BlockScaledConfig(kind, KIND_BLOCK[kind], "BFloat16", True, two)
-        ptx_dir = str(tmp_path_factory.mktemp(f"ptx_{kind}_{int(two)}"))
-        out[(kind, two)] = bs.compiled_kernel(cfg, arch="sm_100a", ptx_dir=ptx_dir).__ptx__
+        with keep_artifacts("sm_100a"):
+            out[(kind, two)] = launch.compiled(block_scaled_instance(kind, two)).__ptx__
     out["compiles"] = KERNEL_CACHE.stats.compiles - before
     return out
 
@@ -489,7 +582,8 @@ def test_blockscaled_gemm_ptx(bs_compiled, kind, two):
     # smem -> TMEM scale copies: one 32x128b.warpx4 per 512-byte atom of SFA and SFB, 16-byte
     # rows 128 B apart per 8 (descriptor 0x400800010000: SBO 8, LBO 1, version 1, no swizzle)
     cps = re.findall(rf"tcgen05\.cp\.cta_group::{grp}\.32x128b\.warpx4\s+{TMEM_OPERAND}", ptx)
-    want = {256 + c for _, c in g.copy_plan(g.rows_a_atoms)} | {256 + g.sfa_tmem_cols + c for _, c in g.copy_plan(g.rows_b_atoms)}
+    want = ({256 + c for _, c in g.copy_plan(g.rows_a_atoms)}
+            | {256 + g.sfa_tmem_cols + c for _, c in g.copy_plan(g.rows_b_atoms)})
     assert len(cps) == len(want) == g.k_atoms * (g.rows_a_atoms + g.rows_b_atoms)
     assert {_def_const(ptx, r, base) for r in cps} == want
     assert re.search(r"or\.b64\s+%rd\d+,\s*%rd\d+,\s*70403103981568;", ptx)
@@ -512,12 +606,13 @@ def test_blockscaled_runtime_formats_and_compile_reuse(bs_compiled):
     before = KERNEL_CACHE.stats.compiles
     for fa, fb in [(E4M3, E4M3), (E5M2, E2M3), (E3M2, E2M1)]:
         qa, qw = _operands(256, 128, 256, fa, fb, seed=8)
-        p = bs.prepare_blockscaled(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb, bias=torch.zeros(128))
-        assert p.config.use_2cta and bs.compiled_kernel(p.config, arch="sm_100a").__ptx__ == bs_compiled[("mxf8f6f4", True)]
+        p, _ = describe(qa.data, qw.data.t(), qa.scales, qw.scales, fmt_a=fa, fmt_b=fb, bias=torch.zeros(128))
+        inst, _ = dispatch.select(p)
+        assert inst.schedule == "2sm" and launch.compiled(inst).__ptx__ == bs_compiled[("mxf8f6f4", True)]
     assert KERNEL_CACHE.stats.compiles == before
 
 
-# ---------------------------------------------------------------- on an sm_100 GPU (skipped elsewhere; never run so far)
+# ---------------------------------------------------------------- on an sm_100 GPU (pytest -m blackwell on a B200)
 
 GPU_RECIPES = [("mx", E4M3, E4M3), ("mx", E5M2, E5M2), ("mx", E2M3, E2M3), ("mx", E3M2, E3M2), ("mx", E2M1, E2M1),
                ("mx", E4M3, E2M1), ("mx", E2M3, E5M2), ("nvfp4", E2M1, E2M1)]
@@ -528,8 +623,8 @@ def _gpu_quantized(recipe, fa, fb, m, n, k, seed):
     a = (torch.randn(m, k, generator=g) * torch.exp2(torch.randint(-6, 6, (m, 1), generator=g).float())).cuda()
     w = torch.randn(n, k, generator=g).cuda()
     if recipe == "nvfp4":
-        return bs.quantize_nvfp4(a), bs.quantize_nvfp4(w)
-    return bs.quantize_mx(a, fa), bs.quantize_mx(w, fb)
+        return cutedsl_gemm.quantize_nvfp4(a), cutedsl_gemm.quantize_nvfp4(w)
+    return cutedsl_gemm.quantize_mx(a, fa), cutedsl_gemm.quantize_mx(w, fb)
 
 
 @pytest.mark.blackwell
@@ -541,7 +636,8 @@ def test_blockscaled_gemm_vs_float64(recipe, fa, fb, m, n, k, use_2cta):
 
     qa, qw = _gpu_quantized(recipe, fa, fb, m, n, k, m + n + k)
     out = torch.full((m, n), float("nan"), dtype=torch.float32, device="cuda")  # every element must be written
-    got = bs.mm_quantized(qa, qw, out_dtype=torch.float32, use_2cta=use_2cta, out=out)
+    args, kw = scaled_mm_args(qa, qw)
+    got = cutedsl_gemm.scaled_mm(*args, out_dtype=torch.float32, schedule="2sm" if use_2cta else "1sm", out=out, **kw)
     ref = qa.dequantize() @ qw.dequantize().t()  # float64 on dequantized inputs (NVFP4: global scales in)
     assert got is out and torch.isfinite(out).all()
     assert rel_error(out, ref) < 1e-5  # fp32 accumulation of products exact in fp32
@@ -556,29 +652,49 @@ def test_blockscaled_gemm_bias_bf16_and_scaled_mm_adapter(recipe):
     qa, qw = _gpu_quantized(recipe, E4M3, E4M3, m, n, k, 11)
     bias = torch.randn(n, device="cuda")
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    got = bs.mm_quantized(qa, qw, bias=bias, out_dtype=torch.bfloat16, out=out)
+    args, kw = scaled_mm_args(qa, qw)
+    got = cutedsl_gemm.scaled_mm(*args, bias, out_dtype=torch.bfloat16, out=out, **kw)
     ref = qa.dequantize() @ qw.dequantize().t() + bias.double()
     assert torch.isfinite(got).all() and rel_error(got, ref) < 8e-3  # bf16 output rounding
     # the same product through F.scaled_mm's arguments, plain (NO_SWIZZLE) scales converted on the device
     if recipe == "mx":
-        via = bs.scaled_mm(qa.data, qw.data.t(), qa.plain_scales(), ScalingType.BlockWise1x32, qw.plain_scales(),
-                           ScalingType.BlockWise1x32, swizzle_a=SwizzleType.NO_SWIZZLE, swizzle_b=SwizzleType.NO_SWIZZLE,
-                           output_dtype=torch.float32)
+        via = cutedsl_gemm.scaled_mm(qa.data, qw.data.t(), qa.plain_scales(), qw.plain_scales(),
+                                     out_dtype=torch.float32, scale_recipe_a=ScalingType.BlockWise1x32,
+                                     scale_recipe_b=ScalingType.BlockWise1x32, swizzle_a=SwizzleType.NO_SWIZZLE,
+                                     swizzle_b=SwizzleType.NO_SWIZZLE)
     else:
-        via = bs.scaled_mm(qa.data, qw.data.t(), [qa.scales, qa.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
-                           [qw.scales, qw.global_scale], [ScalingType.BlockWise1x16, ScalingType.TensorWise],
-                           output_dtype=torch.float32)
+        via = cutedsl_gemm.scaled_mm(qa.data, qw.data.t(), [qa.scales, qa.global_scale], [qw.scales, qw.global_scale],
+                                     out_dtype=torch.float32, scale_recipe_a=NVFP4_RECIPE, scale_recipe_b=NVFP4_RECIPE)
     assert rel_error(via, ref - bias.double()) < 1e-5
+
+
+@pytest.mark.compile
+def test_compile_instance_targets_the_instance_arch_whatever_the_dsl_default():
+    """compile_instance builds an sm_100a kernel with CUTE_DSL_ARCH=sm_90a set (as on an H100 host): the
+    block-scaled constructor's Blackwell TMA op checks the DSL's target arch, which compile_instance sets."""
+    code = """
+from cutedsl_gemm.runtime.compile import compile_instance
+from cutedsl_gemm.selection.instances import select
+from cutedsl_gemm.tools.ptx_inspect import keep_artifacts
+(inst,) = select(arch="sm_100a", recipe="nvfp4", out_dtype="bf16", bias_dtype=None, schedule="2sm")
+with keep_artifacts("sm_100a"):
+    ptx = compile_instance(inst).__ptx__
+print(".target sm_100a" in ptx and "kind::mxf4nvf4.block_scale" in ptx)
+"""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("True"), run.stderr[-2000:]
 
 
 @pytest.mark.compile
 def test_sm100_kernels_trace_without_deprecated_dsl_names(sm100_env, deprecations):
     """As the Hopper GEMM (test_sm90_compile): the f8f6f4 and block-scaled kernels, 2-CTA with bias, trace
     without a DeprecationWarning (4.8 deprecated ``tcgen05.OperandMajorMode``, ``utils.TmemAllocator``, ...)."""
-    from cutedsl_gemm import sm100
+    from cutedsl_gemm.runtime.compile import compile_instance
 
+    (dense,) = table.select(arch="sm_100a", recipe="tensor", out_dtype="bf16", bias_dtype="fp32", schedule="2sm")
     found = deprecations(
-        lambda: sm100.build(sm100.Sm100Config(out_dtype="BFloat16", has_bias=True, use_2cta=True)),
-        lambda: bs.build(bs.BlockScaledConfig("mxf4nvf4", KIND_BLOCK["mxf4nvf4"], "BFloat16", True, True)),
+        lambda: compile_instance(dense),
+        lambda: compile_instance(block_scaled_instance("mxf4nvf4", True)),
     )
     assert not found, found

@@ -1,18 +1,19 @@
 """Hopper block-scaled FP8 GEMM on the GPU (1x128 x 128x128, 128x128 x 128x128, 1x128 x 1x128).
 
-Operands get a random magnitude per scale block (2^-4 .. 2^2: wide, yet fp16 outputs stay finite), so a scale applied to the wrong row,
-column or K block shows up as a large error, not as noise.
+Operands get a random magnitude per scale block (2^-4 .. 2^2: wide, yet fp16 outputs stay finite), so a scale
+applied to the wrong row, column or K block shows up as a large error, not as noise.
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
+from gpu_operands import OUT_TOL as TOL
+from gpu_operands import TORCH_DTYPES, distinct_kernels, launch_directly
+from gpu_operands import block_scaled_operands as _operands
+from gpu_operands import torch_scale_layout as _torch_layout
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
-
-from gpu_operands import (OUT_TOL as TOL, TORCH_DTYPES, block_scaled_operands as _operands, distinct_kernels,
-                          launch_directly, torch_scale_layout as _torch_layout)
 
 pytestmark = pytest.mark.gpu
 
@@ -134,7 +135,7 @@ def test_every_block_scaled_tile_with_several_tiles_per_cta(inst, k, splits):
 def test_block_scaled_pairs_stay_right_run_after_run(inst):
     """The two-CTAs-per-SM rows, 3 K splits of one K tile each, twelve times on fresh operands: the DeepSeek
     64x192 pair read stale A scales from the stage in about half or more of such runs (4 of 6 test runs, 6 of 12
-    and at least 9 of 15 diagnostic runs) while one bulk copy staged them (sessions 24-25), a race one run can miss."""
+    and at least 9 of 15 diagnostic runs) while one bulk copy staged them, a race one run can miss."""
     for rep in range(12):
         torch.manual_seed(100 + rep)
         _check_launched_directly(inst, 4000, 3008, 384, splits=3 if inst.can_split_k else 1)

@@ -5,11 +5,12 @@ import re
 from dataclasses import replace
 
 import pytest
+from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection import instances as manifest
-from cutedsl_gemm.tools.ptx_inspect import find_ptxas, inspect_instance as _inspect_uncached, ptxas_performance_notes
-from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
+from cutedsl_gemm.tools.ptx_inspect import find_ptxas, ptxas_performance_notes
+from cutedsl_gemm.tools.ptx_inspect import inspect_instance as _inspect_uncached
 
 # Several tests read the same dispatched instances (e.g. the DeepSeek 128x128 tile): compile each once.
 inspect_instance = functools.lru_cache(maxsize=None)(_inspect_uncached)
@@ -38,13 +39,15 @@ def test_wgmma_with_the_operand_types(reports):
 
 def test_tma_loads_multicast_and_stores(reports):
     for rep in reports.values():
-        assert rep.has(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes\.multicast::cluster")
+        assert rep.has(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
+                       r"\.multicast::cluster")
         assert rep.has(r"cp\.async\.bulk\.tensor\.2d\.global\.shared::cta\.tile\.bulk_group")  # TMA store epilogue
 
 
 def test_register_reallocation_and_no_spills(reports):
     for rep in reports.values():
-        assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40\b") and rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232\b")
+        assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40\b")
+        assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232\b")
         # The default (promoted) path must not spill. The 128x256 fast path with a bias is known to keep a
         # 16 B stack frame (64 per-column scale and bias loads live at once); bound it so it cannot grow.
         limit = 0 if "promoted" in rep.name else 16
@@ -53,7 +56,7 @@ def test_register_reallocation_and_no_spills(reports):
 
 
 def test_block_scales_ride_the_mainloop_pipeline(reports):
-    for (recipe, a, b, out, bias, accum), rep in reports.items():
+    for (recipe, _a, _b, _out, _bias, _accum), rep in reports.items():
         block = "x128" in recipe
         # 4-byte cp.async of the K tile's scales into its stage, and one noinc arrive per producer lane
         assert rep.has(r"cp\.async\.ca\.shared\.global(\.\w+)*\s+\[[^]]+\],\s*\[[^]]+\],\s*4") == block, rep.name
@@ -64,8 +67,8 @@ def test_straddling_w_block_scales_one_promotion_path():
     """A 192-wide tile starts 0 or 64 columns into its first 128-wide W scale block: the DeepSeek recipe's
     promotion picks each column group's scale with selects, in one copy of its FMAs per K tile of the loop
     (64 x 192 fragment: 96 per thread; the split-N loop promotes two K tiles per trip, an odd one after it
-    and the last in either of two drains: 5 copies), not one copy per offset behind a branch (3-4% slower,
-    BENCHMARKS.md session 14)."""
+    and the last in either of two drains: 5 copies), not one copy per offset behind a branch (3-4% slower on an
+    H100)."""
     inst = dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, 8192, "promoted",
                                 n=8192, sms=132, k=8192)
     assert (inst.tile_m, inst.tile_n) == (128, 192), inst.name
@@ -75,7 +78,7 @@ def test_straddling_w_block_scales_one_promotion_path():
 
 
 def test_stmatrix_only_for_16_bit_outputs(reports):
-    for (recipe, a, b, out, bias, accum), rep in reports.items():
+    for (_recipe, _a, _b, out, _bias, _accum), rep in reports.items():
         assert rep.has(r"stmatrix") == (out != "fp32"), rep.name
 
 
@@ -88,8 +91,8 @@ def test_wgmma_never_serialized():
     ptxas = find_ptxas()
     if ptxas is None:
         pytest.skip("no CUDA toolkit ptxas on this machine (PATH, CUDA_HOME, /usr/local/cuda*)")
-    pick = lambda recipe, m, n, accum="promoted": dispatch.select_gemm(
-        "sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum, n=n, sms=132)
+    def pick(recipe, m, n, accum="promoted"):
+        return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, accum, n=n, sms=132)
     insts = {pick("tensor", 6144, 576), pick("row", 1024, 512), pick("row", 16, 8192), pick("tensor", 8192, 8192),
              pick("1x128_128x128", 6144, 512), pick("1x128_1x128", 16, 8192), pick("row", 8192, 8192, "fast"),
              pick("row", 1024, 576), pick("tensor", 1024, 4608), pick("row", 6144, 512)}
@@ -104,7 +107,7 @@ def test_wgmma_never_serialized():
 def test_per_tensor_scales_read_once_before_the_tile_loop():
     """The per-tensor scale product is loaded before the first tile's MMAs, not in every tile's epilogue,
     where the loads' latency sat between each tile's main loop and its multiply (2-3% on the DeepSeek-V3
-    set, BENCHMARKS.md session 17); kernels launched with programmatic dependent launch wait for the
+    set on an H100); kernels launched with programmatic dependent launch wait for the
     previous grid before reading them (it may be writing them)."""
     for m, n, k in ((6144, 7168, 2304), (1024, 512, 7168), (16, 8192, 8192)):
         inst = dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
@@ -123,18 +126,21 @@ def test_144_wide_promoted_tiles_overlap_their_promotion():
     inst = dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, 1024, n=4608, sms=132, k=7168)
     assert (inst.tile_m, inst.tile_n, inst.accum) == (128, 144, "promoted")
     rep = inspect_instance(inst)
-    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b") and rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b")
+    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+24\b")
+    assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+240\b")
     assert rep.has(r"wgmma\.wait_group\.sync\.aligned\s+1;")
     assert rep.frame_bytes == 0, f"{rep.name} spills ({rep.frame_bytes} B stack frame)"
 
 
 def test_dispatch_weighs_waves_by_tile_rate():
-    """Tensor/row promoted tiles compete by waves x area / measured rate (BENCHMARKS.md, tile rates)."""
-    pick = lambda m, n: dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
-    shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    """Tensor/row promoted tiles compete by waves x area / measured rate (docs/design.md, "The tile rates")."""
+    def pick(m, n):
+        return dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
+    def shape(i):
+        return (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     assert shape(pick(1024, 512)) == (64, 64, 1, 1)  # 128 tiles in one wave: 15.5 us vs 22.0 (128x192, 5 splits)
-    # 8 tile rows: 128 128x96 tiles without a cluster in one wave (session 28: 22.2 us against 23.2 for the
-    # former 128x112 in 2x2 clusters), as with fewer rows
+    # 8 tile rows: 128 128x96 tiles without a cluster in one wave (22.2 us against 23.2 for 128x112 in 2x2
+    # clusters), as with fewer rows
     assert shape(pick(1024, 1536)) == (128, 96, 1, 1) and shape(pick(960, 1536)) == (128, 96, 1, 1)
     assert shape(pick(768, 1536)) == (128, 96, 1, 1)
     # 64x128 without a cluster up to M=1024 (M=256 N=4096 K=7168 19.6 us against 26.3 in 1x2), in 1x2 above,
@@ -158,11 +164,13 @@ def test_dispatch_weighs_waves_by_tile_rate():
 
 def test_dispatch_counts_the_clusters_that_fit():
     """4-CTA clusters cannot span GPCs: 30 fit on the H100's 132 SMs, not 33 (dispatch.cluster_slots). The
-    4x1 row wins only where its waves are no more than 2x1's (session 10, tune_tiles, us)."""
+    4x1 row wins only where its waves are no more than 2x1's (tune_tiles on an H100, us)."""
     assert [dispatch.cluster_slots(132, c) for c in (1, 2, 4)] == [132, 66, 30]
     assert dispatch.cluster_slots(1, 4) == 1
-    pick = lambda m, n, k: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
-    clusters = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    def pick(m, n, k):
+        return dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+    def clusters(i):
+        return (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     assert clusters(pick(3072, 576, 7168)) == (128, 128, 4, 1)  # 27.9 vs 30.9
     assert clusters(pick(1024, 7168, 2048)) == (128, 128, 4, 1)  # 31.8 vs 32.2
     # 64 4x1 cluster tiles make three waves of 30 (13.5 us), two of 66 2x1 ones (11.1)
@@ -182,7 +190,8 @@ def test_dispatch_gives_short_k_to_two_ctas_per_sm():
     """With K known, a single-CTA tile also pays for its epilogue (dispatch.EPILOGUE_MILLI_K_BLOCKS), which a
     pair of CTAs per SM overlaps: the unswapped 64x192 pair takes K = 256 / 512 at M = 6144, N = 7168 / 4096
     (38.4 vs 44.0 us, 33.6 vs 36.0) and leaves long K to 128x192 (K = 1536: 57.3 vs 51.5)."""
-    pick = lambda m, n, k: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+    def pick(m, n, k):
+        return dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
     for m, n, k in ((6144, 7168, 256), (6144, 4096, 512), (1024, 7168, 256)):
         inst = pick(m, n, k)
         assert (inst.tile_m, inst.tile_n, inst.ctas_per_sm, inst.swap_ab) == (64, 192, 2, False), (m, n, k, inst.name)
@@ -202,16 +211,19 @@ def test_dispatch_gives_short_k_to_two_ctas_per_sm():
 
 
 def test_fast_accumulation_dispatch_uses_its_own_rates():
-    """use_fast_accum=True has the promoted tiles plus 128x256, weighed by FAST_TILE_RATES (session 7 sweep)."""
-    pick = lambda m, n: dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, "fast", n=n, sms=132)
-    shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    """use_fast_accum=True has the promoted tiles plus 128x256, weighed by FAST_TILE_RATES."""
+    def pick(m, n):
+        return dispatch.select_gemm("sm_90a", "tensor", "e4m3", "e4m3", "bf16", None, m, "fast", n=n, sms=132)
+    def shape(i):
+        return (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     assert shape(pick(1024, 1536)) == (128, 96, 1, 1)  # 24.6 us vs 40.3 for 128x256 (2x1 clusters then)
     assert shape(pick(1024, 576)) == (64, 96, 1, 2)  # 16.1 us vs 39.7 (fast accumulation keeps 1x2 clusters)
     assert shape(pick(1024, 4608)) == (128, 144, 2, 1)  # 51.1 us vs 79.1
     assert shape(pick(8192, 8192)) == (128, 256, 2, 1) and shape(pick(4096, 4096)) == (128, 256, 2, 1)
     fast = pick(8192, 8192)
     assert fast.accum == "fast" and dispatch.tile_rate(fast) == dispatch.FAST_TILE_RATES[(128, 256)]
-    assert dispatch.tile_rate(pick(1024, 4608)) == dispatch.FAST_TILE_RATES[(128, 144)] != dispatch.TILE_RATES[(128, 144)]
+    assert dispatch.tile_rate(pick(1024, 4608)) == dispatch.FAST_TILE_RATES[(128, 144)] \
+        != dispatch.TILE_RATES[(128, 144)]
 
 
 def test_manifest_rejects_oversize_tiles_with_reason():
@@ -235,7 +247,8 @@ def test_manifest_rejects_bad_decode_tiles_with_reason():
 @pytest.mark.parametrize("recipe", ["1x128_128x128", "128x128_128x128", "1x128_1x128"])
 def test_dispatch_picks_the_tile_width_by_wave_cost(recipe):
     """N = 512 at M = 6144: 128x192 tiles leave the second wave nearly empty, 128x128 ones do not."""
-    pick = lambda m, n: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
+    def pick(m, n):
+        return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132)
     assert pick(6144, 512).tile_n == 128 and pick(6144, 576).tile_n == 128
     assert pick(8192, 8192).tile_n == 192 and pick(6144, 4608).tile_n == 192
     i128, i192 = pick(6144, 512), pick(8192, 8192)
@@ -270,7 +283,7 @@ def test_two_ctas_per_sm_compile_for_half_an_sm():
 def test_block_scaled_pairs_give_the_consumers_224_registers_and_do_not_spill():
     """Block-scaled tiles with two CTAs per SM: the producer warp group (TMA warp and scale warp) drops to 32
     registers so the consumers get 224. At 40 / 216 the DeepSeek recipe's fp32-output 64x192 pair spilled
-    12 bytes once the scale warp came in (session 24)."""
+    12 bytes (with the scale warp)."""
     inst = next(i for i in manifest.INSTANCES if i.recipe == "1x128_128x128" and i.ctas_per_sm == 2
                 and i.out_dtype == "fp32" and i.bias_dtype == "fp32")
     rep = inspect_instance(inst)
@@ -305,9 +318,9 @@ def test_epilogue_buffers_take_only_what_the_stages_leave():
 
 def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
     """The persistent scheduler's raster group (gemm_plan.raster_group_m) spans 16 CTA rows for every
-    manifest row with clusters of 2 or 4 rows: 4x1 clusters walked 8 cluster rows (32 CTA rows) until session
-    13 and ran narrow outputs 4-9% slower (M=6144 N=576 K=7168 per-tensor 47.8-49.6 us vs 46.2-46.3 with 4).
-    One-row clusters keep 8; an explicit group_m overrides the rule."""
+    table row with clusters of 2 or 4 rows: 4x1 clusters walking 8 cluster rows (32 CTA rows) ran narrow outputs
+    4-9% slower (M=6144 N=576 K=7168 per-tensor 47.8-49.6 us vs 46.2-46.3 with 4, on an H100). One-row clusters
+    keep 8; an explicit group_m overrides the rule."""
     rows = {i.sm90_config() for i in manifest.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}
     assert any(c.cluster_m == 4 for c in rows) and any(c.cluster_m == 2 for c in rows)
     for cfg in rows:
@@ -320,19 +333,22 @@ def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
 
 def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
     """Block scales cost the 192-wide tiles (one K-tile fragment) more than the 128-wide ones, so the
-    block-scaled recipes have their own rates (dispatch.BLOCK_TILE_RATES, session 11 DeepSeek sweep, us):
-    M=6144 N=7168 K=2304 128x128 196.7 vs 128x192 204.7 (a wave_cost tie the DeepSeek recipe gives to 128x192
-    since session 25), while 8192^3 stays on 128x192 (1013-1036 vs 1045-1066); 64x128 tiles (1x2 clusters until
-    session 28) for outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5), up to M=1024 only."""
-    pick = lambda recipe, m, n, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
-    shape = lambda i: (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
+    block-scaled recipes have their own rates (dispatch.BLOCK_TILE_RATES, DeepSeek recipe on an H100, us):
+    M=6144 N=7168 K=2304 128x128 196.7 vs 128x192 204.7 (a wave_cost tie the DeepSeek recipe gives to
+    128x192), while 8192^3 stays on 128x192 (1013-1036 vs 1045-1066); 64x128 tiles without a cluster for
+    outputs under a wave (M=1024 N=512 K=7168 17.3 vs 19.5), up to M=1024 only."""
+    def pick(recipe, m, n, k):
+        return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+    def shape(i):
+        return (i.tile_m, i.tile_n, i.cluster_m, i.cluster_n)
     for recipe in ("1x128_128x128", "128x128_128x128", "1x128_1x128"):
-        assert shape(pick(recipe, 6144, 7168, 2304)) == ((128, 192, 2, 1) if recipe == "1x128_128x128" else (128, 128, 2, 1))
+        want = (128, 192, 2, 1) if recipe == "1x128_128x128" else (128, 128, 2, 1)
+        assert shape(pick(recipe, 6144, 7168, 2304)) == want
         assert shape(pick(recipe, 8192, 8192, 8192)) == (128, 192, 2, 1)
         assert shape(pick(recipe, 1024, 512, 7168)) == (64, 128, 1, 1)
         assert pick(recipe, 1152, 512, 7168).tile_m == 128  # the 64-row block row ends at M=1024
     # Per-block W scales (read a K tile ahead in the 192-wide loop) lift 128x192 past the 64x192 pair at short
-    # K under a wave (session 16: 14.3 vs 15.3 us); per-column W scales keep the pair (40.1 vs 37.0 at M=3072).
+    # K under a wave (14.3 vs 15.3 us); per-column W scales keep the pair (40.1 vs 37.0 at M=3072).
     for m in (1024, 3072):
         for recipe in ("1x128_128x128", "128x128_128x128"):
             got = pick(recipe, m, 3072, 1536)
@@ -345,10 +361,11 @@ def test_block_scaled_recipes_weigh_tiles_by_their_own_rates():
 
 def test_block_w_recipes_give_wave_ties_to_128x192():
     """Where wave_cost ties 128x192 (two waves) with 128x128 (three), the 2D recipe takes 128x192 from
-    K = dispatch.LONG_K (session 20: 1-9% faster at K >= 7168, mixed at K = 4096, behind at K = 1536) and keeps
-    128x128 below it; the DeepSeek recipe takes 128x192 at every K (session 25, after the scale warp: 0-8% faster
-    at K = 1536-4096); 1x128 x 1x128 (per-column W scales) keeps its own rates."""
-    pick = lambda recipe, k: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 3072, n=8192, sms=132, k=k)
+    K = dispatch.LONG_K (1-9% faster at K >= 7168, mixed at K = 4096, behind at K = 1536) and keeps 128x128
+    below it; the DeepSeek recipe takes 128x192 at every K (with the scale warp: 0-8% faster at K = 1536-4096);
+    1x128 x 1x128 (per-column W scales) keeps its own rates."""
+    def pick(recipe, k):
+        return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 3072, n=8192, sms=132, k=k)
     short, long_ = pick("128x128_128x128", dispatch.LONG_K - 128), pick("128x128_128x128", dispatch.LONG_K)
     assert (short.tile_n, long_.tile_n) == (128, 192) and short.cluster_m == long_.cluster_m == 2
     # a tie at the base rates: the long-K rate alone decides it
@@ -361,14 +378,16 @@ def test_block_w_recipes_give_wave_ties_to_128x192():
         assert (deepseek.tile_m, deepseek.tile_n, deepseek.cluster_m) == (128, 192, 2), (k, deepseek.name)
     # the dsv3 set's tie shapes
     for m, n, k in ((6144, 3072, 1536), (6144, 7168, 2048), (6144, 7168, 2304)):
-        assert dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k).tile_n == 192
+        inst = dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+        assert inst.tile_n == 192
     assert pick("1x128_1x128", dispatch.LONG_K).tile_n == 128
 
 
 def test_check_config_names_the_recipes_it_knows():
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig, Sm90GemmPlan
 
-    with pytest.raises(ValueError, match=r"recipe must be 'tensor', 'row' or one of \['128x128_128x128', '1x128_128x128', '1x128_1x128'\]"):
+    with pytest.raises(ValueError, match=r"recipe must be 'tensor', 'row' or one of "
+                                         r"\['128x128_128x128', '1x128_128x128', '1x128_1x128'\]"):
         Sm90GemmPlan.check_config(Sm90GemmConfig(recipe="1x32", tile_n=128))
 
 
@@ -386,9 +405,10 @@ def _op_sequence(ptx, keys):
 def _release_fences(ptx):
     """``fence.proxy.async.shared::cta`` not followed by the epilogue's named barrier (which fences the output
     slice before its TMA store): the consumers' fences before a stage release."""
-    lines = [l.strip() for l in ptx.splitlines() if l.strip() and not l.strip().startswith("//")]
-    return sum(1 for i, l in enumerate(lines)
-               if l.startswith("fence.proxy.async.shared::cta") and not any("bar.sync" in x for x in lines[i + 1:i + 4]))
+    lines = [ln.strip() for ln in ptx.splitlines() if ln.strip() and not ln.strip().startswith("//")]
+    return sum(1 for i, ln in enumerate(lines)
+               if ln.startswith("fence.proxy.async.shared::cta")
+               and not any("bar.sync" in x for x in lines[i + 1:i + 4]))
 
 
 def test_a_group_scales_may_come_by_tma():
@@ -396,8 +416,8 @@ def test_a_group_scales_may_come_by_tma():
     (block_scales.a_scale_tma_view): the stage's bytes are chosen at run time (tiles alone, or tiles and the
     64 x 4-byte scale box), and the box is one more load onto the CTA's own barrier. The consumers read those
     scales with ordinary loads and the next refill writes them through the async proxy, so every stage release is
-    preceded by a proxy fence (without it the DeepSeek 64x192 pairs read wrong A scales, BENCHMARKS.md session
-    30). The 128-row tiles, the split-N pairs and 128x128 A blocks keep the scale warp's copies: no box, no
+    preceded by a proxy fence (without it the DeepSeek 64x192 pairs read wrong A scales on an H100). The 128-row
+    tiles, the split-N pairs and 128x128 A blocks keep the scale warp's copies: no box, no
     fences."""
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
 
@@ -427,10 +447,9 @@ def test_a_group_scales_may_come_by_tma():
 def test_block_scales_are_read_before_the_mmas_are_issued():
     """Block-scaled main loops never leave a promotion waiting on shared memory. Two fragments (128x128): a K
     tile's scale products are formed right after its stage's full barrier, before its MMAs, and the
-    promotion after the MMA wait is FFMAs only (BENCHMARKS.md session 11). Split in N (128x192): a K tile's
-    stage wait is followed by its issue, and its scales are read right after its half 0 is committed, while
-    the previous K tile's half 1 runs, the products formed in the promotion -- formed before the issue they sat
-    between the WGMMAs (session 15)."""
+    promotion after the MMA wait is FFMAs only. Split in N (128x192): a K tile's stage wait is followed by its
+    issue, and its scales are read right after its half 0 is committed, while the previous K tile's half 1
+    runs, the products formed in the promotion -- formed before the issue they sat between the WGMMAs."""
     keys = ("mbarrier.try_wait", "ld.shared", "mul.f32", "wgmma.fence", "wgmma.commit_group", "wgmma.wait_group",
             "fma.rn.f32")
     for m, n, tile_n in ((4096, 4096, 128), (8192, 8192, 192)):
@@ -451,11 +470,12 @@ def test_192_wide_deepseek_tiles_promote_one_n_half_while_the_other_runs():
     """The DeepSeek recipe's 192-wide tiles have registers for one full K-tile fragment beside the
     accumulator; they issue each K tile as two 96-wide halves and retire one at a time (wait_group 1), so a
     warp group's own MMAs run through its promotions; only the drain after the loop waits for everything
-    (wait_group 0), once for an even and once for an odd K-tile count (0-8% faster, BENCHMARKS.md session 19).
+    (wait_group 0), once for an even and once for an odd K-tile count (0-8% faster on an H100).
     The other recipes' 192-wide tiles measured slower split and keep the serial loop: 192-wide WGMMAs, each K
     tile retired with wait_group 0."""
-    pick = lambda recipe: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 8192, n=8192,
-                                               sms=132, k=8192)
+    def pick(recipe):
+        return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, 8192, n=8192,
+                                    sms=132, k=8192)
     inst = pick("1x128_128x128")
     assert (inst.tile_n, inst.accum) == (192, "promoted"), inst.name
     ptx = inspect_instance(inst).ptx
@@ -485,7 +505,8 @@ def test_split_n_halves_are_the_tiles_fragment_halves():
 
     def tiled(n):
         return sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, OperandMajorMode.K,
-                                                 OperandMajorMode.K, cutlass.Float32, (bm // 64, 1, 1), tiler_mn=(64, n))
+                                                 OperandMajorMode.K, cutlass.Float32, (bm // 64, 1, 1),
+                                                 tiler_mn=(64, n))
 
     @cute.jit
     def check():
@@ -533,8 +554,7 @@ def test_mma_descriptors_come_from_the_warp_groups_uniform_slice():
     """The consumers' A/W descriptors are built from the warp group's first thread, not the thread index: no
     K tile's issue converts a thread-derived 16-bit warp-group index, and inside the K loop only W's
     descriptor start address is masked per tile (A's base stays loop-invariant). Built from the thread index,
-    the block-scaled loop rebuilt A's base every K tile and ptxas moved each descriptor over with R2UR
-    (BENCHMARKS.md session 12)."""
+    the block-scaled loop rebuilt A's base every K tile and ptxas moved each descriptor over with R2UR."""
     for recipe, m, n, tile_n in (("tensor", 4096, 4096, 128), ("1x128_128x128", 4096, 4096, 128),
                                  ("1x128_128x128", 8192, 8192, 192)):
         inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=8192)
@@ -571,10 +591,12 @@ def test_kernels_trace_without_deprecated_dsl_names(deprecations):
     user's compile and go away in a later release: the Hopper GEMM (cooperative and swapped decode) traces
     without a DeprecationWarning."""
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
+
     from cutedsl_gemm.runtime.compile import compile_gemm
 
     found = deprecations(
         lambda: compile_gemm(Sm90GemmConfig(recipe="1x128_128x128", tile_m=128, tile_n=192, cluster_m=2, stages=4)),
-        lambda: compile_gemm(Sm90GemmConfig(recipe="row", tile_m=128, tile_n=16, cluster_m=1, swap_ab=True, split_k=True)),
+        lambda: compile_gemm(Sm90GemmConfig(recipe="row", tile_m=128, tile_n=16, cluster_m=1, swap_ab=True,
+                                            split_k=True)),
     )
     assert not found, found

@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+from gpu_operands import OUT_TOL as TOL
+from gpu_operands import distinct_kernels, launch_directly
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 from cutedsl_gemm.selection.dispatch import select_gemm
-from gpu_operands import OUT_TOL as TOL, distinct_kernels, launch_directly
 
 pytestmark = pytest.mark.gpu
 

@@ -3,14 +3,13 @@ graph capture and replay."""
 
 import pytest
 import torch
+from gpu_operands import block_scaled_operands, torch_scale_layout
 
 import cutedsl_gemm
+from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.runtime.device import max_active_clusters
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.numerics import reference as R
-
-from gpu_operands import block_scaled_operands, torch_scale_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -131,10 +130,10 @@ def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
     """A little more than whole waves of tiles: scaled_mm takes the instance's last-wave split variant,
     which runs the full waves whole and splits the rest in K (M=648 and 1000 leave the last tile row
     partial; N=14144 and 4304 are no multiples of the 192-wide tiles; all three run 128x192 c2x1, 3 waves and
-    24 cluster tiles, or one wave and 26 (the block-scaled shape, since session 20's long-K rate), the
-    rest split 2 ways). Shapes that moved: 1408 x 7104 (before session 10) to 128x128 tiles in 4x1 clusters and
-    1664 x 6080 to 128x144, which have no last-wave variant; the block-scaled 1152 x 3392 (before session 13)
-    to block 4x1 clusters (M > 1024); 3200 x 7296 (7 waves, session 22) past the split's four waves."""
+    24 cluster tiles, or one wave and 26 (the block-scaled shape, at K >= dispatch.LONG_K), the rest split 2
+    ways). Shapes dispatch gives other tiles, so not used here: 1408 x 7104 (128x128 tiles in 4x1 clusters) and
+    1664 x 6080 (128x144), which have no last-wave variant; the block-scaled 1152 x 3392 (block 4x1 clusters
+    above M = 1024); 3200 x 7296 (7 waves, past the split's four)."""
     k = 6144
     torch.manual_seed(5)
     args, plain = _call_args(m, n, k, recipe)

@@ -98,8 +98,9 @@ def test_split_k_reduction_in_the_ptx():
 def test_decode_rows_by_wave_cost(recipe):
     """64-row decode tiles where 128-row ones fill under a wave of SMs; 128-row ones where both need the
     same waves (the tie goes to the earlier row). The swapped kernels tile N by tile_m."""
-    pick = lambda m, n: dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted",
-                                             n=n, sms=132)
+    def pick(m, n):
+        return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted",
+                                    n=n, sms=132)
     assert (pick(16, 8192).tile_m, pick(16, 8192).tile_n) == (64, 16)  # 128 tiles, one wave (64 at 128 rows)
     assert (pick(16, 10240).tile_m, pick(16, 10240).tile_n) == (128, 16)  # 80 tiles in one wave vs 160 in two
     assert (pick(64, 8192).tile_m, pick(64, 8192).tile_n) == (64, 64)
@@ -113,7 +114,8 @@ def test_decode_rows_by_wave_cost(recipe):
 def test_last_wave_split_variant():
     """A little over whole waves with a long K: the call takes the row's last-wave split sibling, which
     splits only the cluster tiles past the last full wave (split_tiles sizes its workspace)."""
-    row = lambda m, n: dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, "promoted", n=n, sms=132)
+    def row(m, n):
+        return dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, m, "promoted", n=n, sms=132)
     # The table's first row (128x192 c2x1), as if dispatch had picked it for M=6144, N=512 (it now takes
     # 128x128 there): 48 x 3 tiles = 72 cluster tiles, 6 past the first wave of 66.
     inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted")
@@ -140,8 +142,10 @@ def test_last_wave_split_variant():
     # what a call without split_k runs (scaled_mm and the benchmarks that replay it): the variant where it splits,
     # else the row itself with choose_splits' count
     assert dispatch.plan_splits(inst, 6144, 512, 7168, 132) == (variant, 4)
-    assert dispatch.plan_splits(inst, 1024, 512, 7168, 132) == (inst, 5) == (inst, dispatch.choose_splits(inst, 1024, 512, 7168, 132))
+    assert dispatch.plan_splits(inst, 1024, 512, 7168, 132) == (inst, 5) \
+        == (inst, dispatch.choose_splits(inst, 1024, 512, 7168, 132))
     assert dispatch.plan_splits(inst, 8192, 7168, 7168, 132) == (inst, 1)
     # never chosen by M range
-    assert not any(dispatch.select_gemm("sm_90a", r, "e4m3", "e4m3", "bf16", None, m, "promoted", n=n, sms=132).split_tail
-                   for r in ("tensor", "row", "1x128_128x128") for m in (1, 200, 6144) for n in (512, 8192))
+    picks = [dispatch.select_gemm("sm_90a", r, "e4m3", "e4m3", "bf16", None, m, "promoted", n=n, sms=132)
+             for r in ("tensor", "row", "1x128_128x128") for m in (1, 200, 6144) for n in (512, 8192)]
+    assert not any(i.split_tail for i in picks)

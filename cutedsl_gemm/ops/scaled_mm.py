@@ -1,5 +1,6 @@
-"""``scaled_mm``: the public GEMM. Describe the call (problem), select an instance (selection), launch it
-(runtime). A call signature seen before skips straight to the launch with the plan kept for it."""
+"""``scaled_mm``: the public GEMM, for every recipe on every architecture. Describe the call (problem), select an
+instance (selection), launch it (runtime). A Hopper call signature seen before skips straight to the launch with
+the plan kept for it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import torch
 from cutedsl_gemm import problem as P
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime import launch
-from cutedsl_gemm.runtime.device import device_info
 from cutedsl_gemm.selection import dispatch
 
 # Call signature -> (launch plan, recipe, K blocks, output shape). The signature holds what *chooses* the plan: problem
@@ -18,7 +18,8 @@ from cutedsl_gemm.selection import dispatch
 # arguments. What the compiled function checks itself before every launch (TVM-FFI: dtype, rank, every
 # extent against the M, N, K it bound, strides, 16-byte base alignment, one device) is not hashed again:
 # a repeated signature whose tensors that check refuses (a misaligned or transposed view, a wrong out=) is
-# re-run through the full validation, which names what was expected.
+# re-run through the full validation, which names what was expected. Only Hopper plans are kept: their scale
+# views are rebuilt from the recipe on a hit, which the sm_100a operand and block-scale views are not.
 _PLANS: dict = {}
 _MAX_PLANS = 4096  # many distinct shapes (e.g. every batch size): start over
 
@@ -39,7 +40,7 @@ def cached_plan(sig):
     return _PLANS.get(sig)
 
 
-def _empty_result(problem: P.GemmProblem, ops: P.GemmOperands, out: torch.Tensor) -> torch.Tensor:
+def empty_result(problem: P.GemmProblem, ops: P.GemmOperands, out: torch.Tensor) -> torch.Tensor:
     """M, N or K zero: nothing to launch; K = 0 leaves the bias (or zeros)."""
     if problem.m and problem.n:
         out.zero_() if ops.bias is None else out.copy_(ops.bias.to(out.dtype).expand(problem.m, problem.n))
@@ -49,48 +50,64 @@ def _empty_result(problem: P.GemmProblem, ops: P.GemmOperands, out: torch.Tensor
 def scaled_mm(
     a: torch.Tensor,
     b: torch.Tensor,
-    scale_a: torch.Tensor,
-    scale_b: torch.Tensor,
-    *,
+    scale_a,
+    scale_b,
     bias: Optional[torch.Tensor] = None,
+    scale_result: Optional[torch.Tensor] = None,
     out_dtype: torch.dtype = torch.bfloat16,
-    out: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
-    fmt_a=None,
-    fmt_b=None,
+    *,
     scale_recipe_a=None,
     scale_recipe_b=None,
+    swizzle_a=None,
+    swizzle_b=None,
+    out: Optional[torch.Tensor] = None,
+    fmt_a=None,
+    fmt_b=None,
     schedule: Optional[str] = None,
     split_k: Optional[int] = None,
 ) -> torch.Tensor:
-    """FP8 GEMM with torch._scaled_mm's argument conventions.
+    """Scaled low-precision GEMM in torch's conventions: ``torch._scaled_mm``'s positional arguments
+    (``a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum``), and
+    ``torch.nn.functional.scaled_mm``'s scale recipes and swizzles by keyword.
 
-    ``out = (a * scale_a) @ (b * scale_b) + bias`` computed with fp32 accumulation, where ``a`` is (M, K)
-    row-major, ``b`` is (K, N) column-major (``w.t()`` of a row-major (N, K) weight), both E4M3 or E5M2.
-    Scales are fp32 dequantization factors, in torch's shapes (see ``cutedsl_gemm.numerics.scale_layouts``):
-    tensor-wise (one element each), row-wise (``scale_a`` (M, 1), ``scale_b`` (1, N)), or block-scaled per
-    128-deep K block: 1x128 x 128x128 (DeepSeek-V3: ``scale_a`` (M, Kb), ``scale_b`` (Kb, ceil(N/128))),
-    128x128 x 128x128 and 1x128 x 1x128. The shapes pick the recipe; ``scale_recipe_a``/``scale_recipe_b``
-    (strings or ``torch.nn.functional.ScalingType``, as in ``F.scaled_mm``) name it explicitly.
+    ``out = (a * scale_a) @ (b * scale_b) + bias`` with fp32 accumulation, where ``a`` is (M, K) row-major and
+    ``b`` is (K, N) column-major (``w.t()`` of a row-major (N, K) weight). The operand dtypes and the scales
+    select the kernel:
 
-    ``schedule`` overrides the manifest's choice by M ("small_m" for M <= 128, else "cooperative");
-    ``split_k`` overrides the K-split heuristic (``dispatch.choose_splits``: split K when there are fewer
-    output tiles than SMs; ``dispatch.last_wave_splits``: split the last, partial wave of a long-K problem
-    with a little more than whole waves, in the instance's last-wave variant).
-    ``bias`` is (N,) in ``out_dtype`` or fp32.
+    * Hopper (sm_90a): E4M3 / E5M2 operands with fp32 scales in torch's shapes
+      (``cutedsl_gemm.numerics.scale_layouts``): tensor-wise (one element each), row-wise (``scale_a`` (M, 1),
+      ``scale_b`` (1, N)), or block-scaled per 128-deep K block: 1x128 x 128x128 (DeepSeek-V3: ``scale_a``
+      (M, Kb), ``scale_b`` (Kb, ceil(N/128))), 128x128 x 128x128 and 1x128 x 1x128.
+    * Blackwell (sm_100a): any of E4M3, E5M2, E3M2, E2M3, E2M1 per operand (FP8 dtypes,
+      ``float4_e2m1fn_x2``, or uint8 bytes with ``fmt_a``/``fmt_b`` naming the format: packed FP6 always needs
+      it), with one-element fp32 scales (tensor-wise), or MX (``float8_e8m0fnu`` scales per 32 elements,
+      BlockWise1x32) and NVFP4 (e2m1 x e2m1, ``float8_e4m3fn`` scales per 16, BlockWise1x16, and optionally
+      ``[block scales, global scale]`` with ``[BlockWise1x16, TensorWise]``) block scales in the SWIZZLE_32_4_4
+      layout (``swizzle_*`` None or SWIZZLE_32_4_4), or plain (rows, K / block) with NO_SWIZZLE.
 
-    ``use_fast_accum`` as in torch: False (default) adds every 128-deep K tile into an fp32 accumulator
-    outside the tensor cores (accurate at large K); True lets the tensor cores accumulate all of K (faster,
-    larger error at large K). Block-scaled recipes always scale and add each K block outside the tensor
-    cores, so the flag does not apply to them.
+    The scale shapes and dtypes pick the recipe; ``scale_recipe_a``/``scale_recipe_b`` (strings or
+    ``torch.nn.functional.ScalingType``, as in ``F.scaled_mm``) name it explicitly. A combination the GPU does
+    not run is refused with what it runs. ``scale_result`` (an fp8 output's scale in torch) must be None:
+    outputs are bf16, fp16 or fp32. ``bias`` is (N,) in ``out_dtype`` or fp32 (any float dtype on sm_100a).
 
-    On Blackwell (sm_100) the call goes to the tcgen05 f8f6f4 kernel, which also takes packed FP6/FP4
-    operands; ``fmt_a``/``fmt_b`` name their formats where the torch dtype cannot ("e2m3", "e3m2", "e2m1").
+    ``use_fast_accum`` as in torch, on Hopper: False (default) adds every 128-deep K tile into an fp32
+    accumulator outside the tensor cores (accurate at large K); True lets the tensor cores accumulate all of K
+    (faster, larger error at large K). Block-scaled recipes always scale and add each K block outside the
+    tensor cores, and sm_100a accumulates all of K in fp32 tensor memory, so the flag does not apply to them.
+
+    ``schedule`` forces a schedule of the instance table (Hopper: "small_m" or "cooperative", chosen by M
+    otherwise; sm_100a: "1sm" or "2sm", 2-CTA from M = 129 otherwise); ``split_k`` overrides the Hopper K-split
+    heuristic (``dispatch.choose_splits``: split K when there are fewer output tiles than SMs;
+    ``dispatch.last_wave_splits``: split the last, partial wave of a long-K problem with a little more than whole
+    waves, in the instance's last-wave variant). ``out``, if given, is a row-major (M, N) ``out_dtype`` tensor
+    written in place.
     """
     sig = None
-    if fmt_a is None and fmt_b is None and type(a) is torch.Tensor and type(b) is torch.Tensor \
-            and type(scale_a) is torch.Tensor and type(scale_b) is torch.Tensor \
-            and (bias is None or type(bias) is torch.Tensor) and (out is None or type(out) is torch.Tensor):
+    if fmt_a is None and fmt_b is None and swizzle_a is None and swizzle_b is None and scale_result is None \
+            and type(a) is torch.Tensor and type(b) is torch.Tensor and type(scale_a) is torch.Tensor \
+            and type(scale_b) is torch.Tensor and (bias is None or type(bias) is torch.Tensor) \
+            and (out is None or type(out) is torch.Tensor):
         sig = call_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, scale_recipe_a,
                              scale_recipe_b, schedule, split_k)
         try:
@@ -103,29 +120,24 @@ def scaled_mm(
             dst = a.new_empty(out_shape, dtype=out_dtype) if out is None else out
             sa, sb = scale_layouts.kernel_views(recipe, k_blocks, scale_a, scale_b)
             try:
-                return launch.run(plan, a, b, dst, sa, sb, bias)
+                return plan.run(a, b, dst, sa, sb, bias)
             except (TypeError, ValueError):
                 pass  # refused before launch: the full validation below says why (or re-plans for it)
+    if scale_result is not None:
+        raise ValueError("scale_result (torch._scaled_mm's scale of an fp8 output) must be None: outputs are bf16, "
+                         "fp16 or fp32; pass out_dtype by keyword or as the 7th positional argument")
     device = P.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias, out=out)
-    if device_info(device.index)[0].startswith("sm_100"):
-        if out is not None:
-            raise ValueError("out= is not supported by the sm_100 f8f6f4 path yet; omit it")
-        from cutedsl_gemm.sm100 import sm100_f8f6f4_mm
-
-        return sm100_f8f6f4_mm(a, b, fmt_a=fmt_a, fmt_b=fmt_b, scale_a=scale_a, scale_b=scale_b, bias=bias,
-                               out_dtype=out_dtype)
-    if fmt_a is not None or fmt_b is not None:
-        raise ValueError("fmt_a/fmt_b select FP6/FP4 operand formats, which need a Blackwell (sm_100) GPU; "
-                         "on Hopper pass float8_e4m3fn / float8_e5m2 tensors")
     problem, ops = P.describe_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum,
-                                        scale_recipe_a, scale_recipe_b, schedule, split_k, device)
+                                        scale_recipe_a, scale_recipe_b, schedule, split_k, device, fmt_a, fmt_b,
+                                        swizzle_a, swizzle_b)
     dst = torch.empty((problem.m, problem.n), dtype=out_dtype, device=device) if out is None else out
     if problem.is_empty:
-        return _empty_result(problem, ops, dst)
+        return empty_result(problem, ops, dst)
     inst, splits = dispatch.select(problem)
-    plan = launch.plan(inst, problem.m, problem.n, splits, device.index)
-    if sig is not None:
+    plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k, fmt_a=problem.a_format,
+                       fmt_b=problem.b_format)
+    if sig is not None and type(plan) is launch.LaunchPlan:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
         _PLANS[sig] = (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n))
-    return launch.run(plan, a, b, dst, ops.scale_a, ops.scale_b, bias)
+    return plan.run(ops.a, ops.b, dst, ops.scale_a, ops.scale_b, ops.bias, ops.global_a, ops.global_b)

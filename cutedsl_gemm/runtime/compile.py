@@ -1,6 +1,12 @@
-"""Tracing the Hopper kernels: fake (shape-symbolic) arguments and cute.compile for one configuration."""
+"""Tracing the GEMM kernels: fake (shape-symbolic) arguments and ``cute.compile`` for one instance of the table.
+
+``compile_instance`` is the one compile path of every GEMM family: the JIT cache, precompile, export and the
+catalog all go through it.
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 import cutlass
 import cutlass.cute as cute
@@ -8,8 +14,35 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, mak
 
 from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES
 from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, cutlass_dtype
+from cutedsl_gemm.numerics.formats import float_format
+from cutedsl_gemm.numerics.scale_layouts import SF_ATOM_BYTES
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
+#: Base alignment the sm_100a GEMM assumes of its operand views (``problem`` checks it before every call): 16 bytes
+#: for 8-bit rows (TMA), 32 for the sub-byte views that TMA unpacks (.b6x16_p32 / .b4x16_p64), 16 for block scales.
+SM100_BYTE_ALIGN = 16
+SM100_SUBBYTE_ALIGN = 32
+SM100_SCALE_ALIGN = 16
+
+
+@contextlib.contextmanager
+def _targeting(arch: str):
+    """The DSL's target arch is ``arch`` inside: kernel constructors make ops that check it (the block-scaled
+    kernel's Blackwell TMA op), which ``--gpu-arch`` alone does not set. So no GPU and no env var are needed."""
+    from cutlass.cutlass_dsl import CuTeDSL
+
+    envar = CuTeDSL._get_dsl().envar
+    saved = envar.arch
+    envar.arch = arch
+    try:
+        yield
+    finally:
+        envar.arch = saved
+
+
+def _compile(entry, args, arch: str):
+    """``cute.compile`` for ``arch`` (inside ``_targeting(arch)``, where the kernel object was built)."""
+    return cute.compile(entry, *args, options=f"{COMPILE_OPTIONS} --gpu-arch {arch}")
 
 
 def fake_gemm_args(cfg: Sm90GemmConfig):
@@ -54,9 +87,42 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
 
 
 def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):
-    """cute.compile for ``arch`` (the target goes in the options, so no GPU and no env var are needed)."""
-    kernel = Sm90Fp8Gemm(cfg)
-    return cute.compile(kernel, *fake_gemm_args(cfg), options=f"{COMPILE_OPTIONS} --gpu-arch {arch}")
+    """The Hopper GEMM of one configuration, compiled for ``arch``."""
+    with _targeting(arch):
+        return _compile(Sm90Fp8Gemm(cfg), fake_gemm_args(cfg), arch)
+
+
+def fake_sm100_args(inst):
+    """Shape-symbolic arguments of the sm_100a GEMM (``Sm100F8F6F4Gemm.__call__``, or ``call_block_scaled`` for
+    the block-scaled kinds): one compilation serves every M, N, K and every operand format of its kind.
+
+    Each operand comes as three uint8 storage views (rows, row bytes), one per TMA descriptor; their row bytes
+    divide by 16 (8-bit), 96 (128 x 6 bit) and 64 (128 x 4 bit). The block scales come after the operands as
+    (row atoms, col atoms x 128) int32 words."""
+    def operand(div, align):
+        shape = (cute.sym_int(), cute.sym_int(divisibility=div))
+        return make_fake_compact_tensor(cutlass.Uint8, shape, stride_order=(1, 0), assumed_align=align)
+
+    def views():
+        return [operand(16, SM100_BYTE_ALIGN), operand(96, SM100_SUBBYTE_ALIGN), operand(64, SM100_SUBBYTE_ALIGN)]
+
+    def scale_words():
+        shape = (cute.sym_int(), cute.sym_int(divisibility=SF_ATOM_BYTES // 4))
+        return make_fake_compact_tensor(cutlass.Int32, shape, stride_order=(1, 0), assumed_align=SM100_SCALE_ALIGN)
+
+    operands = (*views(), *views())
+    out_t = float_format(inst.out_dtype).cutlass_dtype()
+    c = make_fake_compact_tensor(
+        out_t, (cute.sym_int(), cute.sym_int(divisibility=128 // out_t.width)), stride_order=(1, 0), assumed_align=16
+    )
+    sa = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+    sb = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+    bias = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
+    i32 = cutlass.Int32
+    rest = (c, sa, sb, bias, i32(0), i32(0), i32(0), i32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
+    if inst.mma_kind == "f8f6f4":
+        return (*operands, *rest)
+    return (*operands, scale_words(), scale_words(), *rest)
 
 
 def compile_instance(inst):
@@ -64,4 +130,9 @@ def compile_instance(inst):
     cache, precompile, export and the catalog share."""
     if (inst.arch, inst.op) == ("sm_90a", "gemm"):
         return compile_gemm(inst.sm90_config(), inst.arch)
+    if (inst.arch, inst.op) == ("sm_100a", "gemm"):
+        with _targeting(inst.arch):
+            kernel = inst.sm100_kernel()
+            entry = kernel if kernel.scaling is None else kernel.call_block_scaled
+            return _compile(entry, fake_sm100_args(inst), inst.arch)
     raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")

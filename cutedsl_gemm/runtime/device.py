@@ -29,5 +29,5 @@ def max_active_clusters(index: int, cluster_size: int) -> int:
             return max(1, HardwareInfo().get_max_active_clusters(cluster_size))
         except Exception as e:  # the query needs the driver API; without it, assume every SM is usable
             fallback = device_info(index)[1] // cluster_size
-            warnings.warn(f"cluster occupancy query failed ({e}); assuming {fallback} clusters")
+            warnings.warn(f"cluster occupancy query failed ({e}); assuming {fallback} clusters", stacklevel=2)
             return fallback

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Dict, Hashable
 
-_PKG_ROOT = Path(__file__).resolve().parent
+_PKG_ROOT = Path(__file__).resolve().parent.parent  # the cutedsl_gemm package
 
 
 def cache_dir() -> Path:

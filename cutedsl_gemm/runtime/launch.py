@@ -1,8 +1,10 @@
 """Launching a compiled instance: the compiled function, the persistent grid, split-K workspaces, dummies.
 
 ``launch`` and ``bind`` are the public way to run one instance on tensors already in the kernel's layouts
-(tests and benchmarks that bypass dispatch use them); ``plan`` / ``run`` are what ``scaled_mm`` keeps per
-call signature so that a repeated call costs one compiled-function call.
+(tests and benchmarks that bypass dispatch use them); ``plan`` sizes a launch once and its ``run`` method
+launches it, which is what ``scaled_mm`` keeps per call signature so that a repeated call costs one
+compiled-function call. Each family's plan knows its kernel's argument order: ``LaunchPlan`` (Hopper) and
+``Sm100LaunchPlan`` (Blackwell: three storage views per operand, run-time format codes, block scales).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from typing import NamedTuple, Optional
 import torch
 
 from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
-from cutedsl_gemm.runtime.device import max_active_clusters
+from cutedsl_gemm.numerics.formats import element_format
+from cutedsl_gemm.runtime.device import device_info, max_active_clusters
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
-from cutedsl_gemm.selection.instances import KernelInstance
+from cutedsl_gemm.selection.instances import SM100, KernelInstance
 
 
 def compiled(inst: KernelInstance):
@@ -90,7 +93,7 @@ def workspace_need(inst: KernelInstance, m: int, n: int, splits: int, max_cluste
 
 
 class LaunchPlan(NamedTuple):
-    """Everything a launch of one instance on one problem size needs besides the tensors."""
+    """Everything a launch of one Hopper instance on one problem size needs besides the tensors."""
 
     fn: object  # the compiled kernel
     max_clusters: int
@@ -100,35 +103,118 @@ class LaunchPlan(NamedTuple):
     dummy_bias: torch.Tensor
     idle_ws: tuple  # stand-ins for the split-K buffers when splits == 1 (never read)
 
+    def run(self, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:
+        """Launch on the current stream; ``scale_a``/``scale_b`` are the kernel's scale views (no global scales)."""
+        # The split-K buffers grow on demand (a later call may have replaced them): fetch them per call.
+        partials, counters = _workspace(self.device_index).get(*self.ws_need) if self.splits > 1 else self.idle_ws
+        self.fn(a, b, out, scale_a, scale_b, self.dummy_bias if bias is None else bias, partials, counters,
+                self.splits, self.max_clusters)
+        return out
 
-def plan(inst: KernelInstance, m: int, n: int, splits: int, device_index: int) -> LaunchPlan:
-    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits."""
+
+class Sm100LaunchPlan(NamedTuple):
+    """Everything a launch of one sm_100a instance on one problem needs besides the tensors. The operands come
+    as (rows, row bytes) uint8 views; each goes into the storage view of its format (8-bit, 6-bit or 4-bit TMA
+    unpacking; the packed FP4 kinds load bytes), dummies fill the other two."""
+
+    fn: object
+    max_clusters: int
+    k: int
+    code_a: int  # tcgen05 instruction-descriptor format codes
+    code_b: int
+    storage_a: int  # which of the three storage views each operand fills
+    storage_b: int
+    dummy_views: tuple
+    dummy_bias: torch.Tensor
+    unit: torch.Tensor  # 1.0: the global scales of recipes that have none
+    block_scaled: bool
+
+    def run(self, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:
+        """Launch on the current stream. ``scale_a``/``scale_b``: (1,) fp32 per-tensor scales, or for the
+        block-scaled kinds the blocked scales as (row atoms, col atoms x 128) int32 words; ``global_a``/``global_b``:
+        NVFP4's (1,) fp32 per-tensor scales (None: 1)."""
+        a_views, b_views = list(self.dummy_views), list(self.dummy_views)
+        a_views[self.storage_a] = a
+        b_views[self.storage_b] = b
+        tail = (self.dummy_bias if bias is None else bias, self.k, self.code_a, self.code_b, self.max_clusters)
+        if self.block_scaled:
+            self.fn(*a_views, *b_views, scale_a, scale_b, out, self.unit if global_a is None else global_a,
+                    self.unit if global_b is None else global_b, *tail)
+        else:
+            self.fn(*a_views, *b_views, out, scale_a, scale_b, *tail)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _sm100_stand_ins(index: int):
+    """Valid, aligned operand views for the storage classes an operand does not use (never read), and 1.0."""
+    dev = torch.device("cuda", index)
+    buf = torch.zeros(128 * 128 + 256, dtype=torch.uint8, device=dev)
+    off = (-buf.data_ptr()) % 256
+    flat = buf[off: off + 128 * 128]
+    views = (flat.view(128, 128), flat[: 128 * 96].view(128, 96), flat[: 128 * 64].view(128, 64))
+    return views, torch.ones(1, dtype=torch.float32, device=dev)
+
+
+def _sm100_plan(inst: KernelInstance, k: int, fmt_a: str, fmt_b: str, device_index: int) -> Sm100LaunchPlan:
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, STORAGE_8BIT, STORAGE_OF_CODE
+
+    try:
+        code_a, code_b = MMA_FORMAT_CODE[fmt_a], MMA_FORMAT_CODE[fmt_b]
+    except KeyError:
+        raise ValueError(f"{inst.name} takes operand formats {', '.join(MMA_FORMAT_CODE)}; got {fmt_a} x {fmt_b}") \
+            from None
+    packed = inst.a_dtype == "e2m1"  # the packed FP4 kinds read their operands' bytes through the 8-bit view
+    storage_a = STORAGE_8BIT if packed else STORAGE_OF_CODE[code_a]
+    storage_b = STORAGE_8BIT if packed else STORAGE_OF_CODE[code_b]
+    views, unit = _sm100_stand_ins(device_index)
+    clusters = device_info(device_index)[1] // inst.cluster_m  # a persistent grid of one CTA per SM
+    return Sm100LaunchPlan(compiled(inst), clusters, k, code_a, code_b, storage_a, storage_b, views,
+                           dummy_bias(device_index), unit, inst.mma_kind != "f8f6f4")
+
+
+def plan(inst: KernelInstance, m: int, n: int, splits: int, device_index: int, *, k: int = 0,
+         fmt_a: Optional[str] = None, fmt_b: Optional[str] = None):
+    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits. sm_100a
+    instances also take K and the operand formats (their kernels read both at run time)."""
+    if inst.arch == SM100:
+        if splits != 1:
+            raise ValueError(f"{inst.name} is built without the split-K reduction; got splits={splits}")
+        return _sm100_plan(inst, k, fmt_a, fmt_b, device_index)
     clusters = launch_clusters(device_index, inst)
     return LaunchPlan(compiled(inst), clusters, splits, workspace_need(inst, m, n, splits, clusters), device_index,
                       dummy_bias(device_index), _idle_workspace(device_index))
 
 
-def run(p: LaunchPlan, a, b, out, scale_a, scale_b, bias) -> torch.Tensor:
-    """Launch a plan on the current stream; ``scale_a``/``scale_b`` are the kernel's scale views."""
-    # The split-K buffers grow on demand (a later call may have replaced them): fetch them per call.
-    partials, counters = _workspace(p.device_index).get(*p.ws_need) if p.splits > 1 else p.idle_ws
-    p.fn(a, b, out, scale_a, scale_b, p.dummy_bias if bias is None else bias, partials, counters, p.splits,
-         p.max_clusters)
-    return out
+def run(p, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:
+    """Launch plan ``p`` (``p.run``) on the current stream; ``scale_a``/``scale_b`` are the kernel's scale views."""
+    return p.run(a, b, out, scale_a, scale_b, bias, global_a, global_b)
 
 
-def bind(inst: KernelInstance, a, b, scale_a, scale_b, out, *, splits: int = 1, bias: Optional[torch.Tensor] = None):
-    """A no-argument callable that launches ``inst`` on these tensors (kernel layouts: ``a`` (M, K) row-major,
-    ``b`` (K, N) column-major, scale views as ``numerics.scale_layouts.resolve`` returns them), with ``splits``
-    K splits (1 where the instance has no split-K reduction)."""
+def bind(inst: KernelInstance, a, b, scale_a, scale_b, out, *, splits: int = 1, bias: Optional[torch.Tensor] = None,
+         fmt_a: Optional[str] = None, fmt_b: Optional[str] = None, global_scale_a: Optional[torch.Tensor] = None,
+         global_scale_b: Optional[torch.Tensor] = None):
+    """A no-argument callable that launches ``inst`` on these tensors in the kernel's layouts, with ``splits``
+    K splits (1 where the instance has no split-K reduction).
+
+    Hopper: ``a`` (M, K) row-major, ``b`` (K, N) column-major, scale views as
+    ``numerics.scale_layouts.resolve`` returns them. sm_100a: ``a`` (M, row bytes) and ``b`` (N, row bytes)
+    uint8 with K contiguous, ``fmt_a``/``fmt_b`` their formats, (1,) fp32 scales or blocked scale words
+    (``numerics.scale_layouts.blocked_scale_words``), an fp32 bias, NVFP4's global scales."""
     if splits > 1 and not inst.can_split_k:
         raise ValueError(f"{inst.name} is built without the split-K reduction; got splits={splits}")
-    p = plan(inst, out.shape[0], out.shape[1], splits, out.device.index)
-    return lambda: run(p, a, b, out, scale_a, scale_b, bias)
+    k = 0
+    if inst.arch == SM100:
+        if fmt_a is None or fmt_b is None:
+            raise ValueError(f"{inst.name}: give fmt_a and fmt_b, the operand formats (the kernel reads them at run "
+                             "time)")
+        k = a.shape[1] * 8 // element_format(fmt_a).bits
+    p = plan(inst, out.shape[0], out.shape[1], splits, out.device.index, k=k, fmt_a=fmt_a, fmt_b=fmt_b)
+    return lambda: p.run(a, b, out, scale_a, scale_b, bias, global_scale_a, global_scale_b)
 
 
 def launch(inst: KernelInstance, a, b, scale_a, scale_b, out, *, splits: int = 1,
-           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+           bias: Optional[torch.Tensor] = None, **sm100_args) -> torch.Tensor:
     """Run ``inst`` once on these tensors (see ``bind``) and return ``out``."""
-    bind(inst, a, b, scale_a, scale_b, out, splits=splits, bias=bias)()
+    bind(inst, a, b, scale_a, scale_b, out, splits=splits, bias=bias, **sm100_args)()
     return out

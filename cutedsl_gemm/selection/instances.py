@@ -1,8 +1,10 @@
-"""The kernel instance manifest: every kernel configuration this library builds, declared once.
+"""The kernel instance table: every kernel configuration this library builds, for every architecture, declared once.
 
-Runtime dispatch (``cutedsl_gemm.selection.dispatch``), the precompiler, the AOT exporter and the catalog all read
-``INSTANCES``; there is no other list of configurations. A row is a *tile configuration* crossed with the
-type axes it supports; ``expand()`` turns the table into concrete, hashable instances.
+Runtime dispatch (``cutedsl_gemm.selection.dispatch``), the JIT cache, the precompiler, the AOT exporter and the
+catalog all read ``INSTANCES``; there is no other list of configurations. A row is a *tile configuration* crossed
+with the type axes it supports; ``expand()`` turns the table into concrete, hashable instances. An instance is
+its kernel's configuration: ``KernelInstance.sm90_config`` and ``KernelInstance.sm100_kernel`` derive what each
+kernel family is built from.
 
 Validity rules (shared-memory budget, TMA alignment, MMA shape limits) are checked by ``validate`` and run
 on every row at import time, so a bad edit to the table fails loudly.
@@ -10,10 +12,20 @@ on every row at import time, so a bad edit to the table fails loudly.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
+SM90 = "sm_90a"
+SM100 = "sm_100a"
+#: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
+#: e2m1) as a run-time value.
+F8F6F4 = "f8f6f4"
+#: tcgen05 MMA kind of each sm_100a (recipe, operand class): the dense GEMM, and the block-scaled ones (the packed
+#: FP4 kinds keep e2m1 operands packed in shared memory).
+SM100_KINDS = {("tensor", F8F6F4): "f8f6f4", ("mx", F8F6F4): "mxf8f6f4", ("mx", "e2m1"): "mxf4",
+               ("nvfp4", "e2m1"): "mxf4nvf4"}
 
 
 @dataclass(frozen=True)
@@ -21,10 +33,10 @@ class KernelInstance:
     """One compiled kernel: everything that changes generated code, nothing that doesn't (M, N, K)."""
 
     arch: str  # "sm_90a" | "sm_100a"
-    op: str  # "gemm" | "quantize"
-    schedule: str  # "cooperative" | "pingpong" | "small_m"
+    op: str  # "gemm"
+    schedule: str  # sm_90a: "cooperative" | "small_m"; sm_100a: "1sm" | "2sm" (cta_group::1 / ::2)
     recipe: str  # formats.RECIPES key
-    a_dtype: str
+    a_dtype: str  # an element format, or the sm_100a operand class F8F6F4
     b_dtype: str
     out_dtype: str
     bias_dtype: Optional[str]
@@ -33,7 +45,9 @@ class KernelInstance:
     cluster_m: int = 1
     cluster_n: int = 1
     stages: int = 0  # 0 = as many as shared memory allows
-    accum: str = "promoted"  # "promoted" | "fast" (torch's use_fast_accum)
+    # "promoted" | "fast" (torch's use_fast_accum). sm_100a rows are "fast": tcgen05 accumulates all of K in its
+    # fp32 tensor-memory accumulator, with no promotion step.
+    accum: str = "promoted"
     # Dispatch: this instance serves problems with m_min <= M <= m_max.
     m_min: int = 1
     m_max: int = 1 << 31
@@ -84,73 +98,82 @@ class KernelInstance:
     def can_split_k(self) -> bool:
         """Compiled with the split-K reduction (dispatch.choose_splits decides per call). Not the 128x256
         fast-accumulation tiles: their 128-register accumulator leaves no room for it without spilling."""
-        return self.arch == "sm_90a" and self.op == "gemm" and self.tile_n <= 192
+        return self.arch == SM90 and self.op == "gemm" and self.tile_n <= 192
 
     def sm90_config(self):
-        """The kernel-class configuration this instance compiles to."""
+        """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them."""
         from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
 
-        return Sm90GemmConfig(
-            a_dtype=self.a_dtype,
-            b_dtype=self.b_dtype,
-            out_dtype=self.out_dtype,
-            recipe=self.recipe,
-            bias_dtype=self.bias_dtype,
-            tile_m=self.tile_m,
-            tile_n=self.tile_n,
-            cluster_m=self.cluster_m,
-            cluster_n=self.cluster_n,
-            stages=self.stages,
-            accum=self.accum,
-            split_k=self.can_split_k,
-            swap_ab=self.swap_ab,
-            tile_k=self.tile_k,
-            split_tail=self.split_tail,
-            ctas_per_sm=self.ctas_per_sm,
-            epi_stages=self.epi_stages,
-            # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and
-            # set-up overlap the previous kernel's tail (programmatic dependent launch).
-            pdl=self.swap_ab,
-        )
+        # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and set-up
+        # overlap the previous kernel's tail (programmatic dependent launch).
+        return Sm90GemmConfig(**_shared_fields(self, Sm90GemmConfig), split_k=self.can_split_k, pdl=self.swap_ab)
+
+    @property
+    def mma_kind(self) -> Optional[str]:
+        """The tcgen05 MMA kind of an sm_100a instance (``SM100_KINDS``); None elsewhere."""
+        return SM100_KINDS.get((self.recipe, self.a_dtype)) if self.arch == SM100 else None
+
+    def sm100_kernel(self):
+        """The Blackwell kernel object this instance compiles: 2-CTA (``cta_group::2``) when its clusters are
+        2x1, block-scaled through ``BlockScaling`` for the MX / NVFP4 kinds."""
+        from cutedsl_gemm.kernels.sm100 import BlockScaling, Sm100F8F6F4Gemm
+        from cutedsl_gemm.numerics.formats import float_format
+
+        kind = self.mma_kind
+        return Sm100F8F6F4Gemm(float_format(self.out_dtype).cutlass_dtype(), self.cluster_m == 2, self.tile_n,
+                               self.bias_dtype is not None, scaling=None if kind == "f8f6f4" else BlockScaling(kind))
 
 
-@dataclass(frozen=True)
-class TileConfig:
-    """A row of the table: a tile/cluster/schedule and the type axes it is built for."""
+def _shared_fields(src, cls) -> dict:
+    """The fields of dataclass ``src`` that dataclass ``cls`` also has, by name."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return {f.name: getattr(src, f.name) for f in dataclasses.fields(src) if f.name in names}
 
-    arch: str
-    op: str
-    schedule: str
-    recipes: Tuple[str, ...]
-    tile_m: int
-    tile_n: int
-    cluster_m: int = 1
-    cluster_n: int = 1
-    stages: int = 0
-    accum: str = "promoted"
-    m_min: int = 1
-    m_max: int = 1 << 31
-    swap_ab: bool = False
-    tile_k: int = 128
-    split_tail: bool = False
-    ctas_per_sm: int = 1
-    ab_dtypes: Tuple[Tuple[str, str], ...] = (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2"))
-    out_dtypes: Tuple[str, ...] = ("bf16", "fp16", "fp32")
-    # None = no bias; "out" = same dtype as the output; "fp32".
-    bias_kinds: Tuple[Optional[str], ...] = (None, "out", "fp32")
+
+def operand_dtypes(arch: str, recipe: str, a_format: str, b_format: str) -> Tuple[str, str]:
+    """The (a_dtype, b_dtype) of the instances that run operands in these formats: Hopper builds a kernel per
+    FP8 pair; the sm_100a GEMM takes every f8f6f4 format at run time (F8F6F4), except where a kind of its own
+    takes the pair (e2m1 x e2m1 under MX or NVFP4 scales: the packed FP4 kinds)."""
+    if arch != SM100 or (a_format == b_format and (recipe, a_format) in SM100_KINDS):
+        return a_format, b_format
+    return F8F6F4, F8F6F4
+
+
+#: The instance fields a table row gives several values of (``expand`` crosses them), as the row's type axes.
+_TYPE_AXES = ("recipe", "a_dtype", "b_dtype", "out_dtype", "bias_dtype")
+
+
+def _row_fields() -> list:
+    """A row's fields: an instance's, with ``recipes`` for its recipe and the type axes after the rest."""
+    out = []
+    for f in dataclasses.fields(KernelInstance):
+        if f.name == "recipe":
+            out.append(("recipes", "Tuple[str, ...]"))
+        elif f.name not in _TYPE_AXES:
+            default = {} if f.default is dataclasses.MISSING else {"default": f.default}
+            out.append((f.name, f.type, dataclasses.field(**default)))
+    return out + [
+        ("ab_dtypes", "Tuple[Tuple[str, str], ...]",
+         dataclasses.field(default=(("e4m3", "e4m3"), ("e4m3", "e5m2"), ("e5m2", "e4m3"), ("e5m2", "e5m2")))),
+        ("out_dtypes", "Tuple[str, ...]", dataclasses.field(default=("bf16", "fp16", "fp32"))),
+        # None = no bias; "out" = same dtype as the output; "fp32".
+        ("bias_kinds", "Tuple[Optional[str], ...]", dataclasses.field(default=(None, "out", "fp32"))),
+    ]
+
+
+TileConfig = dataclasses.make_dataclass("TileConfig", _row_fields(), frozen=True)
+TileConfig.__module__ = __name__
+TileConfig.__doc__ = """A row of the table: an instance's fields, with the type axes it is built for (``recipes``,
+``ab_dtypes``, ``out_dtypes``, ``bias_kinds``) in place of one recipe and dtype each."""
 
 
 # ------------------------------------------------------------------------------------------------
-# THE TABLE
+# THE TABLE (the measurements behind its rows: docs/design.md, "How dispatch chooses")
 # ------------------------------------------------------------------------------------------------
 TABLE: Tuple[TileConfig, ...] = (
-    # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound. The kernels run
-    # swapped (D^T = W @ A^T): 128 (or 64) W rows per tile on WGMMA's M side, the M activation rows on its N side,
-    # as narrow as M allows. K is split only when there are far fewer tiles than SMs
-    # (dispatch.choose_splits). From benchmarks/tune_tiles (BENCHMARKS.md, decode): 128x16 is best to M=16,
-    # 128x32 to M=32, 128x64 above (with 256-deep stages where the accumulation is not promoted per 128);
-    # at M=64 128x32 tiles are as fast at N=8192 but make two waves of tiles at N=10240.
-    # Rows are tried in order, so these come before the general ones.
+    # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound, so the kernels run swapped
+    # (D^T = W @ A^T), the M activation rows on WGMMA's N side, as narrow as M allows. Rows are tried in order, so
+    # these come before the general ones.
     *(
         TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, tn, accum=acc, m_min=lo, m_max=hi,
                    swap_ab=True, tile_k=256 if acc == "fast" and tn == 64 else 128)
@@ -162,11 +185,8 @@ TABLE: Tuple[TileConfig, ...] = (
                    accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
         for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
     ),
-    # 64-row tiles (one consumer warp group): twice the tiles, so where the 128-row ones fill under a wave
-    # of SMs, dispatch.wave_cost picks these (ties go to the 128-row rows above, e.g. N=10240: 80 tiles in
-    # one wave beat 160 in two, 35.6 vs 43.3 us). N=K=8192 (benchmarks/tune_tiles, BENCHMARKS.md decode):
-    # DeepSeek recipe M=64 29.3 vs 32.8 us, M=16 28.9 vs 29.8; per-tensor M=16 29.1 vs 29.9; fast
-    # accumulation M=64 28.2 vs 29.5; N=57344, M=64 175 vs 180. At M=1 row-wise they tie (~30 us).
+    # 64-row tiles (one consumer warp group): twice the tiles, for outputs the 128-row ones fill under a wave of
+    # SMs (dispatch.wave_cost; ties go to the 128-row rows above).
     *(
         TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 64, tn, accum=acc, m_min=lo, m_max=hi,
                    swap_ab=True, tile_k=256 if acc == "fast" and tn == 64 else 128)
@@ -178,31 +198,9 @@ TABLE: Tuple[TileConfig, ...] = (
                    accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
         for tn, lo, hi in ((16, 1, 16), (64, 33, 128))
     ),
-    # Hopper, epilogue-scaled FP8. Promoted accumulation (the default, as torch's use_fast_accum=False) keeps
-    # K-tile fragments next to the accumulator, so its tiles are at most 192 wide; fast accumulation affords
-    # 128x256 tiles. The promoted rows compete by dispatch.wave_cost (waves x area / measured tile rate):
-    # 128x192 for large outputs, 128x128 / 128x96 where they make fewer or fuller waves (M=6144, N=512: 48.5
-    # vs 62.0 us; M=1024, N=1536: 24.1 vs 33.2 unsplit), and 64-row tiles (one consumer warp group) where an
-    # output fills under a wave of SMs (M=1024, N=512: 15.5 us against 22.0 for 128x192 split 5 ways). Tiles
-    # whose width divides narrow outputs evenly: 128x144 (M=1024, N=4608: 256 tiles in two waves, 56.0 vs 63.0
-    # us for 128x192) and 64x96 (M=1024, N=576: 96 tiles, 15.7 us against 21.9 for 64x128 and 25.8 for 64x64
-    # in two waves). BENCHMARKS.md "Tile rates".
-    # Fast accumulation gets the same tiles (and 128x256, below): with 128x256 alone it ran 1.7-2.9x slower
-    # than cuBLAS at M=1024, N=576 / 1536 / 4608 (dsv3 geomean 0.77x; BENCHMARKS.md, session 7).
-    # 128x96, 64x128 (up to M=1024) and 64x64 run without clusters: they serve outputs of about a wave, where
-    # multicast saves little L2 traffic (and, presumably, a cluster's CTAs wait for each other's stages; not
-    # measured). Since 1x1 kernels launch as a plain grid (session 27), 1x1 beats the 1x2 / 2x1 clusters these rows had
-    # (tune_tiles, row-wise, medians of 3 interleaved rounds, promoted / fast, us, session 28): 64x128 M=256
-    # N=4096 K=7168 26.3 / 26.8 -> 19.6 / 19.2, M=512 N=1536 K=2048 11.7 / 11.0 -> 10.4 / 9.3, M=768 N=1024
-    # K=7168 fast 19.8 -> 15.3; 64x64 M=256 N=576 K=7168 12.7 / 12.6 -> 11.6 / 12.3, M=1024 N=512 15.6 / 15.4
-    # -> 15.0 / 14.0; 128x96 M=1536 N=576 K=7168 21.5 / 22.1 -> 20.4 / 19.3, even at M=256 N=4608 and M=512
-    # N=3072. The 128x112 row in 2x2 clusters for M 897-1024 (session 16) is gone: 128x96 without a cluster
-    # beats it where it served (M=1000 / 1024, N=1536, K=2048 / 7168: 11.7 / 11.2 / 21.7 / 22.2 against 12.0 /
-    # 12.0 / 23.6 / 23.2 row-wise, 11.1 / 10.5 / 21.6 / 21.2 against 11.4 / 11.6 / 23.2 / 22.8 per-tensor).
-    # Kept: 64x96's clusters (per-tensor M=1024 N=576 K=7168 15.2 us in 2x2, 16.4 in 1x1; N=512 16.2 vs 20.3),
-    # the large tiles' 2x1 (many waves: L2 bytes per MMA count) and 64x128's 1x2 above M=1024: a 64x128
-    # output tile there with no cluster to pad its wave out-bids 128x96 in wave_cost where it is slower (M=1536
-    # N=576 K=7168 24.1 us against 20.4).
+    # Hopper, epilogue-scaled FP8: promoted tiles are at most 192 wide (K-tile fragments sit beside the accumulator),
+    # fast accumulation adds 128x256; they compete by dispatch.wave_cost. Small tiles run without clusters (about a
+    # wave of output), but 64x96 (measured faster in them) and 64x128 above M = 1024 (so wave_cost takes 128x96 there).
     *(
         TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum=acc,
                    **m_range)
@@ -212,43 +210,30 @@ TABLE: Tuple[TileConfig, ...] = (
                                         (64, 64, 1, 1, {}), (128, 144, 2, 1, {}),
                                         (64, 96, 2, 2, {}) if acc == "promoted" else (64, 96, 1, 2, {}))
     ),
-    # Two CTAs per SM (64-row tiles, half an SM each): a CTA's epilogue runs while the other CTA on its SM
-    # keeps the tensor cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term): M=6144,
-    # N=7168, K=256 38.4 us against 44.0 for 128x192 (cuBLAS 42.9); N=4096, K=512 33.6 vs 35.9 (cuBLAS
-    # 35.5); M=1024, N=7168, K=256 12.8 vs 13.6 (14.3). From K=1536 the 128-row tiles' fewer bytes per MMA
-    # win again.
+    # Two CTAs per SM (64-row tiles, half an SM each): one CTA's epilogue runs while the other keeps the tensor
+    # cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term).
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
                accum="promoted", ctas_per_sm=2),
-    # The same pair swapped (W rows on WGMMA's M side, 192 activation rows on its N side), as cuBLAS runs
-    # M=6144, N=512: 256 tiles fill one wave of 264 CTA slots (43.6 us against 48.0 for 128x128 tiles,
-    # cuBLAS 41.9). Its low rate (dispatch.PAIRED_TILE_RATES) keeps it to such shapes.
+    # The same pair swapped (W rows on WGMMA's M side), as cuBLAS runs narrow outputs with many rows; its low rate
+    # (dispatch.PAIRED_TILE_RATES) keeps it to such shapes.
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
                accum="promoted", swap_ab=True, ctas_per_sm=2),
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
-    # 128x128 in 4x1 clusters: each W tile multicast to four CTAs. Narrow outputs with many rows are bound
-    # by L2 bytes per MMA: M=6144, N=576, K=7168 48.8 us against 54.5 for 2x1 (cuBLAS 44.2, itself 128x128
-    # in 4-CTA clusters); elsewhere the 4-CTA clusters' fewer slots (30 on the H100) usually cost a wave
-    # (dispatch.cluster_slots, CLUSTER_4X1_RATE_GAIN).
+    # 128x128 in 4x1 clusters: each W tile multicast to four CTAs, for narrow outputs with many rows, which are
+    # bound by L2 bytes per MMA (dispatch.CLUSTER_4X1_RATE_GAIN, dispatch.cluster_slots).
     *(
         TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 128, cluster_m=4, cluster_n=1,
                    accum=acc)
         for acc in ("promoted", "fast")
     ),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
-    # promoted-accumulation kernels. Two rows hold every M and compete by dispatch.wave_cost (N-aware):
-    # 128x192 wins on large outputs and loses where it would leave a wave nearly empty or SMs idle
-    # (M=1024, N=1536). Against 128x128 everywhere: DeepSeek 8192^3 1098 -> 1075 us, M=6144 N=1536
-    # 139 -> 128 us, N=4608 433 -> 407 us, M=1024 N=3072 18.2 -> 15.4 us; 1x128 x 1x128 8192^3 1410 -> 1234.
+    # promoted-accumulation kernels; 128x128 and 128x192 compete by dispatch.wave_cost.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
         cluster_m=2, cluster_n=1, accum="promoted",
     ),
-    # The DeepSeek recipe's 128x192 tile (its split-N loop) in 4 A/W stages: the 5 that fit beside its scale
-    # slots leave room for only 2 output slices, the 4 for the whole tile's 6, so a tile's stores drain while
-    # the next tile runs. Against 5 stages, same call (tune_tiles, session 22): 1-3% faster at K >= 2048
-    # (M=6144 N=7168 K=2048 158.0 / 160.2 -> 155.2 us, N=4608 K=7168 337.1 / 349.4 -> 330.9), 4-10% at short
-    # K (M=6144 N=7168 K=256 46.6 / 46.8 -> 41.9, N=4096 K=512 37.4 / 38.0 -> 35.1). The 2D recipe's 192-wide
-    # loop (read-ahead) lost 1-4% at long K with 4 stages, so it and 1x128 x 1x128 keep 5.
+    # The DeepSeek recipe's 128x192 tile (its split-N loop) in 4 A/W stages, which leave room for the whole tile's
+    # output slices, so a tile's stores drain while the next tile runs; the other 192-wide loops keep 5.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128",), 128, 192, cluster_m=2, cluster_n=1, stages=4,
         accum="promoted",
@@ -257,41 +242,25 @@ TABLE: Tuple[TileConfig, ...] = (
         "sm_90a", "gemm", "cooperative", ("128x128_128x128", "1x128_1x128"), 128, 192,
         cluster_m=2, cluster_n=1, accum="promoted",
     ),
-    # Two CTAs per SM for short K, as for the epilogue-scaled recipes (dispatch.wave_cost's epilogue term).
-    # DeepSeek recipe, M=6144: N=7168, K=256 41.2 us against 46.8 for 128x128 and 49.5 for 128x192 (cuBLAS
-    # 45.1); N=4096, K=512 38.2 vs 38.6 (38.5); M=1024, N=7168, K=256 13.0 vs 13.6 (14.5) (session 9).
+    # Two CTAs per SM for short K, as for the epilogue-scaled recipes.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 192,
         cluster_m=2, cluster_n=1, accum="promoted", ctas_per_sm=2,
     ),
-    # 64-row tiles (one consumer warp group) where a block-scaled output fills under a wave of 128-row tiles:
-    # DeepSeek recipe M=1024 N=512 K=7168 16.8-17.3 us (2 K splits) against 18.9-19.5 for 128x128 (4 splits),
-    # cuBLAS 25.2 (session 11; dispatch.BLOCK_TILE_RATES). Up to M=1024 only: above, the 128-row tiles'
-    # last-wave splits, which wave_cost does not see, make up their waves (M=6144 N=512: 128x128 with a split
-    # last wave 49.7 us, 64x128 50.3). Without a cluster since session 28 (1x2 before: A multicast), as the
-    # epilogue-scaled small tiles (tune_tiles, DeepSeek recipe, medians of 3 rounds, us, 1x2 -> 1x1): M=1024
-    # N=576 K=7168 21.1 -> 19.3, N=512 17.1 -> 16.2, N=1024 K=4096 15.8 -> 13.4; M=256 N=4096 K=7168 25.1 ->
-    # 20.4, N=576 K=1536 17.0 -> 11.5; M=768 N=1024 K=7168 20.1 -> 19.3. 2D recipe M=1024 N=576 / 512 21.5 /
-    # 16.7 -> 18.8 / 16.2; 1x128 x 1x128 24.2 / 19.5 -> 25.7 / 18.4 (its one loss measured).
+    # 64-row tiles where a block-scaled output fills under a wave of 128-row tiles, up to M = 1024 (above, the
+    # 128-row tiles' last-wave splits, which wave_cost does not see, make up their waves).
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 128,
         cluster_m=1, cluster_n=1, accum="promoted", m_max=1024,
     ),
-    # 128x128 in 4x1 clusters, as for the epilogue-scaled recipes (W tiles multicast to four CTAs). Once the
-    # block-scaled main loop no longer saturated its warps' instruction issue (session 12), the L2 bytes
-    # saved pay here too: DeepSeek recipe M=6144 N=576 K=7168 50.0-50.8 us against 55.0-56.1 in 2x1
-    # clusters (cuBLAS 47.6), M=3072 N=576 27.1 vs 31.7 (27.4), M=1408 N=5120 K=4096 55.4 vs 70.3 (56.7),
-    # M=1408 N=7168 K=4096 80.7 vs 106.7 (70.2); session 10, with the older loop, measured no gain. From
-    # M=1025: at M=1024 N=4608 K=7168 the 2x1 tile's last-wave split (62.4 us), which wave_cost does not
-    # model, beats 4x1 (67.9), and the other M=1024 shapes gain only 1-5%.
+    # 128x128 in 4x1 clusters, as for the epilogue-scaled recipes, from M = 1025 (at M = 1024 the 2x1 tile's
+    # last-wave split, which wave_cost does not model, is faster).
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
         cluster_m=4, cluster_n=1, accum="promoted", m_min=1025,
     ),
-    # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py):
-    # chosen per call, in place of their sibling, when a little more than a whole number of waves would
-    # leave the last one nearly empty and K is long (dispatch.last_wave_splits). M=6144, N=512, K=7168:
-    # 63.2 -> 54.4 us row-wise; M=1024, N=4608, K=7168: 65.4 -> 58.8 us (BENCHMARKS.md).
+    # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py), chosen per
+    # call in place of their sibling when the last wave would be nearly empty and K is long (dispatch.last_wave_splits).
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1,
                accum="promoted", split_tail=True),
     *(
@@ -303,6 +272,16 @@ TABLE: Tuple[TileConfig, ...] = (
             (("128x128_128x128", "1x128_1x128"), 192, 0),
         )
     ),
+    # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the
+    # operand formats are run-time values, so one kernel serves every f8f6f4 pair (operand class F8F6F4), per
+    # tensor ("tensor") or MX-scaled ("mx"). The MXFP4 / NVFP4 kinds keep e2m1 packed in shared memory: a 128-byte
+    # row is a 256-element K tile. 1-CTA tiles to M = 128; above, one 256-row MMA over a 2x1 cluster.
+    *(
+        TileConfig(SM100, "gemm", schedule, recipes, 128, 128, cluster_m=cm, accum="fast", m_min=lo, m_max=hi,
+                   tile_k=tile_k, ab_dtypes=((ab, ab),), bias_kinds=(None, "fp32"))
+        for recipes, ab, tile_k in ((("tensor", "mx"), F8F6F4, 128), (("mx", "nvfp4"), "e2m1", 256))
+        for schedule, cm, lo, hi in (("1sm", 1, 1, 128), ("2sm", 2, 129, 1 << 31))
+    ),
 )
 
 
@@ -310,50 +289,62 @@ class ManifestError(ValueError):
     pass
 
 
+def _check_sm100(inst: KernelInstance) -> None:
+    """What an sm_100a instance must be: the kernel takes its out dtype, bias, CTA mode and tile_n (and checks
+    them); everything else is fixed by the kernel."""
+    if inst.op != "gemm":
+        raise ValueError(f"op must be 'gemm', got {inst.op!r}")
+    if inst.mma_kind is None or inst.a_dtype != inst.b_dtype:
+        raise ValueError(f"recipe {inst.recipe!r} with operands {inst.a_dtype} x {inst.b_dtype} is no tcgen05 kind; "
+                         f"built: {', '.join(f'{r} with {a} x {a}' for r, a in SM100_KINDS)}")
+    if (inst.schedule, inst.tile_m, inst.cluster_n) not in (("1sm", 128, 1), ("2sm", 128, 1)) \
+            or inst.cluster_m != (2 if inst.schedule == "2sm" else 1):
+        raise ValueError("a CTA tile is 128 rows: schedule '1sm' in 1x1 clusters, or '2sm' (one 256-row MMA over "
+                         f"two CTAs) in 2x1; got {inst.schedule!r}, tile_m={inst.tile_m}, cluster "
+                         f"{inst.cluster_m}x{inst.cluster_n}")
+    if inst.bias_dtype not in (None, "fp32"):
+        raise ValueError(f"the bias is read as fp32: bias_dtype must be None or 'fp32', got {inst.bias_dtype!r}")
+    fixed = {"stages": 0, "accum": "fast", "swap_ab": False, "split_tail": False, "ctas_per_sm": 1, "epi_stages": 0}
+    wrong = {k: getattr(inst, k) for k, v in fixed.items() if getattr(inst, k) != v}
+    if wrong:
+        raise ValueError(f"the sm_100a GEMM fixes {fixed}; got {wrong}")
+    # The kernel's own checks, without building it (its TMA ops are arch-checked by the DSL at construction)
+    from cutedsl_gemm.kernels.sm100 import ScaleGeometry, Sm100F8F6F4Gemm
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import TILE_K
+    from cutedsl_gemm.numerics.formats import float_format
+
+    use_2cta = inst.cluster_m == 2
+    Sm100F8F6F4Gemm.check_config(float_format(inst.out_dtype).cutlass_dtype(), use_2cta, inst.tile_n)
+    tile_k = TILE_K if inst.mma_kind == "f8f6f4" else ScaleGeometry(inst.mma_kind, inst.tile_n, use_2cta).tile_k
+    if inst.tile_k != tile_k:
+        raise ValueError(f"tile_k must be the kernel's K tile, {tile_k} elements (128 bytes a row); got {inst.tile_k}")
+
+
 def validate(inst: KernelInstance) -> None:
     """Raise ManifestError with the reason if an instance cannot be built.
 
     The rules live with the kernel classes (they own their shared-memory plans); this only routes.
     """
-    if inst.arch == "sm_90a" and inst.op == "gemm":
-        from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
+    try:
+        if inst.arch == SM90 and inst.op == "gemm":
+            from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
-        try:
             Sm90GemmPlan.check_config(inst.sm90_config())
-        except ValueError as e:
-            raise ManifestError(f"{inst.name}: {e}") from None
-    else:
-        raise ManifestError(f"{inst.name}: no kernel family for arch={inst.arch} op={inst.op}")
+        elif inst.arch == SM100:
+            _check_sm100(inst)
+        else:
+            raise ValueError(f"no kernel family for arch={inst.arch} op={inst.op}")
+    except (ValueError, TypeError) as e:
+        raise ManifestError(f"{inst.name}: {e}") from None
 
 
 def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
     out = []
     for row in table:
+        shared = _shared_fields(row, KernelInstance)
         for recipe, (a, b), o, bias in itertools.product(row.recipes, row.ab_dtypes, row.out_dtypes, row.bias_kinds):
-            out.append(
-                KernelInstance(
-                    arch=row.arch,
-                    op=row.op,
-                    schedule=row.schedule,
-                    recipe=recipe,
-                    a_dtype=a,
-                    b_dtype=b,
-                    out_dtype=o,
-                    bias_dtype=o if bias == "out" else bias,
-                    tile_m=row.tile_m,
-                    tile_n=row.tile_n,
-                    cluster_m=row.cluster_m,
-                    cluster_n=row.cluster_n,
-                    stages=row.stages,
-                    accum=row.accum,
-                    m_min=row.m_min,
-                    m_max=row.m_max,
-                    swap_ab=row.swap_ab,
-                    tile_k=row.tile_k,
-                    split_tail=row.split_tail,
-                    ctas_per_sm=row.ctas_per_sm,
-                )
-            )
+            out.append(KernelInstance(**shared, recipe=recipe, a_dtype=a, b_dtype=b, out_dtype=o,
+                                      bias_dtype=o if bias == "out" else bias))
     for inst in out:
         validate(inst)
     return tuple(out)

@@ -45,8 +45,7 @@ Scale factors from global memory to the tensor core
 (both CTAs need all N scales); both loads signal the leader CTA's barrier, whose ``expect_tx`` counts the
 pair. The leader's ``tcgen05.cp.cta_group::2`` copies each CTA's smem into its own TMEM.
 
-Built for B200-class GPUs; in this project it is verified by compiling for sm_100a and reading the PTX,
-not by running it.
+Compile-verified for sm_100a (the compile-tier tests read its PTX); run with ``pytest -m blackwell`` on a B200.
 """
 
 from __future__ import annotations
@@ -249,7 +248,8 @@ class BlockScaling:
     def _global_view(t: cute.Tensor) -> cute.Tensor:
         """(row_atoms, col_atoms * 128) int32 words -> (128 words, col_atoms, row_atoms)."""
         row_atoms, words = t.shape
-        layout = cute.make_layout((SF_ATOM_WORDS, words // SF_ATOM_WORDS, row_atoms), stride=(1, SF_ATOM_WORDS, t.layout.stride[0]))
+        layout = cute.make_layout((SF_ATOM_WORDS, words // SF_ATOM_WORDS, row_atoms),
+                                  stride=(1, SF_ATOM_WORDS, t.layout.stride[0]))
         return cute.make_tensor(t.iterator, layout)
 
     def make_tma_loads(self, sfa: cute.Tensor, sfb: cute.Tensor):
@@ -277,9 +277,11 @@ class BlockScaling:
         """Hook 2 (device): TMA views; index the results with ``[(None, stage)]`` and
         ``[(None, 0, k_tile, row_tile)]``."""
         out = []
-        for atom, m, s, rows in ((atom_sfa, m_sfa, s_sfa, self.geom.rows_a_atoms), (atom_sfb, m_sfb, s_sfb, self.geom.rows_b_atoms)):
+        for atom, m, s, rows in ((atom_sfa, m_sfa, s_sfa, self.geom.rows_a_atoms),
+                                 (atom_sfb, m_sfb, s_sfb, self.geom.rows_b_atoms)):
             g = cute.local_tile(m, self._box(rows), (None, None, None))
-            out.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3), cute.group_modes(g, 0, 3)))
+            out.append(cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s, 0, 3),
+                                             cute.group_modes(g, 0, 3)))
         return out
 
     def load(self, atom_sfa, atom_sfb, parts, stage, k_tile, row_tile_a, row_tile_b, barrier):

@@ -8,8 +8,8 @@ The same class is the block-scaled (MX / NVFP4) GEMM when built with ``scaling=B
 buffers, loads, ``tcgen05.cp`` + ``.block_scale`` MMAs and TMEM columns; with ``scaling=None`` none of
 them is traced and the kernel is the dense f8f6f4 GEMM.
 
-Built for B200-class hardware; in this project it is verified by compiling for sm_100a, reading the PTX
-and unit-testing the host side. It has not been run on a GPU here.
+Compile-verified for sm_100a (the compile-tier tests read its PTX; the host side is unit-tested); run with
+``pytest -m blackwell`` on a B200.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 from cutlass.cute.nvgpu import cpasync, tcgen05
-from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
-from cutlass.tensor_utils import LayoutEnum
 from cutlass.experimental import primitives as prims
+from cutlass.memory import SmemAllocator, TmemAllocator, get_num_tmem_alloc_cols
 from cutlass.pipeline import pipeline_init_arrive, pipeline_init_wait
+from cutlass.tensor_utils import LayoutEnum
 from cutlass.utils.gemm.sm100 import (
     epilogue_smem_copy_and_partition,
     epilogue_tmem_copy_and_partition,
@@ -100,10 +100,7 @@ class Sm100F8F6F4Gemm:
         has_bias: bool = False,
         scaling=None,
     ):
-        if out_dtype not in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
-            raise TypeError(f"out_dtype must be cutlass.BFloat16, Float16 or Float32, got {out_dtype}")
-        if tile_n not in (64, 128, 256) or (use_2cta and tile_n < 128):
-            raise ValueError(f"tile_n must be 64, 128 or 256 (>= 128 with 2-CTA), got {tile_n}")
+        self.check_config(out_dtype, use_2cta, tile_n)
         self.c_dtype = out_dtype
         self.acc_dtype = cutlass.Float32
         self.use_2cta_instrs = use_2cta
@@ -135,6 +132,15 @@ class Sm100F8F6F4Gemm:
             self.tile_k = scaling.tile_k
             if scaling.packed_fp4:
                 self.storages = (STORAGE_8BIT,)
+
+    @staticmethod
+    def check_config(out_dtype, use_2cta: bool, tile_n: int) -> None:
+        """The configuration rules, checked without building anything (the block-scaled ones:
+        ``blockscaled_gemm.ScaleGeometry``)."""
+        if out_dtype not in (cutlass.BFloat16, cutlass.Float16, cutlass.Float32):
+            raise TypeError(f"out_dtype must be cutlass.BFloat16, Float16 or Float32, got {out_dtype}")
+        if tile_n not in (64, 128, 256) or (use_2cta and tile_n < 128):
+            raise ValueError(f"tile_n must be 64, 128 or 256 (>= 128 with 2-CTA), got {tile_n}")
 
     @staticmethod
     def _static_idesc(m: int, n: int) -> int:
@@ -198,8 +204,10 @@ class Sm100F8F6F4Gemm:
             self.num_tmem_alloc_cols = self.scaling.geom.tmem_cols(self.num_acc_stage * self.mma_tiler[1])
         # Upper bound (both operands 8-bit); the TMA warp sets the real per-stage count at run time.
         self.num_tma_load_bytes = (self.a_stage_bytes + self.b_stage_bytes + sf_bytes) * self.atom_thr
-        if cute.size(acc_fake.layout.shape[3]) != self.num_acc_stage or acc_fake.layout.stride[3] != self.mma_tiler[1]:
-            raise RuntimeError(f"unexpected TMEM accumulator layout {acc_fake.layout}: stages must be tile_n columns apart")
+        if (cute.size(acc_fake.layout.shape[3]) != self.num_acc_stage
+                or acc_fake.layout.stride[3] != self.mma_tiler[1]):
+            raise RuntimeError(f"unexpected TMEM accumulator layout {acc_fake.layout}: stages must be tile_n "
+                               "columns apart")
 
     def _operand_view(self, t: cute.Tensor, storage: int) -> cute.Tensor:
         """(rows, K, 1) view of a K-major byte tensor in the element type of one storage class."""
@@ -452,14 +460,16 @@ class Sm100F8F6F4Gemm:
         b_cta_layout = cute.make_layout(cute.slice_(cluster_layout_vmnk, (0, None, 0, 0)).shape)
 
         # Partition all storage views of each operand; the TMA warp picks one per run.
-        tAsA, tAgA8 = self._tma_part(tma_atom_a8, mA8, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
-        tBsB, tBgB8 = self._tma_part(tma_atom_b8, mB8, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
+        a_part = (thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
+        b_part = (thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
+        tAsA, tAgA8 = self._tma_part(tma_atom_a8, mA8, sA, *a_part)
+        tBsB, tBgB8 = self._tma_part(tma_atom_b8, mB8, sB, *b_part)
         tAgA6 = tAgA4 = tBgB6 = tBgB4 = None
         if cutlass.const_expr(len(self.storages) == 3):
-            _, tAgA6 = self._tma_part(tma_atom_a6, mA6, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
-            _, tAgA4 = self._tma_part(tma_atom_a4, mA4, sA, thr_mma.partition_A, a_tile, cluster_coord_vmnk[2], a_cta_layout)
-            _, tBgB6 = self._tma_part(tma_atom_b6, mB6, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
-            _, tBgB4 = self._tma_part(tma_atom_b4, mB4, sB, thr_mma.partition_B, b_tile, cluster_coord_vmnk[1], b_cta_layout)
+            _, tAgA6 = self._tma_part(tma_atom_a6, mA6, sA, *a_part)
+            _, tAgA4 = self._tma_part(tma_atom_a4, mA4, sA, *a_part)
+            _, tBgB6 = self._tma_part(tma_atom_b6, mB6, sB, *b_part)
+            _, tBgB4 = self._tma_part(tma_atom_b4, mB4, sB, *b_part)
 
         acc_shape = tiled_mma.partition_shape_C(self.mma_tiler[:2])
         tCtAcc_fake = tiled_mma.make_fragment_C(cute.append(acc_shape, self.num_acc_stage))
@@ -510,7 +520,8 @@ class Sm100F8F6F4Gemm:
                             cute.copy(tma_atom_b4, tBgB4[(None, tn, kt, 0)], sb, tma_bar_ptr=handle.barrier)
                     if cutlass.const_expr(self.scaling is not None):
                         # [scaling hook 2] SFA of this CTA's 128 rows (row block tm), SFB of the N tile
-                        self.scaling.load(tma_atom_sfa, tma_atom_sfb, sf_parts, handle.index, kt, tm, tn, handle.barrier)
+                        self.scaling.load(tma_atom_sfa, tma_atom_sfb, sf_parts, handle.index, kt, tm, tn,
+                                          handle.barrier)
                 unit += num_clusters
             ab_producer.tail()
 
@@ -578,7 +589,8 @@ class Sm100F8F6F4Gemm:
                                         accumulate,
                                     )
                                 else:  # [scaling hook 3] block-scaled MMA with this step's scale ids
-                                    self.scaling.mma(kb, acc_tmem, desc_a, desc_b, idesc, accumulate, sfa_tmem, sfb_tmem)
+                                    self.scaling.mma(kb, acc_tmem, desc_a, desc_b, idesc, accumulate, sfa_tmem,
+                                                     sfb_tmem)
                         handle.release()
                     acc_pipeline.producer_commit(acc_state)
                 acc_state.advance()
@@ -615,7 +627,8 @@ class Sm100F8F6F4Gemm:
     @staticmethod
     def _tma_part(atom, mX, sX, partition, tile, cta_coord, cta_layout):
         tCgX = partition(cute.local_tile(mX, tile, (None, None, None)))
-        return cpasync.tma_partition(atom, cta_coord, cta_layout, cute.group_modes(sX, 0, 3), cute.group_modes(tCgX, 0, 3))
+        return cpasync.tma_partition(atom, cta_coord, cta_layout, cute.group_modes(sX, 0, 3),
+                                     cute.group_modes(tCgX, 0, 3))
 
     @cute.jit
     def _epilogue_tile(
