@@ -43,7 +43,6 @@ def run(args):
 
 def compile_only(args):
     from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, STORAGE_OF_CODE, describe_resources
-
     from cutedsl_gemm.runtime.compile import compile_instance
     from cutedsl_gemm.selection.instances import select
     from cutedsl_gemm.tools.ptx_inspect import keep_artifacts

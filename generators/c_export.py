@@ -23,9 +23,9 @@ from typing import Dict, List, Tuple
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import jinja2
-from cutedsl_gemm.generators.runner import code_key
 from cutlass import Int32, Int64
 
+from cutedsl_gemm.generators.runner import code_key
 from cutedsl_gemm.selection.instances import KernelInstance
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
@@ -174,9 +174,9 @@ def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
 
 def _sm90_gemm(inst: KernelInstance):
     """(kernel object, fake args) as the runtime traces them, with a plain fake stream for the C caller."""
-    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
     from cutlass.cute.runtime import make_fake_stream
 
+    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
     from cutedsl_gemm.runtime.compile import fake_gemm_args
 
     cfg = inst.sm90_config()

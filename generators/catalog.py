@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cutedsl_gemm.generators.runner import Interrupted, SelectionError, code_key, pick, run_parallel
-
 from cutedsl_gemm.numerics.formats import RECIPES
 from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
 

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import jinja2
+
 from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, exportable, field_name
 from cutedsl_gemm.generators.runner import code_key, pick_ahead_of_time, run_parallel
-
 from cutedsl_gemm.selection.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
 from cutedsl_gemm.selection.instances import KernelInstance
 

@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple
 
 from cutedsl_gemm.generators.runner import pick_ahead_of_time, run_parallel
-
 from cutedsl_gemm.selection.instances import KernelInstance
 
 

@@ -39,10 +39,9 @@ def torch_scale_layout(s, gran_rows):
 
 
 def distinct_kernels(recipes):
-    """One instance per distinct kernel among the Hopper manifest rows of ``recipes`` (E4M3 x E4M3, bf16 out,
+    """One instance per distinct kernel among the Hopper table rows of ``recipes`` (E4M3 x E4M3, bf16 out,
     no bias): rows that differ only in their dispatch M range share code (``runner.code_key``)."""
     from cutedsl_gemm.generators.runner import code_key
-
     from cutedsl_gemm.selection.instances import select
 
     seen = {}

@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from cutedsl_gemm.generators import catalog as C
 from cutedsl_gemm.generators.runner import Interrupted, SelectionError, TaskResult, code_key, pick
 from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
-
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection import instances as M
 from cutedsl_gemm.selection.dispatch import select_gemm
@@ -61,13 +61,13 @@ def _instance(name):
 # ------------------------------------------------------------------------------------------------
 def test_validate_rejects_promoted_tile_too_wide_for_registers():
     bad = replace(_instance(ROW_BF16), tile_n=256, accum="promoted")
-    with pytest.raises(M.ManifestError, match=r"promoted accumulation.*tile_n=256 > \d+ does not fit") as e:
+    with pytest.raises(M.InstanceTableError, match=r"promoted accumulation.*tile_n=256 > \d+ does not fit") as e:
         M.validate(bad)
     assert bad.name in str(e.value)
 
 
 def test_validate_rejects_stages_beyond_shared_memory():
-    with pytest.raises(M.ManifestError,
+    with pytest.raises(M.InstanceTableError,
                        match=r"12 stages of \d+ B .* need \d+ B of shared memory; the budget is \d+ B"):
         M.validate(replace(_instance(ROW_BF16), stages=12))
 
@@ -75,14 +75,14 @@ def test_validate_rejects_stages_beyond_shared_memory():
 def test_validate_rejects_a_paired_tile_too_wide_for_its_registers():
     # two CTAs per SM launch at 128 registers per thread: ptxas cannot build 64x208 (C7602), 64x192 builds
     paired = replace(_instance(PAIR), accum="fast", tile_n=256)
-    with pytest.raises(M.ManifestError, match=r"two CTAs per SM .* at most 192 wide, got tile_n=256"):
+    with pytest.raises(M.InstanceTableError, match=r"two CTAs per SM .* at most 192 wide, got tile_n=256"):
         M.validate(paired)
     M.validate(replace(paired, tile_n=192))
 
 
 def test_expand_refuses_a_bad_table_row():
     row = M.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
-    with pytest.raises(M.ManifestError, match="does not fit"):
+    with pytest.raises(M.InstanceTableError, match="does not fit"):
         M.expand([row])
 
 
@@ -408,7 +408,6 @@ def test_exported_gemm_runs_and_matches_reference(exported, exported_lib, which)
 def test_precompile_uses_the_runtime_cache_key(monkeypatch):
     """precompile must fill exactly the entry scaled_mm looks up."""
     from cutedsl_gemm.generators.precompile import cache_key
-
     from cutedsl_gemm.runtime import launch
 
     seen = []
@@ -427,7 +426,6 @@ def test_precompile_uses_the_runtime_cache_key(monkeypatch):
 @pytest.mark.compile
 def test_precompile_fills_the_cache_once(tmp_path, monkeypatch):
     from cutedsl_gemm.generators.precompile import precompile
-
     from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
@@ -683,7 +681,6 @@ def test_cli_refuses_a_bad_job_count_in_one_line(cmd, jobs, tmp_path, capsys):
 
 def test_cli_reports_an_interrupt_in_one_line(monkeypatch, capsys):
     from cutedsl_gemm.generators import precompile as P
-
     from cutedsl_gemm.tools.cli import main
 
     def interrupted(*a, **k):

@@ -407,6 +407,7 @@ def test_scale_tma_boxes(kind):
 
 def test_budgets_smem_tmem_and_expect_tx():
     import cutlass
+
     from cutedsl_gemm.kernels.sm100 import BlockScaling, Sm100F8F6F4Gemm, describe_resources
 
     dense = describe_resources(Sm100F8F6F4Gemm())
@@ -456,11 +457,11 @@ def test_block_scaled_rows_validate_and_out_checks():
     (inst,) = table.select(arch="sm_100a", recipe="mx", a_dtype="e2m1", out_dtype="bf16", bias_dtype=None,
                            schedule="1sm")
     assert inst.mma_kind == "mxf4" and inst.tile_k == 256  # 128 bytes of packed e2m1 per row and K tile
-    with pytest.raises(table.ManifestError, match="tile_n=128"):
+    with pytest.raises(table.InstanceTableError, match="tile_n=128"):
         table.validate(replace(inst, tile_n=64))
-    with pytest.raises(table.ManifestError, match="is no tcgen05 kind"):
+    with pytest.raises(table.InstanceTableError, match="is no tcgen05 kind"):
         table.validate(replace(inst, recipe="nvfp4", a_dtype=table.F8F6F4, b_dtype=table.F8F6F4))
-    with pytest.raises(table.ManifestError, match="is no tcgen05 kind"):
+    with pytest.raises(table.InstanceTableError, match="is no tcgen05 kind"):
         table.validate(replace(inst, recipe="1x128_128x128"))
     with pytest.raises(ValueError, match=r"out must be a \(4, 8\)"):
         P.check_out(torch.empty(4, 9), 4, 8, torch.float32)

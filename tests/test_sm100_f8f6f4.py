@@ -202,7 +202,7 @@ def test_sm100_rows_are_checked_by_their_kernel():
                        (dict(recipe="nvfp4"), "is no tcgen05 kind"),  # NVFP4 takes e2m1 operands only
                        (dict(stages=4), "fixes"),
                        (dict(tile_k=256), "tile_k must be the kernel's K tile, 128")):
-        with pytest.raises(table.ManifestError, match=match):
+        with pytest.raises(table.InstanceTableError, match=match):
             table.validate(replace(inst, **bad))
     table.validate(replace(inst, tile_n=64, schedule="1sm", cluster_m=1))  # the kernel builds 64-wide tiles too
 
@@ -225,8 +225,9 @@ def test_launch_refuses_cpu_or_non_blackwell():
 
 
 def test_static_instruction_descriptor_matches_dsl_builder():
-    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, Sm100F8F6F4Gemm
     from cutlass.experimental import primitives as prims
+
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, Sm100F8F6F4Gemm
 
     for m, n in ((128, 64), (128, 128), (256, 128), (256, 256)):
         want = int(prims.Tcgen05InstrDesc.build(c_dtype=__import__("cutlass").Float32, m_dim=m, n_dim=n))

@@ -5,10 +5,10 @@ import re
 from dataclasses import replace
 
 import pytest
-from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
+from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection import instances as manifest
+from cutedsl_gemm.selection import instances as table
 from cutedsl_gemm.tools.ptx_inspect import find_ptxas, ptxas_performance_notes
 from cutedsl_gemm.tools.ptx_inspect import inspect_instance as _inspect_uncached
 
@@ -226,22 +226,22 @@ def test_fast_accumulation_dispatch_uses_its_own_rates():
         != dispatch.TILE_RATES[(128, 144)]
 
 
-def test_manifest_rejects_oversize_tiles_with_reason():
-    bad = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
-    with pytest.raises(manifest.ManifestError, match="does not fit"):
-        manifest.expand([bad])
-    too_many = manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, stages=6, accum="fast")
-    with pytest.raises(manifest.ManifestError, match="shared memory"):
-        manifest.expand([too_many])
+def test_table_rejects_oversize_tiles_with_reason():
+    bad = table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
+    with pytest.raises(table.InstanceTableError, match="does not fit"):
+        table.expand([bad])
+    too_many = table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, stages=6, accum="fast")
+    with pytest.raises(table.InstanceTableError, match="shared memory"):
+        table.expand([too_many])
 
 
-def test_manifest_rejects_bad_decode_tiles_with_reason():
-    narrow = manifest.TileConfig("sm_90a", "gemm", "small_m", ("row",), 128, 8, swap_ab=True)
-    with pytest.raises(manifest.ManifestError, match="multiple of 16"):
-        manifest.expand([narrow])
-    deep_block = manifest.TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128",), 128, 16, swap_ab=True, tile_k=256)
-    with pytest.raises(manifest.ManifestError, match="needs tile_k=128"):
-        manifest.expand([deep_block])
+def test_table_rejects_bad_decode_tiles_with_reason():
+    narrow = table.TileConfig("sm_90a", "gemm", "small_m", ("row",), 128, 8, swap_ab=True)
+    with pytest.raises(table.InstanceTableError, match="multiple of 16"):
+        table.expand([narrow])
+    deep_block = table.TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128",), 128, 16, swap_ab=True, tile_k=256)
+    with pytest.raises(table.InstanceTableError, match="needs tile_k=128"):
+        table.expand([deep_block])
 
 
 @pytest.mark.parametrize("recipe", ["1x128_128x128", "128x128_128x128", "1x128_1x128"])
@@ -258,9 +258,9 @@ def test_dispatch_picks_the_tile_width_by_wave_cost(recipe):
     assert first.tile_n == 128
 
 
-def test_dispatch_reads_the_manifest():
+def test_dispatch_reads_the_instance_table():
     inst = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 1000)
-    assert inst in manifest.INSTANCES and inst.accum == "promoted"
+    assert inst in table.INSTANCES and inst.accum == "promoted"
     with pytest.raises(dispatch.NoKernelError, match="no kernel instance"):
         dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "int8", None, 10)
 
@@ -276,15 +276,15 @@ def test_two_ctas_per_sm_compile_for_half_an_sm():
     assert rep.has(r"\.minnctapersm\s+2") and rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+216\b")
     assert 0 < rep.registers <= 128 and rep.frame_bytes == 0
     assert 2 * (Sm90Fp8Gemm(inst.sm90_config()).smem_bytes + 1024) <= 233472 == smem_capacity(1) + 1024
-    with pytest.raises(manifest.ManifestError, match="tile_m=64"):
-        manifest.expand([manifest.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128, ctas_per_sm=2)])
+    with pytest.raises(table.InstanceTableError, match="tile_m=64"):
+        table.expand([table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128, ctas_per_sm=2)])
 
 
 def test_block_scaled_pairs_give_the_consumers_224_registers_and_do_not_spill():
     """Block-scaled tiles with two CTAs per SM: the producer warp group (TMA warp and scale warp) drops to 32
     registers so the consumers get 224. At 40 / 216 the DeepSeek recipe's fp32-output 64x192 pair spilled
     12 bytes (with the scale warp)."""
-    inst = next(i for i in manifest.INSTANCES if i.recipe == "1x128_128x128" and i.ctas_per_sm == 2
+    inst = next(i for i in table.INSTANCES if i.recipe == "1x128_128x128" and i.ctas_per_sm == 2
                 and i.out_dtype == "fp32" and i.bias_dtype == "fp32")
     rep = inspect_instance(inst)
     assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+32\b")
@@ -300,7 +300,7 @@ def test_epilogue_buffers_take_only_what_the_stages_leave():
 
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, smem_capacity
 
-    for inst in {i for i in manifest.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}:
+    for inst in {i for i in table.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}:
         cfg = inst.sm90_config()
         stages = cfg.stages or Sm90Fp8Gemm.max_stages(cfg)
         two = _replace(cfg, epi_stages=2)
@@ -321,7 +321,7 @@ def test_multi_row_clusters_walk_a_band_of_16_cta_rows():
     table row with clusters of 2 or 4 rows: 4x1 clusters walking 8 cluster rows (32 CTA rows) ran narrow outputs
     4-9% slower (M=6144 N=576 K=7168 per-tensor 47.8-49.6 us vs 46.2-46.3 with 4, on an H100). One-row clusters
     keep 8; an explicit group_m overrides the rule."""
-    rows = {i.sm90_config() for i in manifest.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}
+    rows = {i.sm90_config() for i in table.INSTANCES if i.arch == "sm_90a" and i.op == "gemm"}
     assert any(c.cluster_m == 4 for c in rows) and any(c.cluster_m == 2 for c in rows)
     for cfg in rows:
         if cfg.cluster_m > 1:
@@ -591,7 +591,6 @@ def test_kernels_trace_without_deprecated_dsl_names(deprecations):
     user's compile and go away in a later release: the Hopper GEMM (cooperative and swapped decode) traces
     without a DeprecationWarning."""
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
-
     from cutedsl_gemm.runtime.compile import compile_gemm
 
     found = deprecations(

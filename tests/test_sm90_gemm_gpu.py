@@ -148,7 +148,7 @@ def test_repeated_signature_still_checks_alignment_and_computes_fresh_data():
 
 
 @pytest.mark.parametrize("inst", distinct_kernels(["row"]), ids=lambda i: i.name)
-def test_every_manifest_tile_on_a_shape_nothing_divides(inst):
+def test_every_table_tile_on_a_shape_nothing_divides(inst):
     """Each row of the table launched directly (not only where dispatch sends the seed shapes): M, N, K
     that no tile divides, K split where the instance can, NaN-poisoned output."""
     _check_launched_directly(inst, 333, 1040, 720, splits=3)
@@ -167,7 +167,7 @@ def _check_launched_directly(inst, m, n, k, splits):
 
 @pytest.mark.parametrize("k", [128, 384, 720], ids=lambda k: f"k{k}")
 @pytest.mark.parametrize("inst", distinct_kernels(["row", "tensor"]), ids=lambda i: i.name)
-def test_every_manifest_tile_with_several_tiles_per_cta(inst, k):
+def test_every_table_tile_with_several_tiles_per_cta(inst, k):
     """Persistent CTAs run several tiles one after another (pipeline state, accumulators and epilogue buffers
     carried from tile to tile), which the small shapes above never make most tiles do. A 4000 x 3008 output
     (N a multiple of 16, as TMA needs; partial edge tiles for most tile shapes) gives every CTA several

@@ -6,7 +6,7 @@ import pytest
 
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection import instances as manifest
+from cutedsl_gemm.selection import instances as table
 from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
 
@@ -65,7 +65,7 @@ def test_more_tiles_than_sms_means_no_split():
 
 
 def test_split_k_instances():
-    rows = manifest.select(arch="sm_90a", op="gemm")
+    rows = table.select(arch="sm_90a", op="gemm")
     assert all(r.sm90_config().split_k == (r.tile_n <= 192) for r in rows)
     assert all(r.can_split_k for r in rows if r.accum == "promoted" or r.schedule == "small_m")
     fast_wide = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 4096, "fast", n=8192, sms=132)

@@ -285,7 +285,7 @@ TABLE: Tuple[TileConfig, ...] = (
 )
 
 
-class ManifestError(ValueError):
+class InstanceTableError(ValueError):
     pass
 
 
@@ -321,7 +321,7 @@ def _check_sm100(inst: KernelInstance) -> None:
 
 
 def validate(inst: KernelInstance) -> None:
-    """Raise ManifestError with the reason if an instance cannot be built.
+    """Raise InstanceTableError with the reason if an instance cannot be built.
 
     The rules live with the kernel classes (they own their shared-memory plans); this only routes.
     """
@@ -335,7 +335,7 @@ def validate(inst: KernelInstance) -> None:
         else:
             raise ValueError(f"no kernel family for arch={inst.arch} op={inst.op}")
     except (ValueError, TypeError) as e:
-        raise ManifestError(f"{inst.name}: {e}") from None
+        raise InstanceTableError(f"{inst.name}: {e}") from None
 
 
 def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
