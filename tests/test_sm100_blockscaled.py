@@ -98,7 +98,7 @@ def sm100_env():
 def test_quantizer_compiles_for_sm100(sm100_env, recipe, fmt, dtype, cg):
     from cutedsl_gemm.ops.quantize import compile_quantizer
 
-    ptx = compile_quantizer(recipe, fmt, dtype, cg, keep_ptx=True).__ptx__
+    ptx = compile_quantizer(recipe, fmt, dtype, cg, keep_ptx=True, arch="sm_100a").__ptx__
     assert ptx and ".target sm_100a" in ptx
     # vectorised global loads of the input block, no approximate division anywhere
     assert re.search(r"ld\.global(\.\w+)*\.v[24]\.b(32|64)", ptx)

@@ -41,6 +41,7 @@ device), the layouts the Blackwell block-scaled GEMMs and ``F.scaled_mm`` read.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 
 import torch
@@ -328,14 +329,16 @@ def _block_recipe(name: str, fmt):
 
 
 def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, compute_global: bool = False,
-                      keep_ptx: bool = False):
-    """``cute.compile`` the MX / NVFP4 quantizer kernel (no GPU needed; the DSL's target arch applies).
+                      keep_ptx: bool = False, arch: str | None = None):
+    """``cute.compile`` the MX / NVFP4 quantizer kernel (no GPU needed) for ``arch``, by default the DSL's
+    target arch (``CUTE_DSL_ARCH``, else the current GPU's).
 
     Call signature of the result: ``fn(x, q_bytes, scale_bytes, global_scale, amax_scratch)`` on the
     current stream. ``keep_ptx`` keeps the PTX text on the result (``.__ptx__``); what the DSL dumps on
     the way goes to a temporary directory that is removed.
     """
     from cutedsl_gemm.kernels.sm100.quantize_mx import compile_block_scale
+    from cutedsl_gemm.runtime.compile import targeting  # imports the DSL: only when compiling
 
     fmt = element_format(fmt)
     rec = _block_recipe(recipe, fmt)
@@ -343,10 +346,11 @@ def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, 
     if src not in BLOCK_QUANTIZER_INPUTS:
         raise TypeError(f"quantizer input must be bfloat16 or float32; got {in_dtype}")
     args = (rec, _element_code(fmt), src.cutlass_dtype(), compute_global)
-    if not keep_ptx:
-        return compile_block_scale(*args)
-    with tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_") as dump_dir:
-        return compile_block_scale(*args, ptx_dump_dir=dump_dir)
+    with contextlib.ExitStack() as stack:
+        if arch is not None:
+            stack.enter_context(targeting(arch))
+        dump_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_")) if keep_ptx else None
+        return compile_block_scale(*args, ptx_dump_dir=dump_dir, arch=arch)
 
 
 def _quantizer(recipe: str, fmt, in_dtype: torch.dtype, compute_global: bool):

@@ -26,7 +26,7 @@ SM100_SCALE_ALIGN = 16
 
 
 @contextlib.contextmanager
-def _targeting(arch: str):
+def targeting(arch: str):
     """The DSL's target arch is ``arch`` inside: kernel constructors make ops that check it (the block-scaled
     kernel's Blackwell TMA op), which ``--gpu-arch`` alone does not set. So no GPU and no env var are needed."""
     from cutlass.cutlass_dsl import CuTeDSL
@@ -41,7 +41,7 @@ def _targeting(arch: str):
 
 
 def _compile(entry, args, arch: str):
-    """``cute.compile`` for ``arch`` (inside ``_targeting(arch)``, where the kernel object was built)."""
+    """``cute.compile`` for ``arch`` (inside ``targeting(arch)``, where the kernel object was built)."""
     return cute.compile(entry, *args, options=f"{COMPILE_OPTIONS} --gpu-arch {arch}")
 
 
@@ -88,7 +88,7 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
 
 def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):
     """The Hopper GEMM of one configuration, compiled for ``arch``."""
-    with _targeting(arch):
+    with targeting(arch):
         return _compile(Sm90Fp8Gemm(cfg), fake_gemm_args(cfg), arch)
 
 
@@ -131,7 +131,7 @@ def compile_instance(inst):
     if (inst.arch, inst.op) == ("sm_90a", "gemm"):
         return compile_gemm(inst.sm90_config(), inst.arch)
     if (inst.arch, inst.op) == ("sm_100a", "gemm"):
-        with _targeting(inst.arch):
+        with targeting(inst.arch):
             kernel = inst.sm100_kernel()
             entry = kernel if kernel.scaling is None else kernel.call_block_scaled
             return _compile(entry, fake_sm100_args(inst), inst.arch)
