@@ -350,21 +350,22 @@ _COMPILE_SCRIPT = textwrap.dedent(
     """
     import json, sys, cutlass
     from cutedsl_gemm.kernels.sm90 import quantize_fp8 as Q
+    from cutedsl_gemm.runtime.compile import compile_entry as C
     out = sys.argv[1]
     B, H, F = cutlass.BFloat16, cutlass.Float16, cutlass.Float32
     E4, E5 = cutlass.Float8E4M3FN, cutlass.Float8E5M2
     jobs = {
-        "group_bf16_e4m3": lambda: Q.compile_group(B, E4, 448.0, 128, True),
-        "group_f32_e4m3_rowmajor": lambda: Q.compile_group(F, E4, 448.0, 128, False),
-        "block128_bf16_e4m3": lambda: Q.compile_block(B, E4, 448.0, 128),
-        "block128_f16_e5m2": lambda: Q.compile_block(H, E5, 57344.0, 128),
-        "block256_bf16_e4m3": lambda: Q.compile_block(B, E4, 448.0, 256),
-        "block256_f32_e4m3": lambda: Q.compile_block(F, E4, 448.0, 256),
-        "rowblock8192_bf16_e4m3": lambda: Q.compile_row_block(B, E4, 448.0, 8192, threads=256),
-        "row_bf16_e4m3": lambda: Q.compile_row(B, E4, 448.0),
-        "row_f32_e4m3": lambda: Q.compile_row(F, E4, 448.0),
-        "tensor_amax_bf16": lambda: Q.compile_tensor_amax(B),
-        "tensor_cast_bf16_e4m3": lambda: Q.compile_tensor_cast(B, E4, 448.0),
+        "group_bf16_e4m3": lambda: C(*Q.group_entry(B, E4, 448.0, 128, True)),
+        "group_f32_e4m3_rowmajor": lambda: C(*Q.group_entry(F, E4, 448.0, 128, False)),
+        "block128_bf16_e4m3": lambda: C(*Q.block_entry(B, E4, 448.0, 128)),
+        "block128_f16_e5m2": lambda: C(*Q.block_entry(H, E5, 57344.0, 128)),
+        "block256_bf16_e4m3": lambda: C(*Q.block_entry(B, E4, 448.0, 256)),
+        "block256_f32_e4m3": lambda: C(*Q.block_entry(F, E4, 448.0, 256)),
+        "rowblock8192_bf16_e4m3": lambda: C(*Q.row_block_entry(B, E4, 448.0, 8192, threads=256)),
+        "row_bf16_e4m3": lambda: C(*Q.row_entry(B, E4, 448.0)),
+        "row_f32_e4m3": lambda: C(*Q.row_entry(F, E4, 448.0)),
+        "tensor_amax_bf16": lambda: C(*Q.tensor_amax_entry(B)),
+        "tensor_cast_bf16_e4m3": lambda: C(*Q.tensor_cast_entry(B, E4, 448.0)),
     }
     for name, job in jobs.items():
         with open(f"{out}/{name}.ptx", "w") as f:

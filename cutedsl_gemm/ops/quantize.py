@@ -243,19 +243,22 @@ def _get(kind, x, fmt, *cfg):
     key = ("quantize_fp8", kind, src.cutlass_name, fmt.name) + tuple(cfg) + tuple(sorted(tune.items()))
 
     def build():
+        from cutedsl_gemm.runtime.compile import compile_entry  # imports the DSL: only when compiling
+
         ti, to = src.cutlass_dtype(), fmt.cutlass_dtype()
         if kind == "group":
-            return K.compile_group(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major", **tune)
+            mn_major = cfg[1] == "mn_major"
+            return compile_entry(*K.group_entry(ti, to, fmt.max_finite, cfg[0], scale_mn_major=mn_major, **tune))
         if kind == "block":
-            return K.compile_block(ti, to, fmt.max_finite, cfg[0], **tune)
+            return compile_entry(*K.block_entry(ti, to, fmt.max_finite, cfg[0], **tune))
         if kind == "row_block":
-            return K.compile_row_block(ti, to, fmt.max_finite, cfg[1], threads=cfg[0], **tune)
+            return compile_entry(*K.row_block_entry(ti, to, fmt.max_finite, cfg[1], threads=cfg[0], **tune))
         if kind == "row":
-            return K.compile_row(ti, to, fmt.max_finite, **tune)
+            return compile_entry(*K.row_entry(ti, to, fmt.max_finite, **tune))
         if kind == "tensor_amax":
-            return K.compile_tensor_amax(ti, **tune)
+            return compile_entry(*K.tensor_amax_entry(ti, **tune))
         if kind == "tensor_cast":
-            return K.compile_tensor_cast(ti, to, fmt.max_finite, **tune)
+            return compile_entry(*K.tensor_cast_entry(ti, to, fmt.max_finite, **tune))
         raise AssertionError(kind)
 
     return KERNEL_CACHE.get(key, build)
@@ -337,20 +340,20 @@ def compile_quantizer(recipe: str, fmt, in_dtype: torch.dtype = torch.bfloat16, 
     current stream. ``keep_ptx`` keeps the PTX text on the result (``.__ptx__``); what the DSL dumps on
     the way goes to a temporary directory that is removed.
     """
-    from cutedsl_gemm.kernels.sm100.quantize_mx import compile_block_scale
-    from cutedsl_gemm.runtime.compile import targeting  # imports the DSL: only when compiling
+    from cutedsl_gemm.kernels.sm100.quantize_mx import block_scale_entry
+    from cutedsl_gemm.runtime.compile import compile_entry, targeting  # import the DSL: only when compiling
 
     fmt = element_format(fmt)
     rec = _block_recipe(recipe, fmt)
     src = DTYPE_FORMATS.get(in_dtype)
     if src not in BLOCK_QUANTIZER_INPUTS:
         raise TypeError(f"quantizer input must be bfloat16 or float32; got {in_dtype}")
-    args = (rec, _element_code(fmt), src.cutlass_dtype(), compute_global)
     with contextlib.ExitStack() as stack:
         if arch is not None:
             stack.enter_context(targeting(arch))
         dump_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_")) if keep_ptx else None
-        return compile_block_scale(*args, ptx_dump_dir=dump_dir, arch=arch)
+        entry = block_scale_entry(rec, _element_code(fmt), src.cutlass_dtype(), compute_global)
+        return compile_entry(*entry, arch=arch, ptx_dump_dir=dump_dir)
 
 
 def _quantizer(recipe: str, fmt, in_dtype: torch.dtype, compute_global: bool):

@@ -1,7 +1,9 @@
-"""Tracing the GEMM kernels: fake (shape-symbolic) arguments and ``cute.compile`` for one instance of the table.
+"""Tracing the kernels: fake (shape-symbolic) arguments and ``cute.compile`` for one instance of the table.
 
-``compile_instance`` is the one compile path of every GEMM family: the JIT cache, precompile, export and the
-catalog all go through it.
+``compile_entry`` is the one place ``cute.compile`` runs, with the project's options (TVM-FFI calling
+convention, target arch, kept PTX). ``compile_instance`` is the one compile path of every GEMM family: the JIT
+cache, precompile, export and the catalog all go through it; the quantizers compile their kernels'
+``*_entry`` through ``compile_entry`` (``ops/quantize.py``).
 """
 
 from __future__ import annotations
@@ -40,9 +42,14 @@ def targeting(arch: str):
         envar.arch = saved
 
 
-def _compile(entry, args, arch: str):
-    """``cute.compile`` for ``arch`` (inside ``targeting(arch)``, where the kernel object was built)."""
-    return cute.compile(entry, *args, options=f"{COMPILE_OPTIONS} --gpu-arch {arch}")
+def compile_entry(entry, args, arch: str | None = None, ptx_dump_dir: str | None = None):
+    """``cute.compile(entry, *args)`` for ``arch`` (default: the DSL's target arch, ``CUTE_DSL_ARCH`` or the
+    current GPU's); with ``ptx_dump_dir`` (an existing directory) the PTX is kept on the result (``.__ptx__``).
+    A kernel object whose constructor checks the arch must be built inside ``targeting(arch)`` too."""
+    options = COMPILE_OPTIONS + ("" if arch is None else f" --gpu-arch {arch}")
+    options += "" if ptx_dump_dir is None else f" --keep-ptx --dump-dir={ptx_dump_dir}"
+    with targeting(arch) if arch is not None else contextlib.nullcontext():
+        return cute.compile(entry, *args, options=options)
 
 
 def fake_gemm_args(cfg: Sm90GemmConfig):
@@ -89,7 +96,7 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
 def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):
     """The Hopper GEMM of one configuration, compiled for ``arch``."""
     with targeting(arch):
-        return _compile(Sm90Fp8Gemm(cfg), fake_gemm_args(cfg), arch)
+        return compile_entry(Sm90Fp8Gemm(cfg), fake_gemm_args(cfg), arch)
 
 
 def fake_sm100_args(inst):
@@ -134,5 +141,5 @@ def compile_instance(inst):
         with targeting(inst.arch):
             kernel = inst.sm100_kernel()
             entry = kernel if kernel.scaling is None else kernel.call_block_scaled
-            return _compile(entry, fake_sm100_args(inst), inst.arch)
+            return compile_entry(entry, fake_sm100_args(inst), inst.arch)
     raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")

@@ -254,14 +254,12 @@ class BlockScaleQuantizer:
 # ---------------------------------------------------------------------- compilation
 
 
-def compile_block_scale(recipe: BlockRecipe, element: ElementCode, in_dtype, compute_global: bool = False,
-                        ptx_dump_dir: str | None = None, arch: str | None = None):
-    """``cute.compile`` the quantizer for fake (dynamic-shape) tensors; returns the TVM-FFI callable.
+def block_scale_entry(recipe: BlockRecipe, element: ElementCode, in_dtype, compute_global: bool = False):
+    """(entry, fake dynamic-shape arguments) of the quantizer for ``cute.compile``, which the host runs
+    (runtime.compile.compile_entry).
 
-    ``in_dtype`` is ``cutlass.BFloat16`` or ``cutlass.Float32``. Call signature:
-    ``fn(x, q_bytes, scale_bytes, global_scale, amax_scratch)`` on the current stream. With
-    ``ptx_dump_dir`` (an existing directory the caller owns) the PTX is kept on the result (``.__ptx__``);
-    ``arch`` (e.g. "sm_100a") overrides the DSL's target arch.
+    ``in_dtype`` is ``cutlass.BFloat16`` or ``cutlass.Float32``. The compiled function's call signature:
+    ``fn(x, q_bytes, scale_bytes, global_scale, amax_scratch)`` on the current stream.
     """
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
@@ -275,6 +273,4 @@ def compile_block_scale(recipe: BlockRecipe, element: ElementCode, in_dtype, com
     fg = make_fake_compact_tensor(Float32, (1,), assumed_align=4)
     fa = make_fake_compact_tensor(Int32, (1,), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=True)
-    opts = "--enable-tvm-ffi" + ("" if ptx_dump_dir is None else f" --keep-ptx --dump-dir={ptx_dump_dir}")
-    opts += "" if arch is None else f" --gpu-arch {arch}"
-    return cute.compile(q, fx, fq, fs, fg, fa, stream, options=opts)
+    return q, (fx, fq, fs, fg, fa, stream)

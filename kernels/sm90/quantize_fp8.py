@@ -501,13 +501,14 @@ def _fakes_xq(in_dtype, out_dtype):
     return _fake_2d(in_dtype, (M, K)), _fake_2d(out_dtype, (M, K))
 
 
-def _compile(fn, *args):
+def _entry(fn, *args):
+    """(entry, fake arguments) for ``cute.compile``, which the host runs (runtime.compile.compile_entry)."""
     from cutlass.cute.runtime import make_fake_stream
 
-    return cute.compile(fn, *args, make_fake_stream(use_tvm_ffi_env_stream=True), options="--enable-tvm-ffi")
+    return fn, (*args, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def compile_group(in_dtype, out_dtype, fmax, block=128, scale_mn_major=True, **tune):
+def group_entry(in_dtype, out_dtype, fmax, block=128, scale_mn_major=True, **tune):
     """1xblock groups. Call as f(x (M,K), q (M,K), s (M, ceil(K/block)), s) with s M-major or row-major."""
     if block != 128:
         raise ValueError(f"group width must be 128, got {block}")
@@ -515,37 +516,37 @@ def compile_group(in_dtype, out_dtype, fmax, block=128, scale_mn_major=True, **t
     k = TileQuant(in_dtype, out_dtype, fmax, MODE_GROUP, **tune)
     x, q = _fakes_xq(in_dtype, out_dtype)
     s = _fake_2d(Float32, (cute.sym_int(), cute.sym_int()), row_major=not scale_mn_major, align=4)
-    return _compile(k.launch, x, q, s, s)
+    return _entry(k.launch, x, q, s, s)
 
 
-def compile_block(in_dtype, out_dtype, fmax, block=128, **tune):
+def block_entry(in_dtype, out_dtype, fmax, block=128, **tune):
     """blockxblock blocks. Call as f(x, q, s, s) with s row-major (ceil(M/block), L), L >= ceil(K/block)."""
     if block not in (128, 256):
         raise ValueError(f"block must be 128 or 256, got {block}")
     k = TileQuant(in_dtype, out_dtype, fmax, MODE_BLOCK, block_rows=block, block_cols=block, **tune)
     x, q = _fakes_xq(in_dtype, out_dtype)
     s = _fake_2d(Float32, (cute.sym_int(), cute.sym_int()), align=4)
-    return _compile(k.launch, x, q, s, s)
+    return _entry(k.launch, x, q, s, s)
 
 
-def compile_row_block(in_dtype, out_dtype, fmax, block_cols, **tune):
+def row_block_entry(in_dtype, out_dtype, fmax, block_cols, **tune):
     """Per-row for K <= block_cols: one 1 x block_cols block per CTA. Call as f(x, q, s (M, 1), s)."""
     k = TileQuant(in_dtype, out_dtype, fmax, MODE_BLOCK, block_rows=1, block_cols=block_cols, **tune)
     x, q = _fakes_xq(in_dtype, out_dtype)
     s = _fake_2d(Float32, (cute.sym_int(), 1), align=4)
-    return _compile(k.launch, x, q, s, s)
+    return _entry(k.launch, x, q, s, s)
 
 
-def compile_tensor_amax(in_dtype, **tune):
+def tensor_amax_entry(in_dtype, **tune):
     """Per-tensor pass 1. Call as f(x, part (G,)): grid = G CTAs, one partial max each."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
     part = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
     x, _ = _fakes_xq(in_dtype, cutlass.Float8E4M3FN)
-    return _compile(TensorAmax(in_dtype, **tune).launch, x, part)
+    return _entry(TensorAmax(in_dtype, **tune).launch, x, part)
 
 
-def compile_tensor_cast(in_dtype, out_dtype, fmax, **tune):
+def tensor_cast_entry(in_dtype, out_dtype, fmax, **tune):
     """Per-tensor pass 2. Call as f(x, q, s (1,), part (G,))."""
     from cutlass.cute.runtime import make_fake_compact_tensor
 
@@ -553,11 +554,11 @@ def compile_tensor_cast(in_dtype, out_dtype, fmax, **tune):
     part = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
     s = make_fake_compact_tensor(Float32, (1,), assumed_align=4)
     x, q = _fakes_xq(in_dtype, out_dtype)
-    return _compile(TileQuant(in_dtype, out_dtype, fmax, MODE_TENSOR_CAST, **tune).launch, x, q, s, part)
+    return _entry(TileQuant(in_dtype, out_dtype, fmax, MODE_TENSOR_CAST, **tune).launch, x, q, s, part)
 
 
-def compile_row(in_dtype, out_dtype, fmax, **tune):
+def row_entry(in_dtype, out_dtype, fmax, **tune):
     """Per-row, two passes (any K). Call as f(x, q, s (M, 1) contiguous)."""
     x, q = _fakes_xq(in_dtype, out_dtype)
     s = _fake_2d(Float32, (cute.sym_int(), 1), align=4)
-    return _compile(RowQuant(in_dtype, out_dtype, fmax, **tune).launch, x, q, s)
+    return _entry(RowQuant(in_dtype, out_dtype, fmax, **tune).launch, x, q, s)
