@@ -1,11 +1,12 @@
 """One instance of the table through the DSL's C export: compile for the target arch, write ``<key>.o`` and
 ``<key>.h``, and describe the entry point for the registry templates.
 
-The entry's arguments are read from the kernel class's ``__call__`` signature, so a kernel that gains an
-argument (e.g. split-K buffers) is exported without editing this file. Each tensor argument is described
-mode by mode from the fake tensor it was traced with: a fixed extent/stride, or a run-time value with its
-divisibility, and for extents which other tensor modes hold the same value (the same ``SymInt`` object:
-M, N, K). The registry turns that into argument checks.
+The kernel's entry and fake arguments are the runtime's (``cutedsl_gemm.runtime.compile``: the Hopper GEMM's
+``__call__``, the sm_100a GEMM's ``__call__`` or ``call_block_scaled``). The entry's arguments are read from its
+signature, so a kernel that gains an argument (e.g. split-K buffers) is exported without editing this file.
+Each tensor argument is described mode by mode from the fake tensor it was traced with: a fixed extent/stride,
+or a run-time value with its divisibility, and for extents which other tensor modes hold the same value (the
+same ``SymInt`` object: M, N, K). The registry turns that into argument checks.
 
 Compiles without ``--enable-tvm-ffi``: the DSL's C export (header + object) exists only for the plain
 calling convention; a TVM-FFI compile exports a bare object with a packed-function symbol and no header
@@ -30,11 +31,13 @@ from cutedsl_gemm.selection.instances import KernelInstance
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
-MAX_SYMS = 16  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel
+MAX_SYMS = 32  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel (sm_100a: 19)
+EXPORTED_ARCHS = ("sm_90a", "sm_100a")  # the GEMM families with a C export
 
-# Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case.
+# Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case. Every
+# family's output is d and its persistent grid size max_clusters.
 KNOWN_FIELDS = {"mA": "a", "mB": "b", "mD": "d", "mSA": "scale_a", "mSB": "scale_b", "mBias": "bias",
-                "mWorkspace": "workspace", "mCounters": "counters"}
+                "mWorkspace": "workspace", "mCounters": "counters", "c": "d", "max_active_clusters": "max_clusters"}
 
 
 class ExportError(RuntimeError):
@@ -48,9 +51,19 @@ def field_name(param: str) -> str:
     return re.sub(r"(?<=[a-z0-9])([A-Z])", r"_\1", base).lower()
 
 
-def entry_params(kernel_cls) -> Tuple[Tuple[str, str], ...]:
-    """(name, kind) of the kernel entry's arguments; kind: tensor | int32 | int64 | stream."""
-    params = list(inspect.signature(kernel_cls.__call__).parameters.values())[1:]  # drop self
+def _entry_name(entry) -> str:
+    owner = getattr(entry, "__self__", entry)
+    owner = owner if isinstance(owner, type) else type(owner)
+    return f"{owner.__name__}.{getattr(entry, '__name__', '__call__')}"
+
+
+def entry_params(entry) -> Tuple[Tuple[str, str], ...]:
+    """(name, kind) of a kernel entry's arguments (a kernel class: its ``__call__``; a kernel object or a bound
+    entry method: that call); kind: tensor | int32 | int64 | stream."""
+    if isinstance(entry, type):
+        params = list(inspect.signature(entry.__call__).parameters.values())[1:]  # drop self
+    else:
+        params = list(inspect.signature(entry).parameters.values())
     out = []
     for p in params:
         ann = p.annotation
@@ -64,10 +77,10 @@ def entry_params(kernel_cls) -> Tuple[Tuple[str, str], ...]:
         elif text.endswith("Int64"):
             kind = "int64"
         else:
-            raise ExportError(f"{kernel_cls.__name__}.__call__: cannot export argument {p.name}: {text!r}")
+            raise ExportError(f"{_entry_name(entry)}: cannot export argument {p.name}: {text!r}")
         out.append((p.name, kind))
     if [k for _, k in out].count("stream") != 1 or out[-1][1] != "stream":
-        raise ExportError(f"{kernel_cls.__name__}.__call__ must end with one stream argument, got {out}")
+        raise ExportError(f"{_entry_name(entry)} must end with one stream argument, got {out}")
     return tuple(out)
 
 
@@ -80,18 +93,20 @@ def _env() -> jinja2.Environment:
                               keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
 
 
-def entry_class(kernel_cls, params) -> type:
-    """A ``@cute.jit`` class with the kernel's arguments, typed for the C header (generated once per signature)."""
-    cls = _ENTRIES.get(params)
+def entry_class(kernel_cls, params, method: str = "__call__") -> type:
+    """A ``@cute.jit`` class with the arguments of the kernel's entry ``method``, typed for the C header
+    (generated once per signature and method)."""
+    cls = _ENTRIES.get((params, method))
     if cls is None:
         src = _env().get_template("c_entry.py.j2").render(
-            kernel=kernel_cls.__name__, params=[{"name": n, "annotation": _ANNOTATIONS[k]} for n, k in params])
+            kernel=kernel_cls.__name__, method=method,
+            params=[{"name": n, "annotation": _ANNOTATIONS[k]} for n, k in params])
         fname = f"<cutedsl_gemm C entry {hashlib.sha256(src.encode()).hexdigest()[:12]}>"
         # The DSL compiles from the source of what it traces; linecache serves it for generated code.
         linecache.cache[fname] = (len(src), None, src.splitlines(True), fname)
         ns = {"cute": cute, "cuda": cuda, "Int32": Int32, "Int64": Int64}
         exec(compile(src, fname, "exec"), ns)
-        cls = _ENTRIES[params] = ns["GemmCEntry"]
+        cls = _ENTRIES[(params, method)] = ns["GemmCEntry"]
     return cls
 
 
@@ -172,22 +187,29 @@ def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
     return {"wrapper": wrapper, "return_type": ret_type}
 
 
-def _sm90_gemm(inst: KernelInstance):
-    """(kernel object, fake args) as the runtime traces them, with a plain fake stream for the C caller."""
+def traced_entry(inst: KernelInstance):
+    """(kernel object, entry method name, fake args) as the runtime traces them, with a plain fake stream for
+    the C caller. Call inside ``targeting(inst.arch)``."""
     from cutlass.cute.runtime import make_fake_stream
 
-    from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-    from cutedsl_gemm.runtime.compile import fake_gemm_args
+    from cutedsl_gemm.runtime import compile as rc
 
-    cfg = inst.sm90_config()
-    args = list(fake_gemm_args(cfg))
+    if inst.arch == "sm_90a":
+        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
+
+        cfg = inst.sm90_config()
+        entry, args = Sm90Fp8Gemm(cfg), rc.fake_gemm_args(cfg)
+    else:
+        entry, args = rc.sm100_entry(inst)
+    kernel = getattr(entry, "__self__", entry)
+    args = list(args)
     args[-1] = make_fake_stream()  # the C caller passes its stream; there is no TVM-FFI environment stream
-    return Sm90Fp8Gemm(cfg), args, cfg
+    return kernel, getattr(entry, "__name__", "__call__"), args
 
 
 def exportable(inst: KernelInstance) -> bool:
-    """Whether the C export covers the instance's kernel family (the Hopper GEMMs)."""
-    return inst.arch == "sm_90a" and inst.op == "gemm"
+    """Whether the C export covers the instance's kernel family (the Hopper and sm_100a GEMMs)."""
+    return inst.arch in EXPORTED_ARCHS and inst.op == "gemm"
 
 
 def export_one(job: Tuple[KernelInstance, str]) -> dict:
@@ -195,13 +217,17 @@ def export_one(job: Tuple[KernelInstance, str]) -> dict:
     inst, kernels_dir = job
     if not exportable(inst):
         raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}")
-    kernel, args, cfg = _sm90_gemm(inst)
-    params = entry_params(type(kernel))
-    if len(args) != len(params):
-        raise ExportError(f"{inst.name}: the traced arguments ({len(args)}) do not match "
-                          f"{type(kernel).__name__}.__call__ ({[n for n, _ in params]})")
-    specs = tensor_specs(params, args)
-    compiled = cute.compile(entry_class(type(kernel), params)(kernel), *args, options=f"--gpu-arch {inst.arch}")
+    from cutedsl_gemm.runtime.compile import targeting
+
+    with targeting(inst.arch):
+        kernel, method, args = traced_entry(inst)
+        params = entry_params(getattr(kernel, method) if method != "__call__" else kernel)
+        if len(args) != len(params):
+            raise ExportError(f"{inst.name}: the traced arguments ({len(args)}) do not match "
+                              f"{type(kernel).__name__}.{method} ({[n for n, _ in params]})")
+        specs = tensor_specs(params, args)
+        entry = entry_class(type(kernel), params, method)(kernel)
+        compiled = cute.compile(entry, *args, options=f"--gpu-arch {inst.arch}")
     _load_runtime_globally()
     key = code_key(inst)
     compiled.export_to_c(kernels_dir, key, function_prefix=key)
@@ -210,4 +236,4 @@ def export_one(job: Tuple[KernelInstance, str]) -> dict:
     if num_syms > MAX_SYMS:
         raise ExportError(f"{inst.name}: {num_syms} run-time extents, the registry tracks at most {MAX_SYMS}")
     return {"key": key, "params": params, "tensors": specs, "num_syms": num_syms,
-            "tile_k": int(kernel.tile_shape_mnk[2]), "split_k": bool(getattr(cfg, "split_k", False)), **info}
+            "tile_k": inst.tile_k, "split_k": inst.can_split_k, **info}

@@ -1,6 +1,6 @@
 """Ahead-of-time export: instances of the table as C object files + headers, a registry, a build file.
 
-``cutedsl-gemm export --arch sm_90a --out DIR`` needs no GPU. Per instance it compiles the kernel for the
+``cutedsl-gemm export --arch sm_90a|sm_100a --out DIR`` needs no GPU. Per instance it compiles the kernel for the
 target arch and writes what the DSL's C export produces (``kernels/<key>.o`` holding host launch code and
 the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templates/``):
 
@@ -27,10 +27,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import jinja2
 
-from cutedsl_gemm.generators.c_export import TEMPLATES, ExportError, export_one, exportable, field_name
+from cutedsl_gemm.generators.c_export import (
+    EXPORTED_ARCHS,
+    MAX_SYMS,
+    TEMPLATES,
+    ExportError,
+    export_one,
+    exportable,
+    field_name,
+)
 from cutedsl_gemm.generators.runner import code_key, pick_ahead_of_time, run_parallel
 from cutedsl_gemm.selection.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
-from cutedsl_gemm.selection.instances import KernelInstance
+from cutedsl_gemm.selection.instances import F8F6F4, KernelInstance
 
 LIB_NAME = "cutedsl_gemm_kernels"
 C_TYPES = {"int32": "int32_t", "int64": "int64_t"}
@@ -39,12 +47,24 @@ FIELD_DOCS = {
     "a": "(M, K) row-major",
     "b": "(K, N) column-major: w.t() of a row-major (N, K) weight",
     "d": "(M, N) row-major output",
-    "scale_a": "fp32: (1,) | (M, 1) | block recipes (M or M/128 blocks, K/128)",
-    "scale_b": "fp32: (1,) | (1, N) | block recipes (N or N/128 blocks, K/128)",
+    "scale_a": "fp32: (1,) | (M, 1) | block recipes (M or M/128 blocks, K/128); sm_100a: (1,) (NVFP4's global scale, "
+               "else 1)",
+    "scale_b": "fp32: (1,) | (1, N) | block recipes (N or N/128 blocks, K/128); sm_100a: (1,) (NVFP4's global scale, "
+               "else 1)",
     "bias": "(N,); ignored by instances built without bias",
     "workspace": "split-K fp32 partials, >= tiles x splits x tile_m x tile_n; data NULL when splits <= 1",
     "counters": "split-K int32, one per output tile, zeroed before first use (launches leave them zero)",
     "splits": "K splits: <= 1 none; > 1 only on split_k instances (normalised: no empty split)",
+    **{f"{x}{bits}": f"sm_100a: {x} as ({rows}, {what}) bytes if its format is {fmts}; else any aligned stand-in "
+                     "(never read)"
+       for x, rows in (("a", "M"), ("b", "N"))
+       for bits, what, fmts in (("8", "K", "8-bit (e4m3, e5m2; the FP4 kinds' packed e2m1: K/2 bytes)"),
+                                ("6", "K*3/4", "6-bit (e2m3, e3m2)"), ("4", "K/2", "4-bit (e2m1 of the f8f6f4 kind)"))},
+    "sfa": "sm_100a block-scaled kinds: a's block scales, blocked as int32 words (row atoms, column atoms x 128)",
+    "sfb": "sm_100a block-scaled kinds: b's block scales, blocked as int32 words (row atoms, column atoms x 128)",
+    "k": "sm_100a: K in elements (the byte views do not give it)",
+    "fmt_a": "sm_100a: a's format, as cutedsl_gemm.kernels.sm100.f8f6f4_gemm.MMA_FORMAT_CODE",
+    "fmt_b": "sm_100a: b's format, as cutedsl_gemm.kernels.sm100.f8f6f4_gemm.MMA_FORMAT_CODE",
     "max_clusters": "persistent clusters to launch; <= 0: the clusters the current device holds at once (SM count / "
                     "cluster size; 10/11 of that for clusters of more than 2 CTAs, as dispatch.cluster_slots)",
 }
@@ -77,17 +97,50 @@ def _c_plan(kernel: dict, inst: KernelInstance, max_splits: int) -> dict:
                     slot += 1
         t["assign"] = lines
     idx = {t["role"]: i for i, t in enumerate(kernel["tensors"])}
-    missing = {"a", "b", "d"} - set(idx)
-    if missing:
-        raise ExportError(f"{kernel['key']}: the entry has no {sorted(missing)} tensor (the registry's GEMM roles)")
-    scalars = [{"name": n, "ctype": C_TYPES[k]} for n, k in kernel["params"] if k in C_TYPES]
-    names = {s["name"] for s in scalars}
+    scalars = [{"name": n, "field": field_name(n), "ctype": C_TYPES[k]} for n, k in kernel["params"] if k in C_TYPES]
+    var = {s["field"]: s["name"] for s in scalars}  # field of cutedsl_gemm_args_t -> the launch's local variable
+    # M and N are the output's extents; K is a's (Hopper) or a scalar (sm_100a: its operands are byte views).
+    if "d" not in idx or ("a" not in idx and "k" not in var):
+        raise ExportError(f"{kernel['key']}: the entry needs a d tensor and an a tensor or a k scalar (the registry's "
+                          f"M, N, K); it has {sorted(idx)} and scalars {sorted(var)}")
     call = [f"&{n}" if k == "tensor" else n for n, k in kernel["params"]]
-    return {**kernel, "idx": idx, "scalars": scalars, "scalar_names": names, "call_args": call,
-            "splits": "splits" in names and {"workspace", "counters"} <= set(idx), "max_splits": max_splits,
+    formats = _operand_formats(inst) if {"fmt_a", "fmt_b"} <= set(var) else []
+    return {**kernel, "formats": formats, "formats_text": ", ".join(f"{f['name']} {f['code']}" for f in formats),
+            "operand_views": [[idx[f"{x}{bits}"] for bits in (8, 6, 4)] for x in "ab"] if formats else [],
+            "idx": idx, "scalars": scalars, "scalar_names": set(var), "call_args": call,
+            "k_extent": f"views[{idx['a']}].shape[1]" if "a" in idx else "(int64_t)args->k",
+            "clusters_var": var.get("max_clusters"),
+            "splits": "splits" in var and {"workspace", "counters"} <= set(idx), "max_splits": max_splits,
             "has_bias": inst.bias_dtype is not None, "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n,
             "tile_m": inst.tile_m, "tile_n": inst.tile_n, "swap_ab": inst.swap_ab,
             "split_tail": inst.split_tail, "ctas_per_sm": inst.ctas_per_sm}
+
+
+def merged_params(signatures) -> Tuple[Tuple[str, str], ...]:
+    """One argument list for the selected entries (an sm_100a export holds entries with and without block
+    scales): the longest entry's arguments, then any other's, each field once and of one kind."""
+    merged: Dict[str, Tuple[str, str]] = {}
+    for sig in sorted(signatures, key=lambda s: (-len(s), s)):
+        for name, kind in sig:
+            prev = merged.setdefault(field_name(name), (name, kind))
+            if prev[1] != kind:
+                raise ExportError(f"argument {name} is a {kind} in one selected entry and {prev[0]} a {prev[1]} in "
+                                  f"another; export them separately (--filter)")
+    return tuple(merged.values())
+
+
+def _operand_formats(inst: KernelInstance) -> List[dict]:
+    """The operand formats an sm_100a kernel takes at run time: code (``fmt_a`` / ``fmt_b``), the byte view
+    its rows are read from (0, 1, 2: the 8-, 6-, 4-bit view) and its bits per element. The packed FP4 kinds
+    take e2m1 only, read through the 8-bit view (as ``runtime.launch`` plans their calls)."""
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, STORAGE_8BIT, STORAGE_OF_CODE
+    from cutedsl_gemm.numerics.formats import element_format
+
+    if inst.a_dtype != F8F6F4:
+        code = MMA_FORMAT_CODE[inst.a_dtype]
+        return [{"code": code, "view": STORAGE_8BIT, "bits": element_format(inst.a_dtype).bits, "name": inst.a_dtype}]
+    return [{"code": c, "view": STORAGE_OF_CODE[c], "bits": element_format(n).bits, "name": n}
+            for n, c in MMA_FORMAT_CODE.items()]
 
 
 def _arg_fields(params) -> List[dict]:
@@ -163,7 +216,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
     refused = [i for i in insts if not exportable(i)]
     if refused:
         raise ExportError(f"no AOT exporter for {refused[0].arch} {refused[0].op} instances (the C export covers "
-                          f"sm_90a GEMMs); selected e.g. {refused[0].name}")
+                          f"{' and '.join(EXPORTED_ARCHS)} GEMMs); selected e.g. {refused[0].name}")
     out = Path(out_dir).resolve()
     _check_out_dir(out)
     kdir = out / "kernels"
@@ -185,9 +238,6 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
                           "\n".join(f"  {r.item[0].name}: {r.error}" for r in failed))
     kernels = {r.value["key"]: r.value for r in results}
     signatures = {tuple(k["params"]) for k in kernels.values()}
-    if len(signatures) != 1:
-        raise ExportError(f"the selected instances have different entry signatures ({sorted(signatures)}); "
-                          f"export them separately (--filter)")
     from cutedsl_gemm.selection import dispatch
 
     max_splits = int(getattr(dispatch, "MAX_SPLITS", 1 << 30))
@@ -199,7 +249,8 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         "long_k": LONG_K,
         "fingerprint": source_fingerprint(),
         "kernels": [_c_plan(kernels[k], inst, max_splits) for k, inst in first.items()],
-        "arg_fields": _arg_fields(next(iter(signatures))),
+        "arg_fields": _arg_fields(merged_params(signatures)),
+        "max_syms": MAX_SYMS,
         "entries": [{"key": code_key(i), "fields": _fields(i), "name": i.name, "rate": tile_rate(i),
                      "rate_long_k": tile_rate(i, LONG_K),
                      "split_k": kernels[code_key(i)]["split_k"]} for i in insts],

@@ -132,6 +132,13 @@ def fake_sm100_args(inst):
     return (*operands, scale_words(), scale_words(), *rest)
 
 
+def sm100_entry(inst):
+    """(entry, fake args) of an sm_100a instance: its kernel's ``__call__``, or ``call_block_scaled`` for the
+    block-scaled kinds. Call inside ``targeting(inst.arch)``: the kernel's constructor checks the arch."""
+    kernel = inst.sm100_kernel()
+    return (kernel if kernel.scaling is None else kernel.call_block_scaled), fake_sm100_args(inst)
+
+
 def compile_instance(inst):
     """``cute.compile`` the kernel of an instance of the table for its arch: the one compile path that the JIT
     cache, precompile, export and the catalog share."""
@@ -139,7 +146,5 @@ def compile_instance(inst):
         return compile_gemm(inst.sm90_config(), inst.arch)
     if (inst.arch, inst.op) == ("sm_100a", "gemm"):
         with targeting(inst.arch):
-            kernel = inst.sm100_kernel()
-            entry = kernel if kernel.scaling is None else kernel.call_block_scaled
-            return compile_entry(entry, fake_sm100_args(inst), inst.arch)
+            return compile_entry(*sm100_entry(inst), inst.arch)
     raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")
