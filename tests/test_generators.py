@@ -207,10 +207,11 @@ def test_export_writes_objects_headers_registry_and_build_files(exported):
 
 
 @pytest.mark.compile
-def test_exported_library_links_with_every_symbol_resolved(exported_lib):
+@pytest.mark.parametrize("library", ["exported_lib", "exported_sm100_lib"])
+def test_exported_library_links_with_every_symbol_resolved(library, request):
     # build_shared links with -Wl,--no-undefined (and -Werror on the registry), so reaching here proves it.
-    syms = subprocess.run(["nm", "-D", "--defined-only", str(exported_lib)], capture_output=True, text=True,
-                          check=True).stdout
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(request.getfixturevalue(library))], capture_output=True,
+                          text=True, check=True).stdout
     for fn in ("cutedsl_gemm_find", "cutedsl_gemm_launch", "cutedsl_gemm_kernel_count", "cutedsl_gemm_last_error"):
         assert f" T {fn}\n" in syms
 
@@ -372,14 +373,6 @@ def test_sm100_export_writes_objects_headers_and_registry(exported_sm100):
     assert all(f"cdg_launch_{k}" in registry for k in keys)
     record = json.loads((out / "export.json").read_text())
     assert record["complete"] and [e["name"] for e in record["instances"]] == list(SM100_EXPORTED)
-
-
-@pytest.mark.compile
-def test_sm100_exported_library_links_with_every_symbol_resolved(exported_sm100_lib):
-    syms = subprocess.run(["nm", "-D", "--defined-only", str(exported_sm100_lib)], capture_output=True, text=True,
-                          check=True).stdout
-    for fn in ("cutedsl_gemm_find", "cutedsl_gemm_launch", "cutedsl_gemm_kernel_count", "cutedsl_gemm_last_error"):
-        assert f" T {fn}\n" in syms
 
 
 @pytest.mark.compile
