@@ -186,17 +186,22 @@ def _fake_args(args_type, m, n, k, base=1 << 20):
                      scale_b=_view(base + (4 << 24), (1, n), (n, 1)))
 
 
-@pytest.mark.compile
-def test_export_writes_objects_headers_registry_and_build_files(exported):
-    out = exported.out_dir
-    keys = [code_key(_instance(n)) for n in EXPORTED]
-    assert sorted(exported.kernels) == sorted(keys)
+def _check_exported_objects(out, keys):
+    """Each exported key has its header (wrapper, module loader) and an object defining its init and entry."""
     for key in keys:
         header = (out / "kernels" / f"{key}.h").read_text()
         assert f"cute_dsl_{key}_wrapper" in header and f"{key}_Kernel_Module_Load" in header
         syms = subprocess.run(["nm", "-g", "--defined-only", str(out / "kernels" / f"{key}.o")],
                               capture_output=True, text=True, check=True).stdout
         assert f"_mlir_{key}_cuda_init" in syms and f"_mlir_{key}__mlir_ciface_" in syms
+
+
+@pytest.mark.compile
+def test_export_writes_objects_headers_registry_and_build_files(exported):
+    out = exported.out_dir
+    keys = [code_key(_instance(n)) for n in EXPORTED]
+    assert sorted(exported.kernels) == sorted(keys)
+    _check_exported_objects(out, keys)
     registry = (out / "cutedsl_gemm_registry.c").read_text()
     assert all(f"cdg_launch_{k}" in registry for k in keys)
     assert "cutedsl_gemm_find" in (out / "cutedsl_gemm_registry.h").read_text()
@@ -353,12 +358,7 @@ def test_sm100_export_writes_objects_headers_and_registry(exported_sm100):
     assert [(i.schedule, i.mma_kind) for i in insts] == [("1sm", "f8f6f4"), ("2sm", "f8f6f4"), ("1sm", "mxf4nvf4")]
     keys = [code_key(i) for i in insts]
     assert sorted(exported_sm100.kernels) == sorted(keys)
-    for key in keys:
-        header = (out / "kernels" / f"{key}.h").read_text()
-        assert f"cute_dsl_{key}_wrapper" in header and f"{key}_Kernel_Module_Load" in header
-        syms = subprocess.run(["nm", "-g", "--defined-only", str(out / "kernels" / f"{key}.o")],
-                              capture_output=True, text=True, check=True).stdout
-        assert f"_mlir_{key}_cuda_init" in syms and f"_mlir_{key}__mlir_ciface_" in syms
+    _check_exported_objects(out, keys)
     # The dense kernels' __call__ and the block-scaled call_block_scaled, in one argument struct.
     assert [n for n, _ in exported_sm100.kernels[keys[0]]["params"]][6:8] == ["c", "scale_a"]
     assert [n for n, _ in exported_sm100.kernels[keys[2]]["params"]][6:9] == ["sfa", "sfb", "c"]
