@@ -4,12 +4,18 @@
     python -m benchmarks.bench_gemm --sets decode --recipes tensor,row,1x128_128x128   (-> results/gemm_decode.json)
     python -m benchmarks.bench_gemm --sets square --recipes tensor,row --fast-accum    (-> gemm_square_fast.json)
     python -m benchmarks.bench_gemm --e2e      (bf16 activations in: quantize + GEMM, ours vs torch + cuBLAS)
+    python -m benchmarks.bench_gemm --sets square,dsv3 --recipes int8 --name gemm_int8   (W8A8, see below)
 
 Prints one row per shape: our time, cuBLAS's in the same run, their ratio (cuBLAS / ours: above 1 is faster
 than cuBLAS), TFLOPS and % of the 1979 TFLOPS FP8 peak, GB/s and % of 3.0 TB/s, the time of the same
 product in BF16 (torch.matmul), and the relative error of both FP8 results against the float64 reference;
 then geomeans per set and recipe. The run's table goes to benchmarks/results/<name>.json (see common.write_result):
 decode shapes (M <= 128) report bandwidth, the others TFLOPS.
+
+Recipe ``int8`` (W8A8: int8 operands, per-token x per-channel scales) times our int8 scaled_mm against
+``torch._int_mm`` followed by the scale multiply in torch (in the cuBLAS columns; it refuses M <= 16), and adds
+our per-tensor FP8 GEMM with fast accumulation on the same shapes (the kernel the int8 one shares, at the same
+tensor-core rate) as the "FP8 us" column.
 """
 
 from __future__ import annotations
@@ -21,26 +27,31 @@ import torch.nn.functional as F
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.tools.anchors import cublas_call, make_operands
+from cutedsl_gemm.tools.anchors import cublas_call, int_mm_call, make_operands
 
 from . import common
 from .common import FP8_TFLOPS, HBM_TBPS, SET_TITLES, SETS, bench, gbps, geomean, tflops
 
 DECODE_MAX_M = 128  # up to here a GEMM is bound by streaming W: its table reports bandwidth
+INT8 = "int8"  # the W8A8 rows: int8 operands with row-wise scales, against torch._int_mm + the scale multiply
 
 
 def measure_one(set_name, m, n, k, recipe, check=True, fast_accum=False):
-    """Ours, cuBLAS and BF16 on the same data for one shape and recipe, with both FP8 results' errors."""
-    qa, qw, sa, sb, plain = make_operands(m, n, k, recipe)
+    """Ours, cuBLAS and BF16 on the same data for one shape and recipe, with both low-precision results' errors
+    (and for ``int8``, our per-tensor FP8 GEMM's time)."""
+    int8 = recipe == INT8
+    scales = "row" if int8 else recipe
+    qa, qw, sa, sb, plain = make_operands(m, n, k, scales, fmt_a="int8" if int8 else "e4m3",
+                                          fmt_b="int8" if int8 else "e4m3")
     b = qw.t()
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
     def ours():
         cutedsl_gemm.scaled_mm(qa, b, sa, sb, out_dtype=torch.bfloat16, out=out, use_fast_accum=fast_accum)
 
-    cublas = cublas_call(recipe, qa, b, sa, sb, fast_accum)
+    cublas = int_mm_call(qa, b, sa, sb) if int8 else cublas_call(recipe, qa, b, sa, sb, fast_accum)
     ours()
-    ref = R.reference_gemm(*plain, recipe) if check else None
+    ref = R.reference_gemm(*plain, scales) if check else None
     err = R.rel_error(out, ref) if check else float("nan")
     try:
         c_out = cublas()
@@ -52,9 +63,19 @@ def measure_one(set_name, m, n, k, recipe, check=True, fast_accum=False):
     abf, wbf = qa.to(torch.bfloat16), qw.to(torch.bfloat16)
     t_bf = bench(lambda: torch.matmul(abf, wbf.t())) * 1e3
     tf = tflops(m, n, k, t_o / 1e3)
-    return dict(set=set_name, recipe=recipe, fast_accum=fast_accum, m=m, n=n, k=k, ours_us=t_o, cublas_us=t_c,
-                bf16_us=t_bf, ratio=t_c / t_o, tflops=tf, pct_peak=100 * tf / FP8_TFLOPS,
-                gbps=gbps(m, n, k, t_o / 1e3), err=err, cublas_err=c_err)
+    row = dict(set=set_name, recipe=recipe, fast_accum=fast_accum, m=m, n=n, k=k, ours_us=t_o, cublas_us=t_c,
+               bf16_us=t_bf, ratio=t_c / t_o, tflops=tf, pct_peak=100 * tf / FP8_TFLOPS,
+               gbps=gbps(m, n, k, t_o / 1e3), err=err, cublas_err=c_err)
+    if int8:
+        row["fp8_us"] = fp8_tensor_us(m, n, k)
+    return row
+
+
+def fp8_tensor_us(m, n, k):
+    """Our per-tensor FP8 GEMM with fast accumulation (the int8 kernels' FP8 twin) on an M x N x K shape, in us."""
+    qa, qw, sa, sb, _ = make_operands(m, n, k, "tensor")
+    out = torch.empty((m, n), dtype=torch.bfloat16, device="cuda")
+    return bench(lambda: cutedsl_gemm.scaled_mm(qa, qw.t(), sa, sb, out=out, use_fast_accum=True)) * 1e3
 
 
 def measure(sets, recipes, check=True, fast_accum=False):
@@ -67,9 +88,10 @@ def measure(sets, recipes, check=True, fast_accum=False):
             for recipe in recipes:
                 r = measure_one(set_name, m, n, k, recipe, check, fast_accum)
                 rows.append(r)
+                fp8 = f" | FP8 us {r['fp8_us']:.1f}" if "fp8_us" in r else ""
                 print(f"{set_name:16s} {recipe:15s} {m:5d} {n:5d} {k:5d} | {r['ours_us']:8.1f} {r['cublas_us']:9.1f} "
                       f"{r['ratio']:6.3f} | {r['tflops']:7.0f} {r['pct_peak']:5.1f}% {r['gbps']:6.0f} | "
-                      f"{r['err']:8.2e} {r['cublas_err']:10.2e} | {r['bf16_us']:.1f}")
+                      f"{r['err']:8.2e} {r['cublas_err']:10.2e} | {r['bf16_us']:.1f}{fp8}")
     return rows
 
 
@@ -84,6 +106,9 @@ def geomeans(rows, sets, recipes):
                 g = tuple(geomean([r[c] for r in sel]) for c in ("ratio", "ours_us", "cublas_us"))
                 out[(set_name, recipe)] = g
                 print(f"  {set_name:16s} {recipe:15s} ratio {g[0]:.3f}  ours {g[1]:.1f} us  cuBLAS {g[2]:.1f} us")
+                if recipe == INT8:  # the target: at the FP8 rate (FP8 us / int8 us >= 0.95)
+                    print(f"  {set_name:16s} {recipe:15s} FP8 us / int8 us "
+                          f"{geomean([r['fp8_us'] / r['ours_us'] for r in sel]):.3f}")
     return out
 
 
@@ -92,14 +117,16 @@ def result_table(rows, sets):
     memory_bound = all(r["m"] <= DECODE_MAX_M for r in rows)
     head = ["set"] if len(sets) > 1 else []
     rate = ["GB/s", f"% of {HBM_TBPS:g} TB/s"] if memory_bound else ["TFLOPS", f"% of {FP8_TFLOPS:g}"]
-    columns = head + ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", *rate, "BF16 us"]
+    fp8 = any("fp8_us" in r for r in rows)  # int8 rows: our per-tensor FP8 GEMM on the same shape
+    columns = head + ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", *rate, "BF16 us"] + ["FP8 us"] * fp8
     table = []
     for r in rows:
         rates = ([round(r["gbps"]), round(common.pct_of_hbm(r["gbps"]), 1)] if memory_bound
                  else [round(r["tflops"], 1), round(r["pct_peak"], 1)])
         table.append(([r["set"]] if head else []) + [r["recipe"], r["m"], r["n"], r["k"], round(r["ours_us"], 2),
                                                      round(r["cublas_us"], 2), round(r["ratio"], 3), *rates,
-                                                     round(r["bf16_us"], 2)])
+                                                     round(r["bf16_us"], 2)]
+                     + [round(r.get("fp8_us", float("nan")), 2)] * fp8)
     return columns, table
 
 
@@ -107,9 +134,10 @@ def default_name(sets, fast_accum):
     return "gemm_" + "_".join(sets) + ("_fast" if fast_accum else "")
 
 
-def title(sets, fast_accum):
+def title(sets, fast_accum, recipes=()):
     where = ", ".join(SET_TITLES.get(s, s) for s in sets)
-    return f"FP8 GEMM, {where}" + (" (use_fast_accum=True)" if fast_accum else "")
+    kind = "INT8 (W8A8) GEMM" if list(recipes) == [INT8] else "FP8 GEMM"
+    return f"{kind}, {where}" + (" (use_fast_accum=True)" if fast_accum else "")
 
 
 def run(sets, recipes, args=None, check=True, fast_accum=False):
@@ -120,7 +148,13 @@ def run(sets, recipes, args=None, check=True, fast_accum=False):
         summary = {f"geomean ratio {s + ' ' if len(sets) > 1 else ''}{rec}": round(g[0], 3)
                    for (s, rec), g in means.items()}
         notes = f"{common.timing_notes()}; cuBLAS timed in the same run; ratio = cuBLAS us / ours us"
-        common.save_result(args, default_name(sets, fast_accum), title(sets, fast_accum), columns, table,
+        if INT8 in recipes:
+            notes += "; int8: cuBLAS column = torch._int_mm + the scale multiply in torch; FP8 us = our per-tensor " \
+                     "FP8 GEMM with use_fast_accum=True"
+            summary.update({f"geomean FP8/int8 {s}": round(geomean([r["fp8_us"] / r["ours_us"] for r in rows
+                                                                    if r["set"] == s and r["recipe"] == INT8]), 3)
+                            for s in sets})
+        common.save_result(args, default_name(sets, fast_accum), title(sets, fast_accum, recipes), columns, table,
                            summary=summary, notes=notes)
     return rows
 

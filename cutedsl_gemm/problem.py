@@ -22,6 +22,7 @@ from cutedsl_gemm.numerics.formats import (
     F8F6F4_FORMATS,
     FLOAT_FORMATS,
     FP8_FORMATS,
+    INT8,
     RECIPES,
     ScaleGranularity,
     ceil_div,
@@ -38,6 +39,11 @@ G = ScaleGranularity
 FP8_DTYPES = tuple(f.torch_dtype for f in FP8_FORMATS)
 FP8_NAMES = {f.torch_dtype: f.name for f in FP8_FORMATS}
 OUT_NAMES = {f.torch_dtype: f.name for f in FLOAT_FORMATS}
+#: The largest K of an int8 GEMM: its int32 sums of K products stay exact (no overflow) for any int8 data, whose
+#: products are at most 128 * 128 in magnitude (for the quantizers' |q| <= 127 it would be 133,144).
+INT8_MAX_K = (2**31 - 1) // (128 * 128)
+#: What the int8 GEMMs take as scales (the row-wise and tensor-wise FP8 layouts)
+INT8_SCALES = "fp32 TensorWise (one element each) or RowWise (scale_a (M, 1), scale_b (1, N)) scales"
 TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row strides
 #: TMA unpacking of packed FP4 / FP6 (.b4x16_p64 / .b6x16_p32) reads 128-element rows from 32-byte aligned bases.
 SUBBYTE_BASE_ALIGN = 32
@@ -182,7 +188,7 @@ class GemmProblem:
     m: int
     n: int
     k: int
-    a_format: str  # element format: "e4m3" | "e5m2" (and on sm_100a "e3m2" | "e2m3" | "e2m1")
+    a_format: str  # element format: "e4m3" | "e5m2" | "int8" (and on sm_100a "e3m2" | "e2m3" | "e2m1")
     b_format: str
     out_name: str  # "bf16" | "fp16" | "fp32"
     bias_name: Optional[str]  # None, or the dtype the kernel reads the bias in
@@ -280,8 +286,14 @@ def describe_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_ac
     """Validate a ``scaled_mm`` call: (GemmProblem, GemmOperands) for ``device``'s GPU, or with ``target`` =
     (arch, SMs) for that GPU instead (the checks need no device: CPU tensors describe a call too)."""
     arch, sms = device_info(device.index) if target is None else target
+    int8 = is_int8_call(a, b)
+    if int8:
+        _check_int8_call(arch, a, b, scale_a, scale_b, scale_recipe_a, scale_recipe_b, swizzle_a, swizzle_b, fmt_a,
+                         fmt_b)
     if arch == SM90:
-        _refuse_on_hopper(a, b, scale_a, scale_b, scale_recipe_a, scale_recipe_b, swizzle_a, swizzle_b, fmt_a, fmt_b)
+        if not int8:
+            _refuse_on_hopper(a, b, scale_a, scale_b, scale_recipe_a, scale_recipe_b, swizzle_a, swizzle_b, fmt_a,
+                              fmt_b)
         return _describe_sm90(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum, scale_recipe_a,
                               scale_recipe_b, schedule, split_k, arch, sms, device.index)
     if arch == SM100:
@@ -294,6 +306,47 @@ def describe_scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_ac
 # ------------------------------------------------------------------------------------------------
 # Hopper (sm_90a)
 # ------------------------------------------------------------------------------------------------
+
+
+def is_int8_call(a, b) -> bool:
+    """Either operand is torch.int8 (a W8A8 call, checked by ``_check_int8_call``)."""
+    return getattr(a, "dtype", None) == INT8.torch_dtype or getattr(b, "dtype", None) == INT8.torch_dtype
+
+
+def _check_int8_call(arch, a, b, scale_a, scale_b, scale_recipe_a, scale_recipe_b, swizzle_a, swizzle_b, fmt_a,
+                     fmt_b):
+    """An int8 call runs on Hopper with both operands int8 and epilogue scales; anything else gets one error.
+    (Scale shapes and dtypes are checked with the FP8 recipes' rules in ``_describe_sm90``.)"""
+    if arch != SM90:
+        raise ValueError(f"int8 operands run on Hopper (sm_90a); {runs(arch)}")
+    if a.dtype != b.dtype:
+        raise TypeError(f"int8 operands pair with int8 (s8 x s8 WGMMA): a is {a.dtype}, b is {b.dtype}; mixed int8 / "
+                        "FP8 operands are not supported")
+    if fmt_a is not None or fmt_b is not None:
+        raise ValueError("fmt_a / fmt_b name the f8f6f4 formats of byte operands; torch.int8 operands take none")
+    for name, s, rec, swz in (("scale_a", scale_a, scale_recipe_a, swizzle_a),
+                              ("scale_b", scale_b, scale_recipe_b, swizzle_b)):
+        grans = [G.named(r) for r in (rec if isinstance(rec, (list, tuple)) else [rec]) if r is not None]
+        if isinstance(s, (list, tuple)) or any(g not in (G.TENSOR, G.ROW) for g in grans):
+            got = "a list of scales" if isinstance(s, (list, tuple)) else ", ".join(g.scaling_type for g in grans)
+            raise ValueError(f"{name}: int8 operands take {INT8_SCALES}; block scales do not apply (got {got})")
+        if _swizzle_name(name, swz) == SWIZZLED:
+            raise ValueError(f"swizzle_{name[-1]}: int8 operands take {INT8_SCALES}, which have no swizzled layout")
+
+
+def _check_int8_scales(scale_a, scale_b, m: int, n: int, k: int) -> None:
+    """The scale shapes of an int8 call (then ``scale_layouts.resolve`` can only find the tensor or row recipe) and
+    its K."""
+    if isinstance(scale_a, torch.Tensor) and isinstance(scale_b, torch.Tensor):
+        sa, sb = tuple(scale_a.shape), tuple(scale_b.shape)
+        tensor = scale_a.numel() == 1 and scale_b.numel() == 1 and scale_a.dim() <= 2 and scale_b.dim() <= 2
+        if not tensor and (sa, sb) != ((m, 1), (1, n)):
+            raise ValueError(f"int8 operands take {INT8_SCALES}: for M={m}, N={n}, one element each or ({m}, 1) and "
+                             f"(1, {n}); got {sa} and {sb} (with per-row scales for A, expand a per-tensor scale of W "
+                             "to (1, N))")
+    if k > INT8_MAX_K:
+        raise ValueError(f"K={k}: an int8 GEMM's int32 sums are exact up to K = {INT8_MAX_K} (products of int8 values "
+                         "reach 128 * 128); split K into several GEMMs")
 
 
 def _refuse_on_hopper(a, b, scale_a, scale_b, scale_recipe_a, scale_recipe_b, swizzle_a, swizzle_b, fmt_a, fmt_b):
@@ -332,16 +385,20 @@ def _describe_sm90(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum,
     if k != k2:
         raise ValueError(f"inner dimensions differ: a is {tuple(a.shape)}, b is {tuple(b.shape)} "
                          f"(expected b (K={k}, N))")
-    a_name = require_fp8("a", a)
-    b_name = require_fp8("b", b)
+    int8 = a.dtype == INT8.torch_dtype  # then b is int8 too (_check_int8_call)
+    a_name = INT8.name if int8 else require_fp8("a", a)
+    b_name = INT8.name if int8 else require_fp8("b", b)
     out_name = require_out_dtype(out_dtype)
+    if int8:
+        _check_int8_scales(scale_a, scale_b, m, n, k)
     recipe, sa, sb = scale_layouts.resolve(scale_a, scale_b, m, n, k, scale_recipe_a, scale_recipe_b)
     bias_name = check_bias(bias, n, out_dtype)
     if out is not None:
         check_out(out, m, n, out_dtype)
-    problem = GemmProblem(m, n, k, a_name, b_name, out_name, bias_name, recipe,
-                          "fast" if use_fast_accum and recipe in ("tensor", "row") else "promoted", arch, sms,
-                          device_index, schedule, split_k)
+    # int8 sums are exact whatever use_fast_accum says: its kernels accumulate all of K in the tensor cores.
+    fast = int8 or use_fast_accum and recipe in ("tensor", "row")
+    problem = GemmProblem(m, n, k, a_name, b_name, out_name, bias_name, recipe, "fast" if fast else "promoted", arch,
+                          sms, device_index, schedule, split_k)
     operands = GemmOperands(a, b, sa, sb, bias, out, ceil_div(k, scale_layouts.SCALE_K))
     if problem.is_empty:
         return problem, operands
@@ -479,3 +536,95 @@ def _describe_sm100(a, b, scale_a, scale_b, bias, out_dtype, out, scale_recipe_a
     operands = GemmOperands(a_bytes, b_bytes, kernel_sa, kernel_sb, bias32, out, ceil_div(k, scale_layouts.SCALE_K),
                             glob_a, glob_b)
     return problem, operands
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight-only GEMM (ops/weight_only.py): activations x packed integer weights (numerics/int_packing.py)
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WeightOnlyProblem:
+    """What selection needs to know about a weight-only call."""
+
+    m: int
+    n: int
+    k: int
+    act_name: str  # "bf16" | "fp16": the activations', the dequantized weights' and the output's dtype
+    weight_format: str  # "int4" | "int8"
+    recipe: str  # selection.instances.WEIGHT_ONLY_RECIPES key
+    arch: str
+    sms: int
+    device_index: Optional[int]
+    split_k: Optional[int] = None  # forced K splits, or None
+
+    @property
+    def is_empty(self) -> bool:
+        return self.m == 0 or self.n == 0 or self.k == 0
+
+
+def _check_kernel_vector(name: str, t, shape: tuple, dtype, what: str) -> None:
+    """A scale or zero-point tensor in the kernel's layout: ``shape``, ``dtype``, contiguous, 16-byte aligned."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if tuple(t.shape) != shape or t.dtype != dtype:
+        raise ValueError(f"{name} must be {what}: {dtype} of shape {shape}, got {t.dtype} {tuple(t.shape)} "
+                         "(numerics.int_packing.pack_weights returns it)")
+    if not t.is_contiguous() or t.data_ptr() % TMA_ALIGN:
+        raise ValueError(f"{name} must be contiguous with a {TMA_ALIGN}-byte aligned base address")
+
+
+def describe_weight_only(x, packed_w, scales, zeros, group: int, bits: int, out, split_k, device: torch.device, *,
+                         target=None) -> WeightOnlyProblem:
+    """Validate a ``mm_weight_only`` call (layouts: ``numerics.int_packing``) for ``device``'s GPU, or with
+    ``target`` = (arch, SMs) for that GPU instead."""
+    from cutedsl_gemm.numerics import int_packing as IP
+    from cutedsl_gemm.selection.instances import weight_only_recipe
+
+    arch, sms = device_info(device.index) if target is None else target
+    if arch != SM90:
+        raise RuntimeError(f"the weight-only GEMM runs on Hopper (sm_90a) GPUs; this one is {arch}")
+    IP.check_format(bits, group, zeros is not None)
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D (M, K) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"x must be torch.bfloat16 or torch.float16 (the weights are dequantized to it), got {x.dtype}")
+    m, k = x.shape
+    if k:  # (an empty K has no row layout to check)
+        require_k_major("x", x, 1, "row-major (M, K)")
+    if group and k % group:
+        raise ValueError(f"K must be a multiple of the group size: K={k}, group={group}")
+    if not isinstance(packed_w, torch.Tensor) or packed_w.dtype != torch.int32 or packed_w.dim() != 3:
+        raise ValueError("packed_w must be the int32 (ceil(N / 64), ceil(K / 128), 256 * bits) tensor that "
+                         "numerics.int_packing.pack_weights returns; got "
+                         f"{getattr(packed_w, 'dtype', type(packed_w).__name__)} "
+                         f"{tuple(getattr(packed_w, 'shape', ()))} (unpacked (N, K) weights must be packed first)")
+    if not isinstance(scales, torch.Tensor) or scales.dim() != 2:
+        raise ValueError(f"scales must be 2-D, (K / group, N) or per channel (1, N); got "
+                         f"{tuple(getattr(scales, 'shape', ()))}")
+    n = scales.shape[1]
+    want = (ceil_div(n, IP.ATOM_ROWS), ceil_div(k, IP.ATOM_K), IP.words_per_atom(bits))
+    if tuple(packed_w.shape) != want:
+        other = next((b for b in IP.BITS if b != bits and packed_w.shape[2] == IP.words_per_atom(b)), None)
+        hint = f" (it holds int{other} weights: pass bits={other})" if other else ""
+        raise ValueError(f"packed_w must be int32 {want} for int{bits} weights of N={n} (scales' columns), K={k}; "
+                         f"got {tuple(packed_w.shape)}{hint}")
+    if not packed_w.is_contiguous() or packed_w.data_ptr() % TMA_ALIGN:
+        raise ValueError(f"packed_w must be contiguous with a {TMA_ALIGN}-byte aligned base address")
+    if n % 8:
+        raise ValueError(f"N (the scales' columns) must be a multiple of 8 (TMA loads rows of N scales), got N={n}")
+    if group == IP.PER_CHANNEL:
+        _check_kernel_vector("scales", scales, (1, n), torch.float32, "per-channel scales")
+    else:
+        _check_kernel_vector("scales", scales, (k // group, n), x.dtype, "group-wise scales (K / group, N), x's dtype")
+        if zeros is not None:
+            _check_kernel_vector("zeros", zeros, (k // group, n), x.dtype, "zero points (K / group, N), x's dtype")
+    if out is not None:
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != (m, n) or out.dtype != x.dtype:
+            raise ValueError(f"out must be a ({m}, {n}) {x.dtype} tensor, got "
+                             f"{tuple(getattr(out, 'shape', ()))} {getattr(out, 'dtype', type(out).__name__)}")
+        if not out.is_contiguous():
+            raise ValueError(f"out must be contiguous (row-major), got strides {tuple(out.stride())}")
+    check_overrides(None, split_k, arch)
+    return WeightOnlyProblem(m, n, k, OUT_NAMES[x.dtype], f"int{bits}", weight_only_recipe(group, zeros is not None),
+                             arch, sms, device.index, split_k)

@@ -38,16 +38,17 @@ def torch_scale_layout(s, gran_rows):
     return out
 
 
-def distinct_kernels(recipes):
-    """One instance per distinct kernel among the Hopper table rows of ``recipes`` (E4M3 x E4M3, bf16 out,
-    no bias): rows that differ only in their dispatch M range share code (``runner.code_key``)."""
+def distinct_kernels(recipes, operands="e4m3"):
+    """One instance per distinct kernel among the Hopper table rows of ``recipes`` (``operands`` x ``operands``:
+    E4M3 or INT8; bf16 out, no bias): rows that differ only in their dispatch M range share code
+    (``runner.code_key``)."""
     from cutedsl_gemm.generators.runner import code_key
     from cutedsl_gemm.selection.instances import select
 
     seen = {}
     for recipe in recipes:
-        for i in select(arch="sm_90a", recipe=recipe, a_dtype="e4m3", b_dtype="e4m3", out_dtype="bf16",
-                        bias_dtype=None):
+        for i in select(arch="sm_90a", op="gemm", recipe=recipe, a_dtype=operands, b_dtype=operands,
+                        out_dtype="bf16", bias_dtype=None):
             seen.setdefault(code_key(i), i)
     return list(seen.values())
 

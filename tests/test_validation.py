@@ -154,7 +154,7 @@ def test_what_an_arch_does_not_run_is_refused_with_what_it_runs(route):
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(128, 256, generator=g), torch.randn(64, 256, generator=g)
     mx_a, mx_w = R.quantize_mx_reference(x, "e4m3"), R.quantize_mx_reference(w, "e4m3")
-    hopper_runs = "sm_90a runs e4m3 / e5m2 operands with TensorWise, RowWise"
+    hopper_runs = "sm_90a runs e4m3 / e5m2 / int8 operands with TensorWise, RowWise"
     with pytest.raises(ValueError, match=f"BlockWise1x32 \\(mx\\) block scales run on Blackwell.*{hopper_runs}"):
         route(*H100, mx_a.data, mx_w.data.t(), mx_a.scales, mx_w.scales)
     with pytest.raises(ValueError, match="BlockWise1x16 \\(nvfp4\\) block scales run on Blackwell"):

@@ -27,12 +27,15 @@ def round_up(a: int, b: int) -> int:
 # would cost every dtype check on the per-call path a few hundred nanoseconds).
 @dataclass(frozen=True, eq=False)
 class ElementFormat:
-    """A floating-point element type: the OCP minifloats, the UE8M0 scale, and bf16 / fp16 / fp32.
+    """An element type: the OCP minifloats, the UE8M0 scale, bf16 / fp16 / fp32, and the signed integers.
 
     ``name`` is the short name ("e4m3", "bf16"), ``cutlass_name`` the ``cutlass`` numeric type's name.
     ``max_finite`` is the largest finite magnitude; ``bias`` the exponent bias. ``has_inf``/``has_nan``
     follow the OCP definitions (E4M3 "fn" has NaN but no inf, E2M1/E2M3/E3M2 have neither).
     ``bits`` is also the width in global memory (FP4/FP6 are packed).
+    An ``integer`` format is two's complement with no exponent (``exp_bits`` 0, ``man_bits`` = bits - 1);
+    its ``max_finite`` is the largest value 2**(bits-1) - 1 (127 for int8, 7 for int4), the limit of symmetric
+    quantization, and ``max_code`` that value's bit pattern.
     """
 
     name: str
@@ -46,6 +49,7 @@ class ElementFormat:
     signed: bool = True
     torch_dtype: torch.dtype | None = None
     cutlass_name: str = ""
+    integer: bool = False
 
     @property
     def min_normal(self) -> float:
@@ -94,13 +98,19 @@ E2M1 = ElementFormat("e2m1", 4, 2, 1, 1, 6.0, False, False, True, _maybe("float4
 # Unsigned power-of-two scale of the OCP MX formats: value = 2**(code - 127), code 255 = NaN.
 UE8M0 = ElementFormat("ue8m0", 8, 8, 0, 127, 2.0**127, False, True, False, _maybe("float8_e8m0fnu"), "Float8E8M0FNU")
 
+# Signed integers (W8A8, weight-only): the two's complement range is [-2**(bits-1), max_finite]; the symmetric
+# quantizers (quantize_int8) use [-max_finite, max_finite]. INT4 is packed two per byte (numerics.int_packing
+# owns the layout); torch has no packed-pair int4 dtype, so it has no torch_dtype.
+INT8 = ElementFormat("int8", 8, 0, 7, 0, 127.0, False, False, True, torch.int8, "Int8", integer=True)
+INT4 = ElementFormat("int4", 4, 0, 3, 0, 7.0, False, False, True, None, "Int4", integer=True)
+
 BF16 = ElementFormat("bf16", 16, 8, 7, 127, torch.finfo(torch.bfloat16).max, True, True, True, torch.bfloat16,
                      "BFloat16")
 FP16 = ElementFormat("fp16", 16, 5, 10, 15, torch.finfo(torch.float16).max, True, True, True, torch.float16, "Float16")
 FP32 = ElementFormat("fp32", 32, 8, 23, 127, torch.finfo(torch.float32).max, True, True, True, torch.float32, "Float32")
 
 #: low-precision element types (GEMM operands, block scales), by short name
-ELEMENT_FORMATS = {f.name: f for f in (E4M3, E5M2, E3M2, E2M3, E2M1, UE8M0)}
+ELEMENT_FORMATS = {f.name: f for f in (E4M3, E5M2, E3M2, E2M3, E2M1, UE8M0, INT8, INT4)}
 FP8_FORMATS = (E4M3, E5M2)
 F8F6F4_FORMATS = (E4M3, E5M2, E3M2, E2M3, E2M1)
 #: the wide float types: quantizer inputs, GEMM outputs and biases

@@ -11,6 +11,14 @@ The contract the CuTe DSL FP8 quantizers (``kernels/sm90/quantize_fp8.py``) matc
 * ``q = cast_rne(clamp(x / scale, -max, +max))`` in fp32: finite values and +-inf saturate to the
   largest finite value, NaN stays NaN.
 
+INT8 (W8A8, tensor and row scales): :func:`quantize_int8_reference`, :func:`reference_int8_mm`
+==============================================================================================
+The same contract with ``fmt.max_finite`` = 127 (symmetric: -128 is never produced): ``scale = amax / 127``
+(fp32 IEEE division; 1 for an all-zero or non-finite-only group), ``y = x / scale`` (fp32 IEEE division, the
+quotient the FP8 quantizers round), ``q = RNE(clamp(y, -127, 127))`` (ties to even); +-inf gives +-127 and NaN
+gives 0 (an integer has no NaN). The int8 GEMM is exact in int32, so its reference is the float64 product of
+the integers times the scales.
+
 MX and NVFP4: :func:`quantize_mx_reference`, :func:`quantize_nvfp4_reference`, :func:`reference_blockscaled_mm`
 =============================================================================================================
 The contract of the block-scale quantizer kernels (``kernels/sm100/quantize_mx.py``). Operands are 2-D
@@ -68,6 +76,7 @@ from cutedsl_gemm.numerics.formats import (
     F8F6F4_FORMATS,
     FLOAT_FORMATS,
     FP32,
+    INT8,
     UE8M0,
     ElementFormat,
     MX_1x32,
@@ -139,8 +148,27 @@ def quantize(x: torch.Tensor, gran, fmt="e4m3"):
     rows, k = x.shape
     scales = scales_from_amax(group_amax(x, gran), fmt)
     full = expand_scales(scales, gran, rows, k)
-    q = cast_saturate(x.float() / full, fmt)
+    y = x.float() / full
+    q = round_to_int(y, fmt) if fmt.integer else cast_saturate(y, fmt)
     return q, scales
+
+
+def round_to_int(y: torch.Tensor, fmt) -> torch.Tensor:
+    """fp32 quotients -> an integer format's codes: RNE of the value clamped to +-max (+-inf saturate), NaN -> 0."""
+    fmt = element_format(fmt)
+    if not fmt.integer or fmt.torch_dtype is None:
+        raise ValueError(f"round_to_int handles the integer formats with a torch dtype (int8); got {fmt.name}")
+    q = torch.round(y.float().clamp(-fmt.max_finite, fmt.max_finite))  # torch.round: half to even; clamp keeps NaN
+    return torch.nan_to_num(q, nan=0.0).to(fmt.torch_dtype)
+
+
+def quantize_int8_reference(x: torch.Tensor, granularity="row"):
+    """INT8 quantization of a 2-D (rows, K) tensor with one scale per row ("row") or per tensor ("tensor"):
+    ``(q, scales)``, scales fp32 in plain (R, C) group order like :func:`quantize`'s."""
+    gran = ScaleGranularity.named(granularity)
+    if gran not in (ScaleGranularity.ROW, ScaleGranularity.TENSOR):
+        raise ValueError(f"int8 quantization is per row or per tensor; got {gran.label}")
+    return quantize(x, gran, INT8)
 
 
 def dequantize(q: torch.Tensor, scales: torch.Tensor, gran) -> torch.Tensor:
@@ -170,6 +198,22 @@ def reference_gemm(
     a = dequantize(qa, sa, rec.a)
     w = dequantize(qw, sw, rec.b)
     out = a @ w.t()
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+def reference_int8_mm(a, b, scale_a, scale_b, bias=None) -> torch.Tensor:
+    """float64 ``(a @ b) * scale_a * scale_b (+ bias)`` in ``scaled_mm``'s conventions: ``a`` (M, K) and ``b``
+    (K, N) int8, scales one element each or ``scale_a`` (M, 1) and ``scale_b`` (1, N). The integer product is
+    exact in float64 (its sums stay below 2**53); returns (M, N) float64."""
+    for name, t in (("a", a), ("b", b)):
+        if t.dtype != INT8.torch_dtype or t.dim() != 2:
+            raise TypeError(f"{name} must be a 2-D torch.int8 tensor, got {t.dtype} of shape {tuple(t.shape)}")
+    sa, sb = scale_a.double(), scale_b.double()
+    sa = sa.reshape(()) if sa.numel() == 1 else sa.reshape(-1, 1)
+    sb = sb.reshape(()) if sb.numel() == 1 else sb.reshape(1, -1)
+    out = (a.double() @ b.double()) * sa * sb
     if bias is not None:
         out = out + bias.double()
     return out
@@ -426,3 +470,23 @@ def reference_blockscaled_mm(a, b, scale_a, scale_b, *, fmt_a=None, fmt_b=None, 
     if bias is not None:
         out = out + bias.double().to(out.device)
     return out
+
+
+def dequantize_weights(w_int: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None = None,
+                       group: int = 128) -> torch.Tensor:
+    """float64 ``(q - z) * s`` of integer weights (N, K) with scales (N, K / group) (``group=0``: (N, 1), one per
+    row) and integer zero points of the same shape or None (``numerics.int_packing``'s natural layouts)."""
+    n, k = w_int.shape
+    g = k if group == 0 else group
+    s = scales.double().repeat_interleave(g, dim=1)
+    q = w_int.double()
+    if zeros is not None:
+        q = q - zeros.double().repeat_interleave(g, dim=1)
+    return q * s
+
+
+def reference_weight_only_mm(x: torch.Tensor, w_int: torch.Tensor, scales: torch.Tensor,
+                             zeros: torch.Tensor | None = None, group: int = 128) -> torch.Tensor:
+    """float64 ``x @ dequantize_weights(...).T``: the weight-only GEMM's reference, (M, N) float64. Pass the scales
+    (and zero points) as the kernel reads them (``int_packing.unpack_weights`` returns them rounded to its dtype)."""
+    return x.double() @ dequantize_weights(w_int, scales, zeros, group).to(x.device).t()

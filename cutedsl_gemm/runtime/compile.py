@@ -139,11 +139,48 @@ def sm100_entry(inst):
     return (kernel if kernel.scaling is None else kernel.call_block_scaled), fake_sm100_args(inst)
 
 
+def fake_weight_only_args(cfg):
+    """Shape-symbolic arguments of the weight-only GEMM (``Sm90WeightOnlyGemm.__call__``): one compilation serves
+    every M, N, K. K and N carry the divisibility TMA needs of the activation and scale rows (16-byte strides); the
+    packed weights are int32 (N atoms, K atoms, atom words) (``numerics/int_packing.py``)."""
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import ATOM_K, ATOM_ROWS
+
+    act = cutlass_dtype(cfg.act_dtype)
+    m, n, k = cute.sym_int(), cute.sym_int(divisibility=8), cute.sym_int(divisibility=8)
+    x = make_fake_compact_tensor(act, (m, k), stride_order=(1, 0), assumed_align=16)
+    w = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(), cute.sym_int(), ATOM_ROWS * ATOM_K * cfg.bits // 32),
+                                 stride_order=(2, 1, 0), assumed_align=16)
+    if cfg.per_channel:
+        s = make_fake_compact_tensor(cutlass.Float32, (1, n), stride_order=(1, 0), assumed_align=4)
+    else:
+        s = make_fake_compact_tensor(act, (cute.sym_int(), n), stride_order=(1, 0), assumed_align=16)
+    # Zero points as the scales (a 1-element dummy without).
+    z = make_fake_compact_tensor(act, s.shape, stride_order=(1, 0), assumed_align=16) if cfg.zeros else \
+        make_fake_compact_tensor(act, (cute.sym_int(),), assumed_align=2)
+    d = make_fake_compact_tensor(act, (m, n), stride_order=(1, 0), assumed_align=2)
+    workspace = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=16)
+    counters = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    return (x, w, s, z, d, workspace, counters, cutlass.Int32(1), cutlass.Int32(1),
+            make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def compile_weight_only(cfg, arch: str = "sm_90a"):
+    """The weight-only GEMM of one configuration, compiled for ``arch``."""
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm
+
+    with targeting(arch):
+        return compile_entry(Sm90WeightOnlyGemm(cfg), fake_weight_only_args(cfg), arch)
+
+
 def compile_instance(inst):
     """``cute.compile`` the kernel of an instance of the table for its arch: the one compile path that the JIT
     cache, precompile, export and the catalog share."""
     if (inst.arch, inst.op) == ("sm_90a", "gemm"):
         return compile_gemm(inst.sm90_config(), inst.arch)
+    if (inst.arch, inst.op) == ("sm_90a", "weight_only"):
+        from cutedsl_gemm.selection.instances import weight_only_config
+
+        return compile_weight_only(weight_only_config(inst), inst.arch)
     if (inst.arch, inst.op) == ("sm_100a", "gemm"):
         with targeting(inst.arch):
             return compile_entry(*sm100_entry(inst), inst.arch)

@@ -28,6 +28,9 @@ _PTX_PATTERNS = (
     r"tcgen05\.(?:alloc|dealloc|ld|st|cp|commit)[\w.:]*",
 )
 
+#: The int8 GEMMs' tensor-core MMA: s8 x s8 operands, s32 accumulator (the DSL adds .satfinite).
+WGMMA_S8 = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32(?:\.satfinite)?\.s32\.s8\.s8"
+
 # ELF .nv.info attribute ids (EIATTR_*) we read.
 _EIATTR_REGCOUNT = 0x2F
 _EIATTR_FRAME_SIZE = 0x11

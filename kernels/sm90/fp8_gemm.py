@@ -1,6 +1,8 @@
-"""Hopper (sm_90a) persistent warp-specialized FP8 GEMM with epilogue scaling.
+"""Hopper (sm_90a) persistent warp-specialized FP8 / INT8 GEMM with epilogue scaling.
 
-D (M, N) = scale(A (M, K) @ W (N, K)^T) [+ bias (N,)], A and W K-major E4M3/E5M2, fp32 accumulation.
+D (M, N) = scale(A (M, K) @ W (N, K)^T) [+ bias (N,)], A and W K-major E4M3/E5M2 with fp32 accumulation, or
+both INT8 (s8 x s8 WGMMA) with int32 accumulation: the integer sum is exact, so int8 kernels accumulate all of K
+in the tensor cores (accum "fast") and the epilogue converts it to fp32 before the scales.
 
 With ``swap_ab`` the kernel computes D^T = W @ A^T instead (same arguments, swapped at trace time): the
 weight rows fill WGMMA's 64-row M side and the few activation rows (decode: M <= 128) its N side, which
@@ -29,11 +31,11 @@ from .block_scales import (
     is_block_scaled, load_a_scale_box,
 )
 # Re-exported: the host compile path and tests import the configuration from here.
-from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, smem_capacity  # noqa: F401
+from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, is_integer, smem_capacity  # noqa: F401
 
 
 class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
-    """Persistent cooperative WGMMA FP8 GEMM.
+    """Persistent cooperative WGMMA FP8 GEMM; INT8 (s8 x s8 -> s32) with ``a_dtype = b_dtype = "int8"``.
 
     Warp roles (registers per thread after setmaxnreg):
 
@@ -54,10 +56,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
       slices (>= 2, up to a tile).
 
     Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
-    compilation serves every M, N, K (all three are run-time values). The epilogue applies the recipe's
-    scales in fp32 (per-tensor: one scalar product; row-wise: per-row A scale x per-column W scale), adds
-    the bias, converts, stages the tile in shared memory and writes it with TMA stores (which clip at the
-    M/N edges, so partial tiles need no predication).
+    compilation serves every M, N, K (all three are run-time values). The epilogue (after converting an int8
+    kernel's exact int32 sums to fp32) applies the recipe's scales in fp32 (per-tensor: one scalar product;
+    row-wise: per-row A scale x per-column W scale), adds the bias, converts, stages the tile in shared memory
+    and writes it with TMA stores (which clip at the M/N edges, so partial tiles need no predication).
 
     Promoted accumulation (the default) runs each 128-deep K tile into a fresh fragment and adds it into the
     fp32 accumulator; block-scaled recipes scale it while adding. Tiles up to 144 wide alternate two such
@@ -90,7 +92,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         self.a_dtype, self.b_dtype = cutlass_dtype(a), cutlass_dtype(b)
         self.d_dtype = cutlass_dtype(cfg.out_dtype)
         self.bias_dtype = cutlass_dtype(cfg.bias_dtype) if cfg.bias_dtype else None
-        self.acc_dtype = Float32
+        # The WGMMA accumulator: fp32, or int32 for s8 x s8 (converted to fp32 for the epilogue).
+        self.integer = is_integer(cfg)
+        self.acc_dtype = Int32 if self.integer else Float32
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.num_mma_warp_groups = cfg.tile_m // 64
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.num_threads_per_warp_group
@@ -381,6 +385,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             tCrB = tiled_mma.make_fragment_B(tCsB)
             acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0)]).shape
             acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            # The fp32 fragment the epilogue scales and stores: the accumulator itself, or its int32 sums converted.
+            acc_f32 = cute.make_rmem_tensor(acc_shape, Float32) if self.integer else acc
             temps = None
             scale_regs = None
             half_mmas = None
@@ -483,8 +489,11 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                             self.num_mma_threads, epi_barrier, split_flag,
                         )
                 if owns_epilogue:
-                    self._apply_scales(acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha)
-                    self._store_tile(epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx)
+                    if cutlass.const_expr(self.integer):
+                        acc_f32.store(acc.load().to(Float32))
+                    self._apply_scales(acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha)
+                    self._store_tile(epi, acc_f32, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier,
+                                     warp_idx)
                     tiles_done += 1
                 unit += num_clusters
             store_pipe.producer_tail()
@@ -532,7 +541,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     def _mainloop(self, tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles):
         """acc = A_tile @ W_tile^T over all K tiles; keeps one WGMMA batch in flight."""
         num_k_blocks = cute.size(tCrA, mode=[2])
-        acc.fill(0.0)
+        acc.fill(0 if self.integer else 0.0)
         cute.nvgpu.warpgroup.fence()
         # First K tile: nothing to release yet. Every later tile frees the stage of the batch before it
         # (wait_group(1) leaves only the batch just issued in flight). k_tiles >= 1 (the host never
@@ -590,7 +599,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
     def _make_epilogue(self, tiled_mma, sD, mma_tidx):
         copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
-                                                          elem_ty_acc=self.acc_dtype)
+                                                          elem_ty_acc=Float32)
         copy_atom_d = cute.make_copy_atom(
             cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.d_dtype
         )
@@ -603,7 +612,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         """Registers -> shared memory (stmatrix) -> global memory (TMA store), one tile_m x 32 slice at a time."""
         tiled_copy_r2s, tRS_sD, rD_shape = epi
         tRS_rAcc = tiled_copy_r2s.retile(acc)
-        tRS_rD = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, self.acc_dtype)
+        tRS_rD = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, Float32)
         tRS_rD_out = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, self.d_dtype)
         n_per_slice = cute.size(tRS_rD)
 

@@ -1,4 +1,4 @@
-"""Compile-time plan of the Hopper FP8 GEMM (kernels/sm90/fp8_gemm.py): its configuration, the rules a
+"""Compile-time plan of the Hopper FP8 / INT8 GEMM (kernels/sm90/fp8_gemm.py): its configuration, the rules a
 configuration must meet (MMA shape, clusters, registers, shared memory) and the shared-memory budget that
 sizes the A/W stages and the epilogue's output buffers. Host-side only: the instance table validates its rows with
 ``Sm90GemmPlan.check_config`` without tracing a kernel."""
@@ -26,7 +26,7 @@ def smem_capacity(ctas_per_sm: int) -> int:
 class Sm90GemmConfig:
     """Compile-time configuration of one kernel instance (the instance-table row it was built from)."""
 
-    a_dtype: str = "e4m3"  # "e4m3" | "e5m2"
+    a_dtype: str = "e4m3"  # "e4m3" | "e5m2", or "int8" (both operands: s8 x s8 WGMMA, int32 accumulator)
     b_dtype: str = "e4m3"
     out_dtype: str = "bf16"  # "bf16" | "fp16" | "fp32"
     # Epilogue-scaled: "tensor" | "row". Block-scaled (scales applied per 128-deep K block in the main
@@ -85,6 +85,7 @@ class Sm90GemmConfig:
 _DTYPES = {
     "e4m3": cutlass.Float8E4M3FN,
     "e5m2": cutlass.Float8E5M2,
+    "int8": cutlass.Int8,
     "bf16": cutlass.BFloat16,
     "fp16": cutlass.Float16,
     "fp32": cutlass.Float32,
@@ -93,6 +94,11 @@ _DTYPES = {
 
 def cutlass_dtype(name: str):
     return _DTYPES[name]
+
+
+def is_integer(cfg: Sm90GemmConfig) -> bool:
+    """s8 x s8 operands: the WGMMA accumulates exact int32 sums, which the epilogue converts to fp32."""
+    return cfg.a_dtype == "int8"
 
 
 class Sm90GemmPlan:
@@ -181,6 +187,15 @@ class Sm90GemmPlan:
             raise ValueError("split_tail (split only the last wave in K) needs split_k and the unswapped schedule")
         if cfg.accum not in ("fast", "promoted"):
             raise ValueError(f"accum must be 'fast' or 'promoted', got {cfg.accum!r}")
+        if (cfg.a_dtype == "int8") != (cfg.b_dtype == "int8"):
+            raise ValueError(f"int8 operands pair with int8 only (s8 x s8 WGMMA), got {cfg.a_dtype} x {cfg.b_dtype}")
+        if is_integer(cfg):
+            # The int32 sum is exact: there is no rounding for promotion to bound, and block scales would need it.
+            if cfg.accum != "fast":
+                raise ValueError(f"int8 GEMMs accumulate exactly in int32: accum must be 'fast', got {cfg.accum!r}")
+            if cfg.recipe not in ("tensor", "row"):
+                raise ValueError(f"int8 GEMMs scale in the epilogue: recipe must be 'tensor' or 'row', "
+                                 f"got {cfg.recipe!r}")
         if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
             raise ValueError(f"recipe must be 'tensor', 'row' or one of {sorted(BLOCK_RECIPES)}, got {cfg.recipe!r}")
         if is_block_scaled(cfg.recipe) and cfg.accum != "promoted":
@@ -211,7 +226,7 @@ class Sm90GemmPlan:
     # ---- host-side sizing (also used by the instance table's validity rules) -------------------------------
     @staticmethod
     def stage_bytes(cfg: Sm90GemmConfig) -> int:
-        # One byte per FP8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).
+        # One byte per FP8 / INT8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).
         scales = scale_smem_bytes_per_stage(cfg.tile_m, cfg.tile_n) if is_block_scaled(cfg.recipe) else 0
         return (cfg.tile_m + cfg.tile_n) * cfg.tile_k + scales
 

@@ -1,9 +1,10 @@
-"""FP8 (E4M3 / E5M2) quantization kernels: per-tensor, per-row, 1x128 groups and BxB blocks.
+"""FP8 (E4M3 / E5M2) and INT8 quantization kernels: per-tensor, per-row, 1x128 groups and BxB blocks.
 
 Plain CUDA-core code (no tensor cores, no TMA), so it compiles for sm_90a and sm_100a alike. The numerics
 are the contract of ``cutedsl_gemm/numerics/reference.py`` bit for bit: amax over finite |x|, fp32 IEEE
 ``scale = amax / fmax`` (1 for an all-zero group), ``q = cvt.rn.satfinite(RN(x / scale))`` with the
-correctly rounded fp32 quotient.
+correctly rounded fp32 quotient. An Int8 target (fmax 127) takes the same scale and quotient and rounds it to
+an integer instead (``_to_int8``): ``q = RNE(clamp(RN(x / scale), -127, 127))``, NaN -> 0, +-inf -> +-127.
 
 Division
 --------
@@ -51,6 +52,8 @@ dimension is padded to a multiple of 4, the CTA of the last K block also writes 
 """
 
 from __future__ import annotations
+
+import struct
 
 import cutlass
 import cutlass.cute as cute
@@ -130,11 +133,48 @@ def _recip(scale):
     return Float32(1.0) / scale  # div.rn.f32: the correctly rounded reciprocal, once per group
 
 
-def _cast_div(frag, scale, out_dtype):
-    y = frag.load().to(Float32) / scale  # div.rn.f32 per element
+INT8_MAX = 127  # symmetric int8 range [-127, 127] (numerics.formats.INT8.max_finite; tests check they agree)
+
+
+def _f32_imm(v: float) -> str:
+    """A PTX f32 immediate (0fXXXXXXXX)."""
+    return "0f%08X" % struct.unpack("<I", struct.pack("<f", v))[0]
+
+
+# fp32 -> integer in [-127, 127]: clamp (max/min return the non-NaN operand, so NaN is selected to 0 after), then
+# cvt.rni (round to nearest even) of a value that is already in range. Nothing relies on cvt's own NaN or
+# out-of-range rules.
+_TO_INT8_PTX = (
+    "{ .reg .f32 c;\n .reg .pred nan;\n"
+    f" max.f32 c, {{$r0}}, {_f32_imm(-INT8_MAX)};\n"
+    f" min.f32 c, c, {_f32_imm(INT8_MAX)};\n"
+    " testp.notanumber.f32 nan, {$r0};\n"
+    " selp.f32 c, 0f00000000, c, nan;\n"
+    " cvt.rni.s32.f32 {$w0}, c;\n"
+    "}"
+)
+
+
+def _to_int8(y):
+    """Int8 codes of an fp32 vector of quotients (see _TO_INT8_PTX)."""
+    q = cute.make_rmem_tensor((VEC,), Int32)
+    for i in range(VEC):
+        q[i] = cute.arch.inline_ptx(_TO_INT8_PTX, write_only_types=[Int32], read_only_args=[y[i]])
+    return q.load().to(cutlass.Int8)
+
+
+def _narrow(y, out_dtype):
+    """The quantized vector of fp32 quotients ``y``, in ``out_dtype``."""
     qf = cute.make_rmem_tensor((1, VEC), out_dtype)
-    qf.store(y.to(out_dtype))  # cvt.rn.satfinite.{e4m3,e5m2}x2.f32: +-inf/overflow -> +-max, NaN -> NaN
+    if out_dtype is cutlass.Int8:
+        qf.store(_to_int8(y))
+    else:
+        qf.store(y.to(out_dtype))  # cvt.rn.satfinite.{e4m3,e5m2}x2.f32: +-inf/overflow -> +-max, NaN -> NaN
     return qf
+
+
+def _cast_div(frag, scale, out_dtype):
+    return _narrow(frag.load().to(Float32) / scale, out_dtype)  # div.rn.f32 per element
 
 
 def _cast_fma(frag, scale, rcp, out_dtype):
@@ -142,9 +182,7 @@ def _cast_fma(frag, scale, rcp, out_dtype):
     y = cute.make_rmem_tensor((VEC,), Float32)
     for i in range(VEC):
         y[i] = cute.arch.inline_ptx(_DIV_FMA_PTX, write_only_types=[Float32], read_only_args=[v[i], scale, rcp])
-    qf = cute.make_rmem_tensor((1, VEC), out_dtype)
-    qf.store(y.load().to(out_dtype))
-    return qf
+    return _narrow(y.load(), out_dtype)
 
 
 def _block_allreduce_max(amax, red, tidx, nw: int):

@@ -1,12 +1,15 @@
 """Split-K for the Hopper GEMM: several CTAs share one output tile's K range, and the partial sums are
 reduced deterministically -- no float atomics, the same bits every run.
 
-Every split writes its fp32 partial accumulator to a workspace, fences, and counts itself in at the
-tile's counter. The split that arrives last sums all partials *in split order* (so the result does not
-depend on which split finished first), resets the counter for the next launch (CUDA-graph safe: nothing
-to re-zero on the host) and runs the epilogue; the others skip it.
+Every split writes its partial accumulator (fp32, or the int32 sums of the int8 GEMMs) to a workspace, fences,
+and counts itself in at the tile's counter. The split that arrives last sums all partials *in split order* (so
+the result does not depend on which split finished first), resets the counter for the next launch (CUDA-graph
+safe: nothing to re-zero on the host) and runs the epilogue; the others skip it.
 
-Workspace layout: ``[tile][split][fragment element // 4][consumer thread][fragment element % 4]`` fp32:
+int32 partials are reduced in int32: exact, so the int8 GEMM's split-K result equals the unsplit one bit for bit
+(the host's fp32 workspace holds them: same width).
+
+Workspace layout: ``[tile][split][fragment element // 4][consumer thread][fragment element % 4]`` 32-bit words:
 each thread moves its fragment four elements (16 bytes) per instruction, and one such instruction of the
 256 consumer threads covers 4 KiB of consecutive memory (4x fewer memory instructions than scalar
 accesses).
@@ -28,23 +31,23 @@ def k_tile_range(k_tiles: Int32, splits: Int32, split: Int32):
     return begin, cutlass.min(per, k_tiles - begin)
 
 
-VEC = 4  # fp32 elements per workspace access (16 bytes)
+VEC = 4  # 32-bit accumulator elements per workspace access (16 bytes)
 
 
 @cute.jit
 def _store_vec(acc: cute.Tensor, first: cutlass.Constexpr, ptr):
-    v = cute.make_rmem_tensor((VEC,), Float32)
+    v = cute.make_rmem_tensor((VEC,), acc.element_type)
     for j in cutlass.range_constexpr(VEC):
         v[j] = acc[first + j]
     cute.arch.store(ptr, v.load().ir_value(), cop="cg")
 
 
 @cute.jit
-def _load_vec(ptr):
+def _load_vec(ptr, dtype: cutlass.Constexpr):
     # .cg: read at L2, where the other SMs' partials are, never a stale L1 line.
-    raw = cute.arch.load(ptr, ir.VectorType.get([VEC], Float32.mlir_type), cop="cg")
-    v = cute.make_rmem_tensor((VEC,), Float32)
-    v.store(cute.TensorSSA(raw, (VEC,), Float32))
+    raw = cute.arch.load(ptr, ir.VectorType.get([VEC], dtype.mlir_type), cop="cg")
+    v = cute.make_rmem_tensor((VEC,), dtype)
+    v.store(cute.TensorSSA(raw, (VEC,), dtype))
     return v
 
 
@@ -64,12 +67,16 @@ def reduce_partials(
     """Leave the full sum of the tile's splits in ``acc`` of the last-arriving split; returns whether this
     CTA is that split (uniform across its consumer threads)."""
     n = cute.size(acc)
-    assert n % VEC == 0, "WGMMA fragments hold a multiple of 4 fp32 per thread"
+    assert n % VEC == 0, "WGMMA fragments hold a multiple of 4 accumulator elements per thread"
+    dtype = acc.element_type
+    words = workspace.iterator  # the host's fp32 workspace, seen as the accumulator's 32-bit type
+    if cutlass.const_expr(dtype is not Float32):
+        words = cute.recast_ptr(words, dtype=dtype)
     per_split = n * num_threads
-    group = VEC * num_threads  # fp32 of one vector access by every consumer thread
+    group = VEC * num_threads  # elements of one vector access by every consumer thread
     mine = cutlass.Int64(tile * splits + split) * per_split + tid * VEC
     for g in cutlass.range_constexpr(n // VEC):
-        _store_vec(acc, g * VEC, workspace.iterator + (mine + g * group))
+        _store_vec(acc, g * VEC, words + (mine + g * group))
     # Publish the partial before counting in (threadfence-reduction pattern).
     cute.arch.fence_acq_rel_gpu()
     barrier.arrive_and_wait()
@@ -81,13 +88,13 @@ def reduce_partials(
         cute.arch.fence_acq_rel_gpu()
         first = cutlass.Int64(tile * splits) * per_split + tid * VEC
         for g in cutlass.range_constexpr(n // VEC):
-            v = _load_vec(workspace.iterator + (first + g * group))
+            v = _load_vec(words + (first + g * group), dtype)
             for j in cutlass.range_constexpr(VEC):
                 acc[g * VEC + j] = v[j]
         for s in cutlass.range(1, splits, unroll=1):
             base = first + cutlass.Int64(s) * per_split
             for g in cutlass.range_constexpr(n // VEC):
-                v = _load_vec(workspace.iterator + (base + g * group))
+                v = _load_vec(words + (base + g * group), dtype)
                 for j in cutlass.range_constexpr(VEC):
                     acc[g * VEC + j] = acc[g * VEC + j] + v[j]
         if tid == 0:
