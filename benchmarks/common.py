@@ -14,6 +14,7 @@ import re
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -108,6 +109,32 @@ def bench(fn, warmup=25, rep=100, flush=None):
         ends[i].record()
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def time_interleaved(fns, rounds=10, reps=10, cuda=True):
+    """Median ms per call of each function of ``fns`` ({name: fn}), the functions taking turns: each round runs
+    every one ``reps`` times back to back between two CUDA events (``cuda=False``: the wall clock), so a drift of
+    clocks or temperature reaches all of them alike. No L2 flush: for work that streams more than the L2 holds
+    (a model's weights, a stack of distinct layers)."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(reps):
+                    fn()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / reps)
+            else:
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                times[name].append((time.perf_counter() - t0) * 1e3 / reps)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def timing_notes(flush=None):

@@ -1,11 +1,13 @@
-"""What the timing method itself costs a memory-bound kernel (not a GEMM benchmark).
+"""The floors of this GPU under the timing method: what it costs a memory-bound kernel, and the FP8 rate.
 
-    python -m benchmarks.measure_floor
+    python -m benchmarks.measure_floor                  (-> results/floor.json)
 
 Times, with ``common.bench`` (CUDA events, L2 emptied by a read before each run): a one-element kernel
 (launch and event overhead), and torch's read-only ``amax`` over buffers of growing size. A straight-line
 fit over the sizes gives the streaming rate at the margin and the intercept, the fixed cost per call that
-no kernel streaming a weight of that size in one launch can avoid under this method.
+no kernel streaming a weight of that size in one launch can avoid under this method. Then the FP8 tensor-core
+rate this GPU sustains (its power cap, not the datasheet): the fastest of cuBLAS's per-tensor FP8 GEMMs with
+fast accumulation at ``--gemms``, which ``benchmarks.bench_sweep`` takes as its floor at large M.
 """
 
 from __future__ import annotations
@@ -14,7 +16,11 @@ import argparse
 
 import torch
 
+from . import common
 from .common import bench
+
+RESULT_NAME = "floor"
+TC_KEY = "FP8 TFLOPS (cuBLAS, per tensor, fast accumulation)"
 
 
 def read_once_us(mib):
@@ -26,6 +32,9 @@ def read_once_us(mib):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", default="16,32,64,128,256,448")
+    p.add_argument("--gemms", default="8192x8192x8192,16384x8192x8192",
+                   help="MxNxK,... of the FP8 rate measurement (default: %(default)s)")
+    common.add_result_options(p, RESULT_NAME)
     args = p.parse_args(argv)
     tiny = torch.zeros(1, device="cuda")
     t_tiny = bench(lambda: tiny.add_(1)) * 1e3
@@ -39,8 +48,30 @@ def main(argv=None):
     n = len(sizes)
     mx, my = sum(sizes) / n, sum(times) / n
     slope = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sum((x - mx) ** 2 for x in sizes)
-    print(f"fit: {1e-6 / slope:.2f} TB/s at the margin, intercept {my - slope * mx:.1f} us per call; "
+    intercept = my - slope * mx
+    print(f"fit: {1e-6 / slope:.2f} TB/s at the margin, intercept {intercept:.1f} us per call; "
           f"64 MiB at that rate alone: {slope * 64 * 2**20:.1f} us")
+    rows = [["one-element kernel", "us", round(t_tiny, 2)], ["read-only stream, at the margin", "TB/s",
+                                                             round(1e-6 / slope, 3)],
+            ["read-only stream, fixed cost per call", "us", round(intercept, 2)]]
+    rates = []
+    for shape in args.gemms.split(","):
+        m, n, k = map(int, shape.split("x"))
+        rates.append(fp8_tflops(m, n, k))
+        print(f"FP8 GEMM {shape} (cuBLAS, per tensor, fast accumulation): {rates[-1]:.0f} TFLOPS")
+        rows.append([f"FP8 GEMM {shape} (cuBLAS, per tensor, fast accumulation)", "TFLOPS", round(rates[-1], 1)])
+    common.save_result(args, RESULT_NAME, "Floors of the GPU under the timing method", ["measure", "unit", "value"],
+                       rows, summary={TC_KEY: round(max(rates), 1), "HBM TB/s at the margin": round(1e-6 / slope, 3)},
+                       notes=common.timing_notes())
+
+
+def fp8_tflops(m, n, k):
+    """TFLOPS of cuBLAS's per-tensor FP8 GEMM (torch._scaled_mm, fast accumulation, bf16 out) at M x N x K."""
+    a = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+    w = torch.randn(n, k, device="cuda").to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    t = bench(lambda: torch._scaled_mm(a, w.t(), one, one, out_dtype=torch.bfloat16, use_fast_accum=True))
+    return common.tflops(m, n, k, t)
 
 
 if __name__ == "__main__":

@@ -6,8 +6,10 @@ Each maintained benchmark writes one JSON file per run into ``benchmarks/results
 title, command, gpu, date, versions, notes, columns, rows, summary). This module only reads them: it imports
 neither torch nor the package, so it runs anywhere. BENCHMARKS.md gets one section per file (``ORDER`` first,
 others after by name); the README's text between ``PERF_BEGIN`` and ``PERF_END`` gets the headline figures of
-``HEADLINES`` and, when matplotlib is installed, the plot of each shape's time ratio to cuBLAS. Output is a
-function of the result files alone, so rendering twice changes nothing.
+``HEADLINES`` and, when matplotlib is installed, the plot of each shape's time ratio to cuBLAS. The serving-batch
+sweep (``benchmarks.bench_sweep``) gets a summary table per recipe and two heatmaps beside that plot (ratio to
+cuBLAS and fraction of the floor, by layer shape and M). Output is a function of the result files alone, so
+rendering twice changes nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +33,8 @@ PERF_END = "<!-- perf:end -->"
 COMMAND = "python -m benchmarks.render"
 
 # Section order in BENCHMARKS.md; result files with other names follow, sorted by name.
-ORDER = ("gemm_dsv3", "gemm_square", "gemm_decode", "gemm_dsv3_fast", "gemm_square_fast", "decode_chain",
-         "gemm_e2e", "quantize", "host_cost")
+ORDER = ("gemm_dsv3", "sweep", "gemm_square", "gemm_decode", "gemm_dsv3_fast", "gemm_square_fast", "decode_chain",
+         "decode_chain_sweep", "linear_stack", "model_llama8b", "gemm_e2e", "quantize", "host_cost")
 
 
 @dataclass(frozen=True)
@@ -61,8 +63,11 @@ OPTIONAL = {"versions": dict, "notes": str, "summary": dict}
 # How to produce results, for the page that has none (each writes benchmarks/results/<name>.json).
 PRODUCERS = (
     ("python -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row,1x128_128x128", "gemm_dsv3"),
+    ("python -m benchmarks.bench_sweep", "sweep"),
     ("python -m benchmarks.bench_gemm --sets decode --recipes tensor,row,1x128_128x128", "gemm_decode"),
     ("python -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor", "decode_chain"),
+    ("python -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1", "linear_stack"),
+    ("python -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512", "model_llama8b"),
     ("python -m benchmarks.bench_quantize --shape 8192x8192 --dtype bf16", "quantize"),
     ("python -m benchmarks.host_cost --calls 1000", "host_cost"),
 )
@@ -138,18 +143,27 @@ def provenance(r: dict) -> str:
     return f"{r['gpu']}, {r['date']}"
 
 
-def render_section(r: dict) -> List[str]:
+def render_section(r: dict, figures: Optional[Dict[str, str]] = None) -> List[str]:
+    """One result's section; a sweep's (``is_sweep``) shows ``figures`` ({caption: image path}), its summary
+    table and its rows folded away."""
     lines = [f"## {r['title']}", "", f"`{r['command']}`", ""]
     lines.append(f"GPU: {r['gpu']}; date: {r['date']}" + (f"; {versions(r)}" if versions(r) else "") + ".")
     if r.get("notes"):
         lines += ["", r["notes"].rstrip(".") + "."]
+    if is_sweep(r):
+        for caption, path in (figures or {}).items():
+            lines += ["", f"![{caption}]({path})"]
+        lines += [""] + table(*sweep_table(r["columns"], r["rows"]))
+        return lines + ["", "<details><summary>every shape</summary>", ""] + table(r["columns"], r["rows"]) + [
+            "", "</details>", ""]
     lines += [""] + table(r["columns"], r["rows"])
     if r.get("summary"):
         lines += [""] + [f"- {key}: {cell(value)}" for key, value in r["summary"].items()]
     return lines + [""]
 
 
-def render_benchmarks(results: Sequence[dict]) -> str:
+def render_benchmarks(results: Sequence[dict], figures: Optional[Dict[str, Dict[str, str]]] = None) -> str:
+    """The page; ``figures``: {result name: {caption: image path relative to the page}}."""
     lines = [
         "# Benchmarks",
         "",
@@ -176,7 +190,7 @@ def render_benchmarks(results: Sequence[dict]) -> str:
         return "\n".join(lines)
     lines += ["Contents: " + ", ".join(f"[{r['title']}](#{anchor(r['title'])})" for r in results) + ".", ""]
     for r in results:
-        lines += render_section(r)
+        lines += render_section(r, (figures or {}).get(r["name"]))
     return "\n".join(lines)
 
 
@@ -218,6 +232,108 @@ def replace_block(text: str, block: str, where: str = "README") -> str:
     if begin < 0 or end < begin:
         raise ResultError(f"{where} has no {PERF_BEGIN} ... {PERF_END} block to fill")
     return text[: begin + len(PERF_BEGIN)] + "\n" + block + "\n" + text[end:]
+
+
+# ------------------------------------------------------------------------------------------------
+# The serving-batch sweep (benchmarks.bench_sweep): summary and heatmap grids
+# ------------------------------------------------------------------------------------------------
+SWEEP = "sweep"  # the result drawn as heatmaps; results named sweep* with SWEEP_COLUMNS render as sweeps
+SWEEP_COLUMNS = ("recipe", "M", "N", "K", RATIO_COLUMN)
+FLOOR_COLUMN = "of floor"
+# (caption, image beside the perf plot, column drawn, colour bar label)
+SWEEP_FIGURES = (
+    ("ratio to cuBLAS by layer shape and M", "sweep_ratio.png", RATIO_COLUMN, "cuBLAS us / ours us (> 1: faster)"),
+    ("fraction of the floor by layer shape and M", "sweep_floor.png", FLOOR_COLUMN, "floor us / ours us"),
+)
+UNDER = (1.0, 0.95)  # the summary counts shapes under these ratios
+
+
+def is_sweep(r: dict) -> bool:
+    return r["name"].startswith(SWEEP) and set(SWEEP_COLUMNS) <= set(r["columns"])
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _geomean(xs) -> Optional[float]:
+    xs = [x for x in xs if _number(x) and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else None
+
+
+def sweep_stats(columns: Sequence[str], rows: Sequence[Sequence]) -> List[dict]:
+    """Per recipe, in row order: its shapes with a ratio, their geomean, the worst ratio and where, how many are
+    under each of ``UNDER``, the geomean at each M, and the geomean fraction of the floor (if recorded)."""
+    at = {c: i for i, c in enumerate(columns)}
+    by_recipe: Dict[str, list] = {}
+    for row in rows:
+        by_recipe.setdefault(row[at["recipe"]], []).append(row)
+    stats = []
+    for recipe, group in by_recipe.items():
+        rated = [row for row in group if _number(row[at[RATIO_COLUMN]]) and row[at[RATIO_COLUMN]] > 0]
+        ratios = [row[at[RATIO_COLUMN]] for row in rated]
+        worst = min(rated, key=lambda row: row[at[RATIO_COLUMN]], default=None)
+        stats.append({
+            "recipe": recipe, "shapes": len(rated), "geomean": _geomean(ratios),
+            "worst": worst[at[RATIO_COLUMN]] if worst else None,
+            "worst at": " ".join(f"{c}={worst[at[c]]}" for c in ("M", "N", "K")) if worst else None,
+            "under": {u: sum(x < u for x in ratios) for u in UNDER},
+            "by M": {m: _geomean(row[at[RATIO_COLUMN]] for row in rated if row[at["M"]] == m)
+                     for m in sorted({row[at["M"]] for row in group})},
+            "of floor": _geomean(row[at[FLOOR_COLUMN]] for row in group) if FLOOR_COLUMN in at else None,
+        })
+    return stats
+
+
+def _rounded(x, digits=3):
+    return round(x, digits) if _number(x) else None
+
+
+def sweep_summary(columns: Sequence[str], rows: Sequence[Sequence]) -> Dict[str, object]:
+    """``sweep_stats`` as a result file's summary: "<recipe> <measure>" -> value."""
+    out: Dict[str, object] = {}
+    for st in sweep_stats(columns, rows):
+        rec = st["recipe"]
+        out[f"{rec} geomean ratio"] = _rounded(st["geomean"])
+        out[f"{rec} worst ratio"] = _rounded(st["worst"])
+        out[f"{rec} worst at"] = st["worst at"]
+        for u, count in st["under"].items():
+            out[f"{rec} under {u}"] = f"{count} of {st['shapes']}"
+        for m, g in st["by M"].items():
+            out[f"{rec} geomean ratio M={m}"] = _rounded(g)
+        if st["of floor"] is not None:
+            out[f"{rec} geomean of floor"] = _rounded(st["of floor"])
+    return out
+
+
+def sweep_table(columns: Sequence[str], rows: Sequence[Sequence]) -> Tuple[List[str], List[list]]:
+    """(columns, rows) of the summary table BENCHMARKS.md shows for a sweep: one row per recipe."""
+    stats = sweep_stats(columns, rows)
+    ms = sorted({m for st in stats for m in st["by M"]})
+    floor = any(st["of floor"] is not None for st in stats)
+    head = ["recipe", "shapes", "geomean", "worst", "worst at", *(f"under {u}" for u in UNDER),
+            *(f"M={m}" for m in ms)] + (["of floor"] if floor else [])
+    body = [[st["recipe"], st["shapes"], _rounded(st["geomean"]), _rounded(st["worst"]), st["worst at"],
+             *(st["under"][u] for u in UNDER), *(_rounded(st["by M"].get(m)) for m in ms)]
+            + ([_rounded(st["of floor"])] if floor else []) for st in stats]
+    return head, body
+
+
+def sweep_grid(r: dict, column: str):
+    """(recipes, layer labels, Ms, {recipe: [[value or None per M] per layer]}) of one column of a sweep, in
+    row order; a layer is "<model> NxK" where the result names the model."""
+    at = {c: i for i, c in enumerate(r["columns"])}
+    recipes, layers, ms, cells = {}, {}, set(), {}
+    for row in r["rows"]:
+        layer = " ".join(([str(row[at["layer"]])] if "layer" in at and row[at["layer"]] != "-" else [])
+                         + [f"{row[at['N']]}x{row[at['K']]}"])
+        recipes[row[at["recipe"]]] = layers[layer] = None
+        ms.add(row[at["M"]])
+        value = row[at[column]]
+        cells[(row[at["recipe"]], layer, row[at["M"]])] = float(value) if _number(value) else None
+    ms = sorted(ms)
+    grids = {rec: [[cells.get((rec, layer, m)) for m in ms] for layer in layers] for rec in recipes}
+    return list(recipes), list(layers), ms, grids
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,6 +393,59 @@ def draw_plot(r: dict, path: Path) -> bool:
     return True
 
 
+def draw_sweep(r: dict, directory: Path) -> List[Path]:
+    """``SWEEP_FIGURES`` of a sweep into ``directory``: per figure one heatmap panel per recipe, layer shapes
+    down, M across, every cell annotated; the ratio on a diverging scale centred at 1.0. Returns the images
+    drawn (none without matplotlib: the old ones, if any, are left as they are)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import numpy as np
+        from matplotlib.colors import Normalize, TwoSlopeNorm
+    except ImportError:
+        return []
+    drawn = []
+    for caption, filename, column, label in SWEEP_FIGURES:
+        if column not in r["columns"]:
+            continue
+        recipes, layers, ms, grids = sweep_grid(r, column)
+        values = [v for grid in grids.values() for line in grid for v in line if v is not None]
+        if not values:
+            continue
+        if column == RATIO_COLUMN:
+            norm, cmap = TwoSlopeNorm(1.0, min(min(values), 0.8), max(max(values), 1.25)), plt.get_cmap("RdBu")
+        else:
+            norm, cmap = Normalize(0.0, max(1.0, max(values))), plt.get_cmap("viridis")
+        cmap = cmap.with_extremes(bad="0.85")
+        fig, axes = plt.subplots(1, len(recipes), squeeze=False, sharey=True, constrained_layout=True,
+                                 figsize=(2.0 + 0.5 * len(ms) * len(recipes), 1.2 + 0.3 * len(layers)))
+        for ax, recipe in zip(axes[0], recipes):
+            grid = np.array([[np.nan if v is None else v for v in line] for line in grids[recipe]])
+            image = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, norm=norm, aspect="auto")
+            for (i, j), v in np.ndenumerate(grid):
+                if not np.isnan(v):
+                    red, green, blue, _ = cmap(norm(v))
+                    dark = 0.299 * red + 0.587 * green + 0.114 * blue < 0.5
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=6,
+                            color="white" if dark else "black")
+            ax.set_xticks(range(len(ms)))
+            ax.set_xticklabels([str(m) for m in ms], fontsize=7, rotation=45)
+            ax.set_xlabel("M", fontsize=8)
+            ax.set_yticks(range(len(layers)))
+            ax.set_yticklabels(layers, fontsize=7)
+            ax.set_title(recipe, fontsize=9)
+        fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8).set_label(label, fontsize=8)
+        fig.suptitle(f"{r['title']}: {caption} ({r['gpu']}, {r['date']})", fontsize=9)
+        path = directory / filename
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=110, metadata={"Software": None})
+        plt.close(fig)
+        drawn.append(path)
+    return drawn
+
+
 # ------------------------------------------------------------------------------------------------
 # Entry point
 # ------------------------------------------------------------------------------------------------
@@ -296,8 +465,16 @@ def render(results_dir: Path = RESULTS_DIR, benchmarks_md: Path = BENCHMARKS_MD,
     if drawn is not None and not check:
         draw_plot(drawn, plot)
     plot_ref = relative_to(plot, readme.parent) if drawn is not None and plot.exists() else None
+    # The sweep's heatmaps go beside the plot.
+    sweep = next((r for r in results if r["name"] == SWEEP and is_sweep(r)), None)
+    if sweep is not None and not check:
+        draw_sweep(sweep, plot.parent)
+    figures = {} if sweep is None else {SWEEP: {
+        caption: relative_to(plot.parent / filename, benchmarks_md.parent)
+        for caption, filename, column, _ in SWEEP_FIGURES
+        if column in sweep["columns"] and (plot.parent / filename).exists()}}
     outputs = {
-        benchmarks_md: render_benchmarks(results),
+        benchmarks_md: render_benchmarks(results, figures),
         readme: replace_block(readme.read_text(), render_perf_block(results, plot_ref), str(readme)),
     }
     changed = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]
@@ -308,12 +485,13 @@ def render(results_dir: Path = RESULTS_DIR, benchmarks_md: Path = BENCHMARKS_MD,
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description="Render BENCHMARKS.md, the README's performance block and the "
-                                             "perf plot from benchmarks/results/*.json.")
+    ap = argparse.ArgumentParser(description="Render BENCHMARKS.md, the README's performance block, the perf plot "
+                                             "and the sweep's heatmaps from benchmarks/results/*.json.")
     ap.add_argument("--results", type=Path, default=RESULTS_DIR, help="result files directory (default: %(default)s)")
     ap.add_argument("--benchmarks", type=Path, default=BENCHMARKS_MD, help="page to write (default: %(default)s)")
     ap.add_argument("--readme", type=Path, default=README_MD, help="README with the perf block (default: %(default)s)")
-    ap.add_argument("--plot", type=Path, default=PERF_PNG, help="plot to draw, with matplotlib (default: %(default)s)")
+    ap.add_argument("--plot", type=Path, default=PERF_PNG,
+                    help="plot to draw, with matplotlib; the sweep's heatmaps go beside it (default: %(default)s)")
     ap.add_argument("--check", action="store_true", help="write nothing; exit 1 if a page is out of date")
     args = ap.parse_args(argv)
     try:

@@ -21,6 +21,12 @@ run_bench() {
   "$py" -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row --fast-accum
   "$py" -m benchmarks.bench_gemm --e2e
   "$py" -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor
+  "$py" -m benchmarks.measure_floor
+  "$py" -m benchmarks.bench_sweep --precompile-only
+  "$py" -m benchmarks.bench_sweep
+  "$py" -m benchmarks.bench_decode_chain --sweep --recipes tensor,row,1x128_128x128
+  "$py" -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
+  "$py" -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512  # needs .[models]
   "$py" -m benchmarks.bench_quantize --shape 8192x8192 --dtype bf16
   "$py" -m benchmarks.host_cost --calls 1000
 }

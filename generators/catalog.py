@@ -71,11 +71,13 @@ def collect_facts(inst: KernelInstance) -> dict:
 # ------------------------------------------------------------------------------------------------
 def family_key(inst: KernelInstance) -> tuple:
     """The kind of code an instance compiles to: architecture, op, schedule, the MMA kind (sm_100a) or where the
-    scales apply (sm_90a: in the main loop, block-scaled, or in the epilogue), swapped operands, CTAs per SM,
-    last-wave split and accumulation. Tiles, recipes of one kind and types vary within a family as parameters
-    of the same code."""
+    scales apply (sm_90a: in the main loop, block-scaled, or in the epilogue) and whether it is an int8 kernel
+    (int32 accumulator), swapped operands, CTAs per SM, last-wave split and accumulation. Tiles, recipes of one
+    kind and types vary within a family as parameters of the same code."""
     scaling = inst.mma_kind or ("block-scaled" if RECIPES[inst.recipe].in_mainloop else "epilogue-scaled")
-    return (inst.arch, inst.op, inst.schedule, scaling, inst.swap_ab, inst.ctas_per_sm, inst.split_tail, inst.accum)
+    integer = inst.a_dtype == "int8"
+    return (inst.arch, inst.op, inst.schedule, scaling, integer, inst.swap_ab, inst.ctas_per_sm, inst.split_tail,
+            inst.accum)
 
 
 def sample(insts: Sequence[KernelInstance]) -> tuple[KernelInstance, ...]:

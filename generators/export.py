@@ -37,7 +37,16 @@ from cutedsl_gemm.generators.c_export import (
     field_name,
 )
 from cutedsl_gemm.generators.runner import code_key, pick_ahead_of_time, run_parallel
-from cutedsl_gemm.selection.dispatch import EPILOGUE_MILLI_K_BLOCKS, LONG_K, tile_rate
+from cutedsl_gemm.selection.dispatch import (
+    EPILOGUE_MILLI_K_BLOCKS,
+    ESTIMATED_RATE_MARGIN,
+    LONG_K,
+    STREAM_MILLI_AREA_PER_BYTE,
+    STREAM_SHARE_CAP,
+    UNHIDDEN_MILLI,
+    has_estimated_rate,
+    tile_rate,
+)
 from cutedsl_gemm.selection.instances import F8F6F4, KernelInstance
 
 LIB_NAME = "cutedsl_gemm_kernels"
@@ -246,13 +255,17 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         "lib": LIB_NAME,
         "dsl_version": dsl_version(),
         "epilogue_milli_k_blocks": EPILOGUE_MILLI_K_BLOCKS,
+        "stream_milli_area_per_byte": STREAM_MILLI_AREA_PER_BYTE,
+        "stream_share_cap": STREAM_SHARE_CAP,
+        "unhidden_milli": UNHIDDEN_MILLI,
+        "estimated_rate_margin": ESTIMATED_RATE_MARGIN,
         "long_k": LONG_K,
         "fingerprint": source_fingerprint(),
         "kernels": [_c_plan(kernels[k], inst, max_splits) for k, inst in first.items()],
         "arg_fields": _arg_fields(merged_params(signatures)),
         "max_syms": MAX_SYMS,
         "entries": [{"key": code_key(i), "fields": _fields(i), "name": i.name, "rate": tile_rate(i),
-                     "rate_long_k": tile_rate(i, LONG_K),
+                     "rate_long_k": tile_rate(i, LONG_K), "estimated_rate": has_estimated_rate(i),
                      "split_k": kernels[code_key(i)]["split_k"]} for i in insts],
         "dsl_runtime": _dsl_runtime_library(),
     }

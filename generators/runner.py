@@ -59,12 +59,13 @@ def pick(arch: str, filters: Sequence[str] = (), limit: Optional[int] = None,
 
 def in_default_set(inst: KernelInstance) -> bool:
     """What most callers need ahead of time: the kernels that run e4m3 x e4m3 operands (on sm_100a, the
-    f8f6f4 kernels), bf16 output, no bias or a bf16 one; every tile, schedule and recipe."""
-    return ((inst.a_dtype, inst.b_dtype) == operand_dtypes(inst.arch, inst.recipe, "e4m3", "e4m3")
+    f8f6f4 kernels) or int8 x int8 (W8A8), bf16 output, no bias or a bf16 one; every tile, schedule and recipe."""
+    operands = (inst.a_dtype, inst.b_dtype)
+    return ((operands == operand_dtypes(inst.arch, inst.recipe, "e4m3", "e4m3") or operands == ("int8", "int8"))
             and inst.out_dtype == "bf16" and inst.bias_dtype in (None, "bf16"))
 
 
-DEFAULT_SET = "e4m3 x e4m3 operands, bf16 output, without bias or with a bf16 bias"
+DEFAULT_SET = "e4m3 x e4m3 or int8 x int8 operands, bf16 output, without bias or with a bf16 bias"
 
 
 @dataclass(frozen=True)

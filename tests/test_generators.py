@@ -35,6 +35,12 @@ ROW_BF16 = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_TEST, "p
 TENSOR_BIAS = select_gemm("sm_90a", "tensor", "e4m3", "e5m2", "fp32", "fp32", M_TEST, "fast", n=8192, sms=132).name
 M_SMALL = 64  # decode-sized: the small-M (split-K) schedule, where the table has one
 SMALL = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, M_SMALL, "promoted").name
+# M = 128, N = 57344: the unswapped 64x128 (dispatch.wave_cost: its WGMMAs outrun 128x64 swapped's on the same
+# tiles); and the swapped 128x128 in 2x1 clusters, whose estimated rate costs dispatch.ESTIMATED_RATE_MARGIN
+MID = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 128, "promoted", n=57344, sms=132, k=8192).name
+WIDE_DECODE = next(i.name for i in M.select(arch="sm_90a", recipe="row", a_dtype="e4m3", b_dtype="e4m3",
+                                            out_dtype="bf16", bias_dtype=None, accum="promoted", swap_ab=True,
+                                            tile_m=128, tile_n=128, cluster_m=2))
 # A short-K output: the two-CTAs-per-SM tile that dispatch's epilogue term picks there
 PAIR = select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 6144, "promoted", n=7168, sms=132, k=256).name
 # A narrow, tall output: 128x128 tiles in 4x1 clusters (30 cluster slots on 132 SMs, not 33)
@@ -47,7 +53,8 @@ BLOCK2D_SHORT_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16
 BLOCK2D_LONG_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192,
                              sms=132, k=8192).name
 # the AOT tests' instances
-EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, PAIR, CLUSTER4, BLOCK2D_SHORT_K, BLOCK2D_LONG_K]))
+EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, MID, WIDE_DECODE, PAIR, CLUSTER4, BLOCK2D_SHORT_K,
+                                 BLOCK2D_LONG_K]))
 
 
 def _instance(name):
@@ -256,6 +263,31 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
         assert got.contents.name.decode() == by_python.name, (m, n, kdim)
     assert lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", 6144, 576,
                                  7168, 132).contents.name.decode() == CLUSTER4
+    # decode and mid-M outputs: the weight stream against the MMAs, with and without K, and the estimated rate's
+    # margin (M = 128, N = 10240: without it the swapped 128x128 would take the shape from the pair)
+    assert (_instance(MID).tile_m, _instance(MID).swap_ab, _instance(SMALL).swap_ab) == (64, False, True)
+    wide = _instance(WIDE_DECODE)
+    assert dispatch.has_estimated_rate(wide) and not any(dispatch.has_estimated_rate(_instance(x)) for x in
+                                                         EXPORTED if x != WIDE_DECODE)
+
+    def by_python(m, n, kdim):
+        holding = [_instance(x) for x in row_names if _instance(x).m_min <= m <= _instance(x).m_max]
+        return min(holding, key=lambda i: dispatch.wave_cost(i, m, n, 132, kdim)).name
+
+    for m, n, kdim in ((64, 8192, 8192), (64, 57344, 8192), (128, 57344, 8192), (128, 57344, 0), (100, 4096, 14336),
+                       (128, 10240, 8192), (96, 16384, 0)):
+        got = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", m, n,
+                                    kdim, 132)
+        assert got.contents.name.decode() == by_python(m, n, kdim), (m, n, kdim)
+    # 64x128 and 128x64 swapped run the same tiles: the faster WGMMAs take them
+    assert by_python(128, 57344, 8192) == by_python(64, 57344, 8192) == MID
+    assert by_python(128, 10240, 8192) == PAIR
+    margin = dispatch.ESTIMATED_RATE_MARGIN
+    try:
+        dispatch.ESTIMATED_RATE_MARGIN = 1000
+        assert by_python(128, 10240, 8192) == WIDE_DECODE
+    finally:
+        dispatch.ESTIMATED_RATE_MARGIN = margin
     # the 2D recipe's long-K rate: C switches at the same K as dispatch.tile_rate
     assert (_instance(BLOCK2D_SHORT_K).tile_n, _instance(BLOCK2D_LONG_K).tile_n) == (128, 192)
     for kdim, want in ((1536, BLOCK2D_SHORT_K), (dispatch.LONG_K - 128, BLOCK2D_SHORT_K),
@@ -619,6 +651,8 @@ def _expected_mma(inst) -> str:
     if inst.arch == "sm_90a":  # the swapped kernels run W on WGMMA's A side
         first, second = (inst.b_dtype, inst.a_dtype) if inst.swap_ab else (inst.a_dtype, inst.b_dtype)
         n = Sm90GemmPlan.wgmma_n(inst.sm90_config())
+        if inst.a_dtype == "int8":
+            return rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.satfinite\.s32\.s8\.s8"
         return rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{first}\.{second}"
     return rf"tcgen05\.mma\.cta_group::{inst.cluster_m}\.kind::{inst.mma_kind}\.[\w.:]+"
 
@@ -696,7 +730,8 @@ def test_unfiltered_ahead_of_time_builds_take_the_default_set():
     default = pick_ahead_of_time("sm_90a")
     assert default.instances == tuple(i for i in table if in_default_set(i))
     assert 0 < len(default.instances) < len(table) / 10 and f"--all for all {len(table)}" in default.scope
-    assert {(i.a_dtype, i.b_dtype, i.out_dtype) for i in default.instances} == {("e4m3", "e4m3", "bf16")}
+    assert {(i.a_dtype, i.b_dtype, i.out_dtype) for i in default.instances} == {("e4m3", "e4m3", "bf16"),
+                                                                                ("int8", "int8", "bf16")}
     assert {i.bias_dtype for i in default.instances} == {None, "bf16"}
     # every tile, schedule and recipe of the table is in it
     def shape(i):

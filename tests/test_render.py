@@ -182,3 +182,78 @@ def test_repository_pages_match_the_result_files():
     """BENCHMARKS.md and the README's performance block are what `python -m benchmarks.render` writes."""
     stale = render.render(check=True)
     assert stale == [], f"out of date: {[str(p) for p in stale]}; run `python -m benchmarks.render`"
+
+
+SWEEP_COLUMNS = ["recipe", "layer", "M", "N", "K", "ours us", "cuBLAS us", "ratio", "instance", "splits", "of floor"]
+SWEEP = {
+    "name": "sweep",
+    "title": "FP8 GEMM sweep",
+    "command": "python -m benchmarks.bench_sweep --ms 1,128 --nk 8192x8192,576x7168",
+    "gpu": "NVIDIA H100 80GB HBM3",
+    "date": "2026-11-28",
+    "columns": SWEEP_COLUMNS,
+    "rows": [
+        ["tensor", "Llama-3-70B", 1, 8192, 8192, 20.0, 25.0, 1.25, "t128x16sk128 c1x1", 1, 0.8],
+        ["tensor", "Llama-3-70B", 128, 8192, 8192, 40.0, 32.0, 0.8, "t128x64sk128 c1x1", 1, 0.6],
+        ["tensor", "DeepSeek-V3", 1, 576, 7168, 10.0, 9.7, 0.97, "t64x16sk128 c1x1", 2, 0.2],
+        ["tensor", "DeepSeek-V3", 128, 576, 7168, 10.0, 10.0, 1.0, "t64x64sk128 c1x1", 1, 0.25],
+        ["1x128_128x128", "Llama-3-70B", 1, 8192, 8192, 22.0, None, None, "t128x16sk128 c1x1", 1, 0.7],
+        ["1x128_128x128", "Llama-3-70B", 128, 8192, 8192, 30.0, 33.0, 1.1, "t128x64sk128 c1x1", 1, 0.75],
+    ],
+}
+
+
+def test_sweep_summary_counts_and_geomeans():
+    stats = render.sweep_stats(SWEEP["columns"], SWEEP["rows"])
+    assert [s["recipe"] for s in stats] == ["tensor", "1x128_128x128"]
+    tensor, block = stats
+    assert tensor["shapes"] == 4 and tensor["geomean"] == pytest.approx((1.25 * 0.8 * 0.97 * 1.0) ** 0.25)
+    assert tensor["worst"] == 0.8 and tensor["worst at"] == "M=128 N=8192 K=8192"
+    assert tensor["under"] == {1.0: 2, 0.95: 1}  # 1.0 is not under 1.0
+    assert tensor["by M"] == {1: pytest.approx((1.25 * 0.97) ** 0.5), 128: pytest.approx((0.8 * 1.0) ** 0.5)}
+    assert tensor["of floor"] == pytest.approx((0.8 * 0.6 * 0.2 * 0.25) ** 0.25)
+    assert block["shapes"] == 1 and block["by M"] == {1: None, 128: 1.1}  # cuBLAS refused M = 1
+    summary = render.sweep_summary(SWEEP["columns"], SWEEP["rows"])
+    assert summary["tensor under 1.0"] == "2 of 4" and summary["tensor under 0.95"] == "1 of 4"
+    assert summary["tensor geomean ratio M=128"] == round((0.8 * 1.0) ** 0.5, 3)
+    assert summary["1x128_128x128 geomean ratio M=1"] is None and summary["1x128_128x128 worst ratio"] == 1.1
+
+
+def test_sweep_grid_is_layers_by_m_per_recipe():
+    recipes, layers, ms, grids = render.sweep_grid(SWEEP, "ratio")
+    assert recipes == ["tensor", "1x128_128x128"] and ms == [1, 128]
+    assert layers == ["Llama-3-70B 8192x8192", "DeepSeek-V3 576x7168"]
+    assert grids["tensor"] == [[1.25, 0.8], [0.97, 1.0]]
+    assert grids["1x128_128x128"] == [[None, 1.1], [None, None]]  # refused, and not measured
+
+
+def test_sweep_section_shows_summary_table_and_folds_the_rows(tmp_path, monkeypatch):
+    monkeypatch.setattr(render, "draw_plot", lambda r, path: False)
+    monkeypatch.setattr(render, "draw_sweep", lambda r, directory: [])  # no images on disk: none referenced
+    p = paths(tmp_path)
+    write_results(p["results_dir"], GEMM_DSV3, SWEEP)
+    render.render(**p)
+    page = p["benchmarks_md"].read_text()
+    assert page.index("## FP8 GEMM, DeepSeek-V3 shapes") < page.index("## FP8 GEMM sweep") < len(page)
+    section = page[page.index("## FP8 GEMM sweep"):]
+    assert ("| recipe | shapes | geomean | worst | worst at | under 1.0 | under 0.95 | M=1 | M=128 | of floor |"
+            in section)
+    assert "| tensor | 4 | 0.992 | 0.8 | M=128 N=8192 K=8192 | 2 | 1 | 1.101 | 0.894 | 0.394 |" in section
+    assert "| 1x128_128x128 | 1 | 1.1 | 1.1 | M=128 N=8192 K=8192 | 0 | 0 | n/a | 1.1 | 0.725 |" in section
+    assert section.index("<details>") < section.index("| tensor | Llama-3-70B | 1 | 8192 | 8192 |")
+    assert "![" not in section
+
+
+def test_sweep_heatmaps(tmp_path):
+    pytest.importorskip("matplotlib")
+    p = paths(tmp_path)
+    write_results(p["results_dir"], SWEEP)
+    render.render(**p)
+    images = [p["plot"].parent / name for _, name, _, _ in render.SWEEP_FIGURES]
+    assert all(path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for path in images)
+    page = p["benchmarks_md"].read_text()
+    assert "![ratio to cuBLAS by layer shape and M](docs/sweep_ratio.png)" in page
+    assert "![fraction of the floor by layer shape and M](docs/sweep_floor.png)" in page
+    first = [path.read_bytes() for path in images]
+    assert render.render(**p) == [] and [path.read_bytes() for path in images] == first
+    assert not p["plot"].exists()  # the sweep is not the perf plot's result

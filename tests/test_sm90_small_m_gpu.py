@@ -154,3 +154,84 @@ def test_last_wave_split_matches_reference_and_is_deterministic(recipe, m, n):
         if first is None:
             first = out
         assert torch.equal(first.view(torch.int16), out.view(torch.int16))
+
+
+def _decode_row(recipe, tile, accum="promoted", out="bf16", bias=None):
+    """The table's swapped decode instance of ``tile`` = (tile_m, tile_n, cluster_m) for e4m3 operands."""
+    from cutedsl_gemm.selection import instances as table
+
+    rows = table.select(arch="sm_90a", op="gemm", recipe=recipe, a_dtype="e4m3", b_dtype="e4m3", out_dtype=out,
+                        bias_dtype=bias, accum=accum, swap_ab=True, ctas_per_sm=1, tile_m=tile[0],
+                        tile_n=tile[1], cluster_m=tile[2])
+    assert len(rows) == 1, rows
+    return rows[0]
+
+
+# The decode rows whose token tile is 32 wide (M = 17-32) on 64 W rows, and 128 wide (M = 65-128) in 2x1 clusters,
+# run directly (dispatch gives them only some N) on ragged shapes: N and K no multiples of the tiles, and for the
+# clusters an odd number of W tiles, so one cluster's second CTA has no rows.
+DECODE_ROW_CASES = [((64, 32, 1), m) for m in (17, 27, 32)] + [((128, 128, 2), m) for m in (65, 100, 128)]
+
+
+@pytest.mark.parametrize("n,k", [(1040, 7056), (8320, 1536)])
+@pytest.mark.parametrize("tile,m", DECODE_ROW_CASES)
+@pytest.mark.parametrize("recipe,accum", [("tensor", "promoted"), ("row", "promoted"), ("row", "fast"),
+                                          ("1x128_128x128", "promoted"), ("128x128_128x128", "promoted"),
+                                          ("1x128_1x128", "promoted")])
+def test_decode_rows_on_ragged_shapes(recipe, accum, tile, m, n, k):
+    from cutedsl_gemm.numerics import scale_layouts
+
+    inst = _decode_row(recipe, tile, accum)
+    assert inst.m_min <= m <= inst.m_max
+    torch.manual_seed(m + n + k)
+    args, plain = _call_args(m, n, k, recipe)
+    qa, b, scale_a, scale_b = args
+    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
+    ref = R.reference_gemm(*plain, recipe)
+    slots = launch.launch_clusters(0, inst) * inst.cluster_m * inst.cluster_n
+    for want in (1, 0, 5):  # unsplit, dispatch's split, forced
+        splits = dispatch.splits_for(inst, m, n, k, slots, want)
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launch.bind(inst, qa, b, sa_k, sb_k, out, splits=splits)()
+        torch.cuda.synchronize()
+        err = R.rel_error(out, ref)
+        assert err <= (4e-3 if accum == "fast" else 2e-3), f"{inst.name} splits={splits}: relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "1x128_128x128"])
+def test_wide_token_tile_with_bias_and_fp16_out(recipe):
+    """The 128-wide token tile stores D^T through the column-major TMA store and adds the bias along its rows."""
+    from cutedsl_gemm.numerics import scale_layouts
+
+    m, n, k = 100, 1040, 7056
+    inst = _decode_row(recipe, (128, 128, 2), out="fp16", bias="fp16")
+    torch.manual_seed(3)
+    args, plain = _call_args(m, n, k, recipe)
+    qa, b, scale_a, scale_b = args
+    _, sa_k, sb_k = scale_layouts.resolve(scale_a, scale_b, m, n, k)
+    bias = torch.randn(n, device="cuda", dtype=torch.float16)
+    out = torch.full((m, n), float("nan"), dtype=torch.float16, device="cuda")
+    launch.bind(inst, qa, b, sa_k, sb_k, out, bias=bias)()
+    torch.cuda.synchronize()
+    err = R.rel_error(out, R.reference_gemm(*plain, recipe, bias=bias))
+    assert err <= 2e-3, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("recipe", ["tensor", "row", "1x128_128x128"])
+@pytest.mark.parametrize("m,n,tile", [(128, 57344, (64, 128, 1, False)), (100, 28672, None),
+                                      (32, 3072, (64, 32, 1, True))])
+def test_dispatch_takes_the_mid_m_picks(recipe, m, n, tile):
+    """Through scaled_mm, ragged M: the unswapped tiles that take mid-M (dispatch.wave_cost); M = 17-32 on a small
+    layer fills the SMs with 64-row decode tiles."""
+    k = 1536
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
+    if tile is not None:
+        assert (inst.tile_m, inst.tile_n, inst.cluster_m, inst.swap_ab) == tile, inst.name
+    torch.manual_seed(m)
+    args, plain = _call_args(m, n, k, recipe)
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    cutedsl_gemm.scaled_mm(*args, out=out)
+    torch.cuda.synchronize()
+    err = R.rel_error(out, R.reference_gemm(*plain, recipe))
+    assert err <= 2e-3, f"relative error {err:.3e}"

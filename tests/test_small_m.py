@@ -96,19 +96,22 @@ def test_split_k_reduction_in_the_ptx():
 
 @pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
 def test_decode_rows_by_wave_cost(recipe):
-    """64-row decode tiles where 128-row ones fill under a wave of SMs; 128-row ones where both need the
-    same waves (the tie goes to the earlier row). The swapped kernels tile N by tile_m."""
+    """With K unknown (costs per K block): 64-row decode tiles where 128-row ones fill under a wave of SMs,
+    128-row ones where the 64-row ones need another wave; from M = 33 the unswapped tiles compete. The swapped
+    kernels tile N by tile_m."""
     def pick(m, n):
         return dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, "promoted",
                                     n=n, sms=132)
     assert (pick(16, 8192).tile_m, pick(16, 8192).tile_n) == (64, 16)  # 128 tiles, one wave (64 at 128 rows)
     assert (pick(16, 10240).tile_m, pick(16, 10240).tile_n) == (128, 16)  # 80 tiles in one wave vs 160 in two
-    assert (pick(64, 8192).tile_m, pick(64, 8192).tile_n) == (64, 64)
-    assert (pick(128, 8192).tile_m, pick(128, 8192).tile_n) == (128, 64)  # 64 x 64 would need two waves
-    assert (pick(64, 57344).tile_m, pick(64, 57344).tile_n) == (64, 64)  # 6.8 vs 3.4 waves of half the area
+    assert (pick(64, 8192).tile_m, pick(64, 8192).tile_n, pick(64, 8192).swap_ab) == (64, 64, True)
+    assert (pick(64, 57344).tile_m, pick(64, 57344).tile_n, pick(64, 57344).swap_ab) == (64, 64, True)
+    assert (pick(128, 8192).tile_m, pick(128, 8192).tile_n, pick(128, 8192).swap_ab) == (64, 128, False)
     wide, narrow = pick(16, 10240), pick(16, 8192)
-    assert dispatch.wave_cost(wide, 16, 10240, 132) == 128 * 16  # 80 tiles of 128 x 16: one wave
-    assert dispatch.wave_cost(narrow, 16, 10240, 132) == 2 * 64 * 16  # 160 tiles: two waves
+    # each streams its share of N x 128 bytes of W per K block: 80 tiles at the full rate in one wave, 160 in two
+    assert wide.output_tiles(16, 10240) == 80 and narrow.output_tiles(16, 10240) == 160
+    assert dispatch.wave_cost(wide, 16, 10240, 132) < dispatch.wave_cost(narrow, 16, 10240, 132)
+    assert dispatch.stream_cost(narrow, 16, 10240, 132) < dispatch.stream_cost(wide, 16, 10240, 132)
 
 
 def test_last_wave_split_variant():

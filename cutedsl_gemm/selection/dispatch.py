@@ -28,8 +28,8 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
 
 
 # Sustained MMA throughput of each unswapped promoted tile, per mille of 128x192's: smaller tiles move more bytes
-# per MMA, and a 64-row tile's one consumer warp group cannot hide its own promotion. Swapped decode tiles are
-# memory-bound (rate 1000). How these are measured, and why 128x144 stays at 920: docs/design.md, "The tile rates".
+# per MMA, and a 64-row tile's one consumer warp group cannot hide its own promotion. How these are measured, and
+# why 128x144 stays at 920: docs/design.md, "The tile rates".
 TILE_RATES = {(128, 192): 1000, (128, 144): 920, (128, 128): 980, (128, 96): 870, (64, 128): 630, (64, 96): 570,
               (64, 64): 500}
 # The same for fast accumulation (no promotion; 128x256 fits). 64-row tiles gain nothing: bytes per MMA bind them.
@@ -53,20 +53,49 @@ DEEPSEEK_TILE_RATES = BLOCK_W_LONG_K_TILE_RATES
 BLOCK_PAIRED_TILE_RATES = {(64, 192): 440}
 
 
+# Decode tiles (``is_decode_tile``), per mille of 128x192's MMA rate: their area per ns over outputs many waves
+# deep (M = 128, N = 57344, K = 8192), every recipe. Narrow token tiles run narrow WGMMAs (N = 16, 32), and
+# 128x64 runs below 64x64 (docs/design.md, "The tile rates").
+DECODE_TILE_RATES = {(128, 16): 210, (64, 16): 190, (128, 32): 330, (128, 64): 440, (64, 64): 500}
+# 64x64 runs the unswapped 64x64's WGMMAs, at its rate (ties go to the decode row, which launches early behind the
+# previous kernel); with fast accumulation too.
+FAST_DECODE_TILE_RATES = {**DECODE_TILE_RATES, (64, 64): FAST_TILE_RATES[(64, 64)]}
+# The block-scaled 64x64 decode tile scales every K block in its one warp group: 14-26% slower than 64x128 at
+# M = 128 on the large layers.
+BLOCK_DECODE_TILE_RATES = {**DECODE_TILE_RATES, (64, 64): 350}
+# Decode tiles not yet timed on a GPU, their rates estimated from their neighbours': ``wave_cost`` charges them
+# ``ESTIMATED_RATE_MARGIN`` per mille, so that a timed tile within the model's error keeps the shape.
+ESTIMATED_DECODE_TILE_RATES = {(64, 32): 300, (128, 128): 550}
+ESTIMATED_RATE_MARGIN = 1150
+
+
 # A 4x1 cluster multicasts each W tile to four CTAs (fewer L2 bytes per MMA): the gain goes into the rate, the
 # 4-CTA clusters' fewer slots (``cluster_slots``) into the waves.
 CLUSTER_4X1_RATE_GAIN = 1050
 
 
+def is_decode_tile(inst: KernelInstance) -> bool:
+    """Swapped with one CTA per SM: the decode tiles (the swapped two-per-SM pair is rated as a pair)."""
+    return inst.swap_ab and inst.ctas_per_sm == 1
+
+
+def has_estimated_rate(inst: KernelInstance) -> bool:
+    """A decode tile whose rate is ``ESTIMATED_DECODE_TILE_RATES``'s."""
+    return is_decode_tile(inst) and (inst.tile_m, inst.tile_n) in ESTIMATED_DECODE_TILE_RATES
+
+
 def tile_rate(inst: KernelInstance, k: int = 0) -> int:
     """Per mille throughput of ``inst``'s tile for ``wave_cost`` (by recipe family, accumulation and, for the
-    2D recipe, whether K >= ``LONG_K``; 1000 where not measured, and for the memory-bound swapped decode
-    tiles)."""
+    2D recipe, whether K >= ``LONG_K``; 1000 for an unswapped tile not measured)."""
     block = is_block_scaled(inst.recipe)
     if inst.ctas_per_sm > 1:
         return (BLOCK_PAIRED_TILE_RATES if block else PAIRED_TILE_RATES)[(inst.tile_m, inst.tile_n)]
-    if inst.swap_ab:
-        return 1000
+    if is_decode_tile(inst):
+        if has_estimated_rate(inst):
+            return ESTIMATED_DECODE_TILE_RATES[(inst.tile_m, inst.tile_n)]
+        rates = (BLOCK_DECODE_TILE_RATES if block else FAST_DECODE_TILE_RATES if inst.accum == "fast"
+                 else DECODE_TILE_RATES)
+        return rates[(inst.tile_m, inst.tile_n)]
     if block:
         if BLOCK_RECIPES[inst.recipe][1] != "block":
             rates = BLOCK_TILE_RATES
@@ -97,17 +126,54 @@ def cluster_slots(sms: int, cluster_size: int) -> int:
 EPILOGUE_MILLI_K_BLOCKS = 1500
 
 
-def wave_cost(inst: KernelInstance, m: int, n: int, sms: int, k: int = 0) -> int:
-    """Relative time of an M x N (x K) problem on ``inst``'s tiles: waves of cluster tiles over the GPU's
-    cluster slots, times the tile's area over its throughput (``tile_rate``), times the tile's 128-deep K
-    blocks plus the epilogue's share (``EPILOGUE_MILLI_K_BLOCKS``, hidden with two CTAs per SM; K = 0:
-    left out). Wave quantisation decides between tile widths; the model and the figures behind it:
-    docs/design.md, "The wave-cost model"."""
-    slots = cluster_slots(sms, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
-    cost = -(-inst.cluster_tiles(m, n) // slots) * inst.tile_m * inst.tile_n * 1000 // tile_rate(inst, k)
+def mma_cost(inst: KernelInstance, k: int = 0) -> int:
+    """Relative time of one of ``inst``'s tiles in its tensor cores: area over ``tile_rate``, times the 128-deep
+    K blocks plus the epilogue's share (``EPILOGUE_MILLI_K_BLOCKS``, hidden with two CTAs per SM); K = 0: per K
+    block, without the epilogue."""
+    cost = inst.tile_m * inst.tile_n * 1000 // tile_rate(inst, k)
     if k > 0:
         cost *= 1000 * -(-k // 128) + (0 if inst.ctas_per_sm > 1 else EPILOGUE_MILLI_K_BLOCKS)
     return cost
+
+
+# A byte streamed at an SM's share of the HBM bandwidth (3.0 TB/s over an H100's 132 SMs: 44 ps a byte) costs what
+# 1.7 units of tile area cost in a K block at rate 1000 (128x192 retires 38.6 a ns per SM); in thousandths.
+STREAM_MILLI_AREA_PER_BYTE = 1700
+# While fewer tiles than slots run, each SM streams up to this many times its share: 66 of 132 SMs already read
+# at the full rate (M = 32, N = K = 8192: 64 tiles of 128x32 29.1 us, 128 of 64x64 29.4).
+STREAM_SHARE_CAP = 2
+
+
+def stream_cost(inst: KernelInstance, m: int, n: int, sms: int, k: int = 0) -> int:
+    """Relative time, in ``mma_cost``'s units, one of ``inst``'s CTAs needs to stream its share of the problem's
+    HBM reads -- A and W once (K = 0: one K block of them) -- over the output tiles, at its SM's share of the
+    bandwidth (``STREAM_MILLI_AREA_PER_BYTE``; ``ctas_per_sm`` CTAs share an SM), up to ``STREAM_SHARE_CAP``
+    times that while the tiles fill under a wave. Tiles that reread a W tile another tile holds read it from L2:
+    only the unique bytes count. The output's stores are the epilogue's, in ``mma_cost``."""
+    total = (m + n) * (k if k > 0 else 128)
+    slots = cluster_slots(sms, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
+    running = min(inst.cluster_tiles(m, n), slots)
+    share = total * STREAM_MILLI_AREA_PER_BYTE * inst.ctas_per_sm // inst.output_tiles(m, n)
+    cost = share * running // min(STREAM_SHARE_CAP * running, slots)
+    return cost if k > 0 else cost // 1000
+
+
+# A tile bound by its MMAs hides its loads behind them; one bound by the weight stream still pays this share of
+# its MMAs (per mille), which decides between tiles that stream the same bytes (docs/design.md, 3.2).
+UNHIDDEN_MILLI = 125
+
+
+def wave_cost(inst: KernelInstance, m: int, n: int, sms: int, k: int = 0) -> int:
+    """Relative time of an M x N (x K) problem on ``inst``'s tiles: waves of cluster tiles over the GPU's
+    cluster slots, times a tile's time -- its MMAs (``mma_cost``), or where longer its share of the HBM reads
+    (``stream_cost``) plus ``UNHIDDEN_MILLI`` of its MMAs -- charged ``ESTIMATED_RATE_MARGIN`` for a tile whose
+    rate is estimated. Large outputs are bound by MMAs, where wave quantisation decides between tile
+    widths; decode and mid-M outputs by the weight stream, where the tiles that keep the most SMs streaming
+    win. The model and the figures behind it: docs/design.md, "The wave-cost model"."""
+    slots = cluster_slots(sms, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
+    mma, stream = mma_cost(inst, k), stream_cost(inst, m, n, sms, k)
+    cost = -(-inst.cluster_tiles(m, n) // slots) * max(mma, stream + mma * UNHIDDEN_MILLI // 1000)
+    return cost * ESTIMATED_RATE_MARGIN // 1000 if has_estimated_rate(inst) else cost
 
 
 def select_gemm(
@@ -252,3 +318,24 @@ def select(problem):
     clusters = launch_clusters(problem.device_index, inst)
     # A wave is as many CTAs as can be resident at once; a last-wave split variant keeps the tiles and clusters.
     return plan_splits(inst, problem.m, problem.n, problem.k, clusters * inst.cluster_m * inst.cluster_n)
+
+
+def select_weight_only(problem):
+    """(instance, K splits) for a described weight-only call (``problem.WeightOnlyProblem``): the first row of
+    ``WEIGHT_ONLY_INSTANCES`` for its recipe, activation and weight formats whose M range holds M, and the split the
+    call forces or ``min(SMs // output tiles, 16, K tiles // 2)`` (at least 1): the weight stream is memory-bound
+    and wants every SM pulling bytes, so K splits until the work units fill one wave."""
+    from cutedsl_gemm.selection.instances import WEIGHT_ONLY_INSTANCES
+
+    key = (problem.arch, problem.recipe, problem.act_name, problem.weight_format)
+    inst = next((i for i in WEIGHT_ONLY_INSTANCES if (i.arch, i.recipe, i.a_dtype, i.b_dtype) == key
+                 and i.m_min <= problem.m <= i.m_max), None)
+    if inst is None:
+        raise NoKernelError(f"no weight-only kernel instance for arch={problem.arch} recipe={problem.recipe} "
+                            f"activations={problem.act_name} weights={problem.weight_format} M={problem.m}")
+    k_tiles = inst.k_tiles(problem.k)
+    if problem.split_k is not None:
+        return inst, normalize_splits(problem.split_k, k_tiles)
+    slots = launch_clusters(problem.device_index, inst)
+    splits = max(1, min(slots // inst.output_tiles(problem.m, problem.n), MAX_SPLITS, k_tiles // MIN_K_TILES_PER_SPLIT))
+    return inst, normalize_splits(splits, k_tiles)

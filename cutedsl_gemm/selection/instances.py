@@ -19,6 +19,8 @@ from typing import Iterable, Optional, Tuple
 
 SM90 = "sm_90a"
 SM100 = "sm_100a"
+#: The op of the weight-only GEMMs (WEIGHT_ONLY_TABLE); the others are "gemm".
+WEIGHT_ONLY = "weight_only"
 #: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
 #: e2m1) as a run-time value.
 F8F6F4 = "f8f6f4"
@@ -26,6 +28,8 @@ F8F6F4 = "f8f6f4"
 #: FP4 kinds keep e2m1 operands packed in shared memory).
 SM100_KINDS = {("tensor", F8F6F4): "f8f6f4", ("mx", F8F6F4): "mxf8f6f4", ("mx", "e2m1"): "mxf4",
                ("nvfp4", "e2m1"): "mxf4nvf4"}
+#: Operand pairs of the Hopper INT8 (W8A8) rows: s8 x s8 only (no int8 x FP8 WGMMA).
+INT8_PAIRS = (("int8", "int8"),)
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,7 @@ class KernelInstance:
     def can_split_k(self) -> bool:
         """Compiled with the split-K reduction (dispatch.choose_splits decides per call). Not the 128x256
         fast-accumulation tiles: their 128-register accumulator leaves no room for it without spilling."""
-        return self.arch == SM90 and self.op == "gemm" and self.tile_n <= 192
+        return self.arch == SM90 and (self.op == WEIGHT_ONLY or self.op == "gemm" and self.tile_n <= 192)
 
     def sm90_config(self):
         """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them."""
@@ -170,10 +174,14 @@ TileConfig.__doc__ = """A row of the table: an instance's fields, with the type 
 # ------------------------------------------------------------------------------------------------
 # THE TABLE (the measurements behind its rows: docs/design.md, "How dispatch chooses")
 # ------------------------------------------------------------------------------------------------
+#: Smallest M of the Hopper cooperative (unswapped) rows: up to 32 one swapped token tile covers M and streams W
+#: at the HBM floor, where an unswapped tile pads M to 64 rows; from 33 they compete by dispatch.wave_cost.
+COOPERATIVE_M_MIN = 33
+
 TABLE: Tuple[TileConfig, ...] = (
     # Hopper, small M (decode, M <= 128): the GEMM streams W once and is memory-bound, so the kernels run swapped
-    # (D^T = W @ A^T), the M activation rows on WGMMA's N side, as narrow as M allows. Rows are tried in order, so
-    # these come before the general ones.
+    # (D^T = W @ A^T), the M activation rows on WGMMA's N side, as narrow as M allows. From M = 33 the cooperative
+    # rows compete with them (dispatch.wave_cost); ties go to the earlier row, so these come first.
     *(
         TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, tn, accum=acc, m_min=lo, m_max=hi,
                    swap_ab=True, tile_k=256 if acc == "fast" and tn == 64 else 128)
@@ -191,19 +199,28 @@ TABLE: Tuple[TileConfig, ...] = (
         TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 64, tn, accum=acc, m_min=lo, m_max=hi,
                    swap_ab=True, tile_k=256 if acc == "fast" and tn == 64 else 128)
         for acc in ("promoted", "fast")
-        for tn, lo, hi in ((16, 1, 16), (64, 33, 128))
+        for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
     ),
     *(
         TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, tn,
                    accum="promoted", m_min=lo, m_max=hi, swap_ab=True)
-        for tn, lo, hi in ((16, 1, 16), (64, 33, 128))
+        for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
     ),
+    # One token tile for M = 65-128 in 2x1 clusters, whose two CTAs (two W tiles) share it by multicast; it
+    # competes with 128x64 and the unswapped tiles by dispatch.wave_cost (its rate estimated, not yet timed).
+    *(
+        TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, 128, cluster_m=2, accum=acc, m_min=65,
+                   m_max=128, swap_ab=True)
+        for acc in ("promoted", "fast")
+    ),
+    TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
+               cluster_m=2, accum="promoted", m_min=65, m_max=128, swap_ab=True),
     # Hopper, epilogue-scaled FP8: promoted tiles are at most 192 wide (K-tile fragments sit beside the accumulator),
     # fast accumulation adds 128x256; they compete by dispatch.wave_cost. Small tiles run without clusters (about a
     # wave of output), but 64x96 (measured faster in them) and 64x128 above M = 1024 (so wave_cost takes 128x96 there).
     *(
         TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn, accum=acc,
-                   **m_range)
+                   **{"m_min": COOPERATIVE_M_MIN, **m_range})
         for acc in ("promoted", "fast")
         for tm, tn, cm, cn, m_range in ((128, 192, 2, 1, {}), (128, 128, 2, 1, {}), (128, 96, 1, 1, {}),
                                         (64, 128, 1, 1, {"m_max": 1024}), (64, 128, 1, 2, {"m_min": 1025}),
@@ -213,45 +230,46 @@ TABLE: Tuple[TileConfig, ...] = (
     # Two CTAs per SM (64-row tiles, half an SM each): one CTA's epilogue runs while the other keeps the tensor
     # cores busy, which short-K outputs need (dispatch.wave_cost's epilogue term).
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
-               accum="promoted", ctas_per_sm=2),
+               accum="promoted", ctas_per_sm=2, m_min=COOPERATIVE_M_MIN),
     # The same pair swapped (W rows on WGMMA's M side), as cuBLAS runs narrow outputs with many rows; its low rate
     # (dispatch.PAIRED_TILE_RATES) keeps it to such shapes.
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 64, 192, cluster_m=2, cluster_n=1,
-               accum="promoted", swap_ab=True, ctas_per_sm=2),
-    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast"),
+               accum="promoted", swap_ab=True, ctas_per_sm=2, m_min=COOPERATIVE_M_MIN),
+    TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 256, cluster_m=2, cluster_n=1, accum="fast",
+               m_min=COOPERATIVE_M_MIN),
     # 128x128 in 4x1 clusters: each W tile multicast to four CTAs, for narrow outputs with many rows, which are
     # bound by L2 bytes per MMA (dispatch.CLUSTER_4X1_RATE_GAIN, dispatch.cluster_slots).
     *(
         TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 128, cluster_m=4, cluster_n=1,
-                   accum=acc)
+                   accum=acc, m_min=COOPERATIVE_M_MIN)
         for acc in ("promoted", "fast")
     ),
     # Hopper, block-scaled FP8: each 128-deep K block is scaled while it is promoted, so these are
     # promoted-accumulation kernels; 128x128 and 128x192 compete by dispatch.wave_cost.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 128,
-        cluster_m=2, cluster_n=1, accum="promoted",
+        cluster_m=2, cluster_n=1, accum="promoted", m_min=COOPERATIVE_M_MIN,
     ),
     # The DeepSeek recipe's 128x192 tile (its split-N loop) in 4 A/W stages, which leave room for the whole tile's
     # output slices, so a tile's stores drain while the next tile runs; the other 192-wide loops keep 5.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128",), 128, 192, cluster_m=2, cluster_n=1, stages=4,
-        accum="promoted",
+        accum="promoted", m_min=COOPERATIVE_M_MIN,
     ),
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("128x128_128x128", "1x128_1x128"), 128, 192,
-        cluster_m=2, cluster_n=1, accum="promoted",
+        cluster_m=2, cluster_n=1, accum="promoted", m_min=COOPERATIVE_M_MIN,
     ),
     # Two CTAs per SM for short K, as for the epilogue-scaled recipes.
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 192,
-        cluster_m=2, cluster_n=1, accum="promoted", ctas_per_sm=2,
+        cluster_m=2, cluster_n=1, accum="promoted", ctas_per_sm=2, m_min=COOPERATIVE_M_MIN,
     ),
     # 64-row tiles where a block-scaled output fills under a wave of 128-row tiles, up to M = 1024 (above, the
     # 128-row tiles' last-wave splits, which wave_cost does not see, make up their waves).
     TileConfig(
         "sm_90a", "gemm", "cooperative", ("1x128_128x128", "128x128_128x128", "1x128_1x128"), 64, 128,
-        cluster_m=1, cluster_n=1, accum="promoted", m_max=1024,
+        cluster_m=1, cluster_n=1, accum="promoted", m_min=COOPERATIVE_M_MIN, m_max=1024,
     ),
     # 128x128 in 4x1 clusters, as for the epilogue-scaled recipes, from M = 1025 (at M = 1024 the 2x1 tile's
     # last-wave split, which wave_cost does not model, is faster).
@@ -262,14 +280,36 @@ TABLE: Tuple[TileConfig, ...] = (
     # Last-wave split variants of the promoted cooperative rows above (kernels/common/last_wave_split.py), chosen per
     # call in place of their sibling when the last wave would be nearly empty and K is long (dispatch.last_wave_splits).
     TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), 128, 192, cluster_m=2, cluster_n=1,
-               accum="promoted", split_tail=True),
+               accum="promoted", split_tail=True, m_min=COOPERATIVE_M_MIN),
     *(
         TileConfig("sm_90a", "gemm", "cooperative", recipes, 128, tn, cluster_m=2, cluster_n=1, stages=stages,
-                   accum="promoted", split_tail=True)
+                   accum="promoted", split_tail=True, m_min=COOPERATIVE_M_MIN)
         for recipes, tn, stages in (
             (("1x128_128x128", "128x128_128x128", "1x128_1x128"), 128, 0),
             (("1x128_128x128",), 192, 4),
             (("128x128_128x128", "1x128_1x128"), 192, 0),
+        )
+    ),
+    # Hopper, INT8 (W8A8): the FP8 family's kernel with s8 x s8 WGMMA (same K tile bytes, so the same tiles and
+    # stages), tensor-wise or row-wise scales. The int32 sum is exact, so every row accumulates all of K in the
+    # tensor cores ("fast"); the rows mirror the FP8 fast ones: swapped small-M tiles first, then the cooperative
+    # tiles, the 2-per-SM pair and the last-wave split sibling of 128x192.
+    *(
+        TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), tm, tn, accum="fast", m_min=lo, m_max=hi,
+                   swap_ab=True, tile_k=256 if tn == 64 else 128, ab_dtypes=INT8_PAIRS)
+        for tm, tn, lo, hi in ((128, 16, 1, 16), (128, 32, 17, 32), (128, 64, 33, 128), (64, 16, 1, 16),
+                               (64, 64, 33, 128))
+    ),
+    *(
+        TileConfig("sm_90a", "gemm", "cooperative", ("tensor", "row"), tm, tn, cluster_m=cm, cluster_n=cn,
+                   accum="fast", split_tail=tail, ctas_per_sm=per_sm, ab_dtypes=INT8_PAIRS,
+                   **{"m_min": COOPERATIVE_M_MIN, **m_range})
+        for tm, tn, cm, cn, per_sm, tail, m_range in (
+            (128, 256, 2, 1, 1, False, {}), (128, 192, 2, 1, 1, False, {}), (128, 128, 2, 1, 1, False, {}),
+            (128, 96, 1, 1, 1, False, {}), (64, 128, 1, 1, 1, False, {"m_max": 1024}),
+            (64, 128, 1, 2, 1, False, {"m_min": 1025}), (64, 64, 1, 1, 1, False, {}), (128, 144, 2, 1, 1, False, {}),
+            (64, 96, 1, 2, 1, False, {}), (128, 128, 4, 1, 1, False, {}), (64, 192, 2, 1, 2, False, {}),
+            (128, 192, 2, 1, 1, True, {}),
         )
     ),
     # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the
@@ -332,6 +372,8 @@ def validate(inst: KernelInstance) -> None:
             Sm90GemmPlan.check_config(inst.sm90_config())
         elif inst.arch == SM100:
             _check_sm100(inst)
+        elif inst.arch == SM90 and inst.op == WEIGHT_ONLY:
+            _check_weight_only(inst)
         else:
             raise ValueError(f"no kernel family for arch={inst.arch} op={inst.op}")
     except (ValueError, TypeError) as e:
@@ -357,3 +399,61 @@ def select(instances=None, **want) -> Tuple[KernelInstance, ...]:
     """Instances whose fields equal every keyword given (e.g. ``select(arch="sm_90a", recipe="row")``)."""
     rows = INSTANCES if instances is None else instances
     return tuple(i for i in rows if all(getattr(i, k) == v for k, v in want.items()))
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight-only GEMMs (kernels/sm90/weight_only_gemm.py): bf16 / fp16 activations (a_dtype, also the output's dtype)
+# x packed int4 / int8 weights (b_dtype), scales group-wise along K or per output channel (the recipe). Their own
+# table: scaled_mm's validation, precompile, the catalog and the C export read INSTANCES, the GEMMs'.
+# ------------------------------------------------------------------------------------------------
+#: recipe -> (group along K, integer zero points); group 0 is one scale per output channel (the epilogue's).
+WEIGHT_ONLY_RECIPES = {
+    "group32": (32, False), "group64": (64, False), "group128": (128, False),
+    "group32_zeros": (32, True), "group64_zeros": (64, True), "group128_zeros": (128, True),
+    "channel": (0, False),
+}
+#: weight format -> the recipes it runs with
+WEIGHT_ONLY_FORMATS = {"int4": tuple(WEIGHT_ONLY_RECIPES), "int8": ("channel",)}
+
+
+def weight_only_recipe(group: int, zeros: bool) -> str:
+    """The recipe name of a weight-only (group, zero points) combination."""
+    return "channel" if group == 0 else f"group{group}" + ("_zeros" if zeros else "")
+
+
+def weight_only_config(inst: KernelInstance):
+    """The weight-only kernel's configuration of an instance of WEIGHT_ONLY_TABLE."""
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyConfig
+    from cutedsl_gemm.numerics.formats import element_format
+
+    group, zeros = WEIGHT_ONLY_RECIPES[inst.recipe]
+    return WeightOnlyConfig(bits=element_format(inst.b_dtype).bits, group=group, zeros=zeros, act_dtype=inst.a_dtype,
+                            tile_m=inst.tile_m, tile_n=inst.tile_n, stages=inst.stages)
+
+
+def _check_weight_only(inst: KernelInstance) -> None:
+    if inst.recipe not in WEIGHT_ONLY_FORMATS.get(inst.b_dtype, ()):
+        raise ValueError(f"{inst.b_dtype} weights run with recipes {WEIGHT_ONLY_FORMATS}, got {inst.recipe!r}")
+    if inst.out_dtype != inst.a_dtype or inst.bias_dtype is not None:
+        raise ValueError(f"the output is in the activations' dtype ({inst.a_dtype}), without bias; got "
+                         f"out={inst.out_dtype} bias={inst.bias_dtype}")
+    fixed = {"swap_ab": True, "tile_k": 128, "accum": "fast", "cluster_m": 1, "cluster_n": 1, "split_tail": False,
+             "ctas_per_sm": 1, "epi_stages": 0}
+    wrong = {k: getattr(inst, k) for k, v in fixed.items() if getattr(inst, k) != v}
+    if wrong:
+        raise ValueError(f"the weight-only GEMM fixes {fixed}; got {wrong}")
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyPlan
+
+    WeightOnlyPlan.check_config(weight_only_config(inst))
+
+
+# Decode first: the M tokens on WGMMA's N side, as narrow as M allows; the 128-wide row serves every larger M in
+# 128-token tiles (each weight tile is then read once per token tile). bf16 WGMMAs accumulate in fp32: "fast".
+WEIGHT_ONLY_TABLE: Tuple[TileConfig, ...] = tuple(
+    TileConfig(SM90, WEIGHT_ONLY, "small_m", WEIGHT_ONLY_FORMATS[w], 128, tn, accum="fast", m_min=lo, m_max=hi,
+               swap_ab=True, ab_dtypes=((act, w),), out_dtypes=(act,), bias_kinds=(None,))
+    for act in ("bf16", "fp16")
+    for w in WEIGHT_ONLY_FORMATS
+    for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 64), (128, 65, 1 << 31))
+)
+WEIGHT_ONLY_INSTANCES: Tuple[KernelInstance, ...] = expand(WEIGHT_ONLY_TABLE)
