@@ -76,24 +76,26 @@ def test_explicit_recipes_and_errors():
 
 
 def test_per_tensor_scale_views_are_kept_and_refreshed():
-    """kernel_views keeps the (1,) view of a 0-dim scale per tensor, never stale, never for big storages."""
+    """kernel_views keeps the (1,) view of a 0-dim W scale per tensor, never stale, never for big storages; never
+    A's (activations' scales are new per call: a kept view would pin their memory, in a CUDA graph pool too)."""
     from cutedsl_gemm.numerics import scale_layouts as L
 
     s, t = torch.tensor(2.0), torch.tensor(3.0)
-    va, vb = L.kernel_views("tensor", 1, s, t)
-    assert va.shape == (1,) and float(va) == 2.0 and float(vb) == 3.0
-    assert L.kernel_views("tensor", 1, s, t)[0] is va  # kept
+    va, vb = L.kernel_views("tensor", 1, t, s)
+    assert vb.shape == (1,) and float(vb) == 2.0 and float(va) == 3.0
+    assert L.kernel_views("tensor", 1, t, s)[1] is vb  # kept
+    assert id(t) not in L._SCALAR_VIEWS  # A's: not kept
     s.fill_(5.0)
-    assert float(L.kernel_views("tensor", 1, s, t)[0]) == 5.0  # same storage: sees in-place updates
+    assert float(L.kernel_views("tensor", 1, t, s)[1]) == 5.0  # same storage: sees in-place updates
     s.set_(torch.tensor(7.0).untyped_storage())  # new storage: a new view
-    v2 = L.kernel_views("tensor", 1, s, t)[0]
-    assert v2 is not va and float(v2) == 7.0
+    v2 = L.kernel_views("tensor", 1, t, s)[1]
+    assert v2 is not vb and float(v2) == 7.0
     big = torch.arange(1000, dtype=torch.float32)
     elem = big[3]  # a 0-dim view into a big buffer: not kept (the view would pin the buffer)
-    assert float(L.kernel_views("tensor", 1, elem, t)[0]) == 3.0
+    assert float(L.kernel_views("tensor", 1, t, elem)[1]) == 3.0
     assert id(elem) not in L._SCALAR_VIEWS
     one = torch.ones(1)
-    assert L.kernel_views("tensor", 1, one, t)[0] is one  # already (1,)
+    assert L.kernel_views("tensor", 1, one, one)[1] is one  # already (1,)
 
 
 def test_block_w_scale_views_are_kept_and_refreshed():

@@ -193,8 +193,8 @@ def _w_blocks(s: torch.Tensor, kb: int) -> torch.Tensor:
 def kernel_views(recipe: str, kb: int, scale_a: torch.Tensor, scale_b: torch.Tensor):
     """The views the Hopper kernels take: (1,) x (1,) per tensor, (M, 1) x (1, N) per row, and
     (rows or row blocks, Kb) for both operands when block-scaled (padding columns dropped)."""
-    if recipe == "tensor":
-        return _one(scale_a), _one(scale_b)
+    if recipe == "tensor":  # A's scale is usually new per call (activations): a kept view would pin its memory
+        return (scale_a if scale_a.dim() == 1 else scale_a.reshape(1)), _one(scale_b)
     if recipe == "row":
         return scale_a, scale_b
     return (scale_a if scale_a.shape[1] == kb else scale_a[:, :kb]), _w_blocks(scale_b, kb)

@@ -1,4 +1,5 @@
-"""The quantize family: ``quantize_fp8``, ``quantize_mx`` and ``quantize_nvfp4``.
+"""The quantize family: ``quantize_fp8``, ``quantize_mx``, ``quantize_nvfp4`` and ``quantize_int8`` (the FP8
+kernels' row and tensor forms with an int8 target; its contract is in its docstring).
 
 Each takes ``backend``: ``"kernel"`` runs the CuTe DSL kernels (CUDA tensors only), ``"reference"`` the torch
 reference of :mod:`cutedsl_gemm.numerics.reference` (any device), and ``"auto"`` (the default) the kernel for
@@ -57,6 +58,7 @@ from cutedsl_gemm.numerics.formats import (
     FP8_FORMATS,
     FP32,
     FP32_SCALE_GRANULARITIES,
+    INT8,
     RECIPES,
     UE8M0,
     ScaleGranularity,
@@ -112,7 +114,9 @@ def resolve_granularity(gran, operand: str = "a") -> ScaleGranularity:
     return g
 
 
-def _validate(x, gran, fmt, block, scale_layout, backend):
+def _validate(x, gran, fmt, block, scale_layout, backend, pointers=True):
+    """(fmt, scale layout, whether the kernel runs) after every check on the arguments; ``pointers=False``
+    leaves out x's address (fake tensors have none)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     if DTYPE_FORMATS.get(x.dtype) not in FLOAT_FORMATS:
@@ -147,7 +151,7 @@ def _validate(x, gran, fmt, block, scale_layout, backend):
             raise ValueError(f"K (x.shape[1]) must be a multiple of {VEC} for the FP8 kernels, got {k}")
         if x.stride(1) != 1 or (rows > 1 and x.stride(0) != k):
             raise ValueError(f"x must be row-major contiguous (strides ({k}, 1)), got {x.stride()}; call .contiguous()")
-        if x.data_ptr() % 16:
+        if pointers and x.data_ptr() % 16:
             raise ValueError("x's data pointer must be 16-byte aligned (a sliced view may not be); call .clone()")
         if not x.is_cuda:
             raise ValueError(f"backend='kernel' needs a CUDA tensor, got device {x.device}")
@@ -199,15 +203,77 @@ def quantize_fp8(
     ``F.ScalingType``), or a ScalingRecipe / recipe name together with ``operand`` ("a" for A (M, K), "b" for
     W (N, K)); see :func:`resolve_granularity`. ``block``: 128 or 256 for 2-D blocks. ``backend``: "kernel"
     (CuTe DSL, CUDA tensors), "reference" (torch, any device) or "auto" (kernel on CUDA, reference elsewhere).
-    The kernels need ``K % 16 == 0`` and a row-major x.
+    The kernels need ``K % 16 == 0`` and a row-major x. Under ``torch.compile`` the kernel path is the op
+    ``torch.ops.cutedsl_gemm.quantize_fp8``.
     """
+    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+        from cutedsl_gemm.ops.library import traced_quantize_fp8
+
+        return traced_quantize_fp8(x, recipe, fmt=fmt, block=block, scale_layout=scale_layout, operand=operand)
+    sig = None
+    if type(x) is torch.Tensor:
+        sig = (x.shape, x.dtype, x.get_device(), recipe, fmt, block, scale_layout, operand, backend)
+        try:
+            run = _FP8_PLANS.get(sig)
+        except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
+            sig = run = None
+        if run is not None:
+            try:
+                return run(x)
+            except (TypeError, ValueError):
+                pass  # refused before launch (a strided or misaligned x): the checks below say why
+    gran, fmt, block, scale_layout, use_kernel = _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, backend)
+    if x.numel() == 0 or not use_kernel:
+        return _reference(x, gran, fmt, block, scale_layout)
+    run = _plan(x, gran, fmt, block, scale_layout)
+    if sig is not None:
+        if len(_FP8_PLANS) >= _MAX_FP8_PLANS:
+            _FP8_PLANS.clear()
+        _FP8_PLANS[sig] = run
+    return run(x)
+
+
+# Call signature (x's shape, dtype and device, the arguments) -> the launch of a kernel-path call (``_plan``):
+# a repeated call allocates and launches. What the compiled kernels check before every launch (TVM-FFI: dtype,
+# extents, compact strides, 16-byte alignment) is not checked again; a call they refuse takes the long way.
+_FP8_PLANS: dict = {}
+_MAX_FP8_PLANS = 4096  # many distinct shapes (e.g. every batch size): start over
+
+
+def kernel_launch(x: torch.Tensor, recipe, *, fmt="e4m3"):
+    """The kernel launch of ``quantize_fp8(x, recipe, fmt=fmt)`` (``fmt`` "int8": ``quantize_int8(x, recipe)``) on
+    CUDA tensors of x's shape, dtype and device: a function x -> (q, scales), checked and kept once (what a
+    layer calls on every forward). Its kernels refuse a strided or misaligned x (TypeError / ValueError)."""
+    if fmt == "int8":
+        sig = ("int8", x.shape, x.dtype, x.get_device(), recipe, "kernel")
+        run = _FP8_PLANS.get(sig)
+        if run is None:
+            gran, _ = _int8_arguments(x, recipe, "kernel")
+            run = _FP8_PLANS[sig] = _plan(x, gran, INT8, 128, None)
+        return run
+    sig = (x.shape, x.dtype, x.get_device(), recipe, fmt, 128, None, "a", "kernel")
+    run = _FP8_PLANS.get(sig)
+    if run is None:
+        gran, fmt_, block, layout, _ = _fp8_arguments(x, recipe, fmt, 128, None, "a", "kernel")
+        run = _FP8_PLANS[sig] = _plan(x, gran, fmt_, block, layout)
+    return run
+
+
+def _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, backend, pointers=True):
+    """(granularity, fmt, block, scale layout, whether the kernel runs) of a quantize_fp8 call, checked."""
     gran = resolve_granularity(recipe, operand)
     if isinstance(recipe, str) and recipe.lower() == "256x256" and block == 128:
         block = 256
-    fmt, scale_layout, use_kernel = _validate(x, gran, fmt, block, scale_layout, backend)
-    if x.numel() == 0 or not use_kernel:
-        return _reference(x, gran, fmt, block, scale_layout)
-    return _kernel(x, gran, fmt, block, scale_layout)
+    fmt, scale_layout, use_kernel = _validate(x, gran, fmt, block, scale_layout, backend, pointers)
+    return gran, fmt, block, scale_layout, use_kernel
+
+
+def quantize_fp8_like(x, recipe="1x128", *, fmt="e4m3", block=128, scale_layout=None, operand="a"):
+    """Empty ``(q, scales)`` with the shapes, dtypes and strides ``quantize_fp8(x, ...)`` returns, after its
+    checks on the arguments but x's address: the op's fake implementation (x a fake or meta tensor)."""
+    gran, fmt, block, scale_layout, _ = _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, "auto", False)
+    q, _, scales = _allocator(gran, fmt, block, scale_layout, *x.shape)(x)
+    return q, scales
 
 
 def _reference(x, gran, fmt, block, scale_layout):
@@ -230,7 +296,8 @@ def _reference(x, gran, fmt, block, scale_layout):
 
 # Kernel tuning overrides per kind ("group", "block", "row_block", "row", "tensor_amax", "tensor_cast"):
 # keyword arguments of the kernels' compile functions. Empty = the kernels' defaults; benchmarks set it
-# to compare variants (the values are part of the compile-cache key).
+# to compare variants (the values are part of the compile-cache key). A call signature's kernels are picked
+# once (``_FP8_PLANS``): clear it after changing TUNING.
 TUNING = {}
 AMAX_CTAS_PER_SM = 4  # per-tensor pass 1: resident CTAs per SM of its grid-stride grid
 
@@ -268,39 +335,75 @@ def _num_sms(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def _kernel(x, gran, fmt, block, scale_layout):
-    rows, k = x.shape
-    dev = x.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    q = torch.empty((rows, k), dtype=fmt.torch_dtype, device=dev)
+def _allocator(gran, fmt, block, scale_layout, rows, k):
+    """x -> (q, the scales the kernel writes, the scales returned) for a (rows, K) input: the layouts of the
+    module docstring (per tensor the kernel writes a (1,) tensor, returned as its 0-d view)."""
+    qd, f32 = fmt.torch_dtype, torch.float32
+    if gran is G.TENSOR:
+        def alloc(x):
+            s = x.new_empty((1,), dtype=f32)
+            return x.new_empty((rows, k), dtype=qd), s, s.view(())
+        return alloc
     if gran is G.GROUP_1x128:
         kb = ceil_div(k, 128)
-        s = torch.empty((kb, rows), **f32).t() if scale_layout == "mn_major" else torch.empty((rows, kb), **f32)
-        _get("group", x, fmt, 128, scale_layout)(x, q, s, s)
-        return q, s
-    if gran is G.BLOCK_128x128:
+        if scale_layout == "mn_major":
+            def alloc(x):
+                s = x.new_empty((kb, rows), dtype=f32).t()
+                return x.new_empty((rows, k), dtype=qd), s, s
+            return alloc
+        shape = (rows, kb)
+    elif gran is G.BLOCK_128x128:
         kb = ceil_div(k, block)
-        width = round_up(kb, 4) if scale_layout == "padded" else kb
-        s = torch.empty((ceil_div(rows, block), width), **f32)
-        _get("block", x, fmt, block)(x, q, s, s)
-        return q, s
-    if gran is G.ROW:
+        shape = (ceil_div(rows, block), round_up(kb, 4) if scale_layout == "padded" else kb)
+    else:
+        shape = (rows, 1)
+
+    def alloc(x):
+        s = x.new_empty(shape, dtype=f32)
+        return x.new_empty((rows, k), dtype=qd), s, s
+    return alloc
+
+
+def _plan(x, gran, fmt, block, scale_layout):
+    """The kernel launch of a call on ``x``: a function of x (that shape, dtype and device) -> (q, scales)."""
+    rows, k = x.shape
+    alloc = _allocator(gran, fmt, block, scale_layout, rows, k)
+    if gran is G.TENSOR:
+        # partial maxima (grid-stride CTAs, no atomics), then the cast kernel folds them
+        ntiles = ceil_div(rows, 128) * ceil_div(k, 128)
+        parts = max(1, min(ntiles, AMAX_CTAS_PER_SM * _num_sms(x.device)))
+        amax, cast = _get("tensor_amax", x, fmt), _get("tensor_cast", x, fmt)
+
+        def run(x):
+            q, s, out = alloc(x)
+            part = x.new_empty((parts,), dtype=torch.float32)
+            amax(x, part)
+            cast(x, q, s, part)
+            return q, out
+        return run
+    if gran is G.GROUP_1x128:
+        fn = _get("group", x, fmt, 128, scale_layout)
+    elif gran is G.BLOCK_128x128:
+        fn = _get("block", x, fmt, block)
+    else:
         from cutedsl_gemm.kernels.sm90.quantize_fp8 import row_tile
 
-        s = torch.empty((rows, 1), **f32)
         tile = row_tile(k, x.element_size() * 8)
-        if tile is not None:  # one CTA per row (a 1 x 2^n block), read once where it fits in registers
-            _get("row_block", x, fmt, *tile)(x, q, s, s)
-        else:  # rows longer than 65536: one warp per row, two passes
-            _get("row", x, fmt)(x, q, s)
-        return q, s
-    # per-tensor: partial maxima (grid-stride CTAs, no atomics), then the cast kernel folds them
-    ntiles = ceil_div(rows, 128) * ceil_div(k, 128)
-    part = torch.empty((max(1, min(ntiles, AMAX_CTAS_PER_SM * _num_sms(dev))),), **f32)
-    s = torch.empty((1,), **f32)
-    _get("tensor_amax", x, fmt)(x, part)
-    _get("tensor_cast", x, fmt)(x, q, s, part)
-    return q, s.reshape(())
+        if tile is None:  # rows longer than 65536: one warp per row, two passes
+            row = _get("row", x, fmt)
+
+            def run(x):
+                q, s, out = alloc(x)
+                row(x, q, s)
+                return q, out
+            return run
+        fn = _get("row_block", x, fmt, *tile)  # one CTA per row (a 1 x 2^n block), read once in registers
+
+    def run(x):
+        q, s, out = alloc(x)
+        fn(x, q, s, s)
+        return q, out
+    return run
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -381,6 +484,10 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3", *, backend: str = "auto") -> R.Bloc
     e5m2, e3m2, e2m3 or e2m1). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_mx_reference`;
     ``backend`` as in the module doc."""
     fmt = element_format(fmt)
+    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+        from cutedsl_gemm.ops.library import traced_quantize_mx
+
+        return traced_quantize_mx(x, fmt)
     if not _block_backend(x, R.MX_BLOCK, backend):
         return R.quantize_mx_reference(x, fmt)
     x = x.contiguous()
@@ -400,6 +507,10 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
     decode scale (``global_scale``, a one-element fp32 tensor, or computed on the device: no host
     synchronisation). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_nvfp4_reference`;
     ``backend`` as in the module doc."""
+    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+        from cutedsl_gemm.ops.library import traced_quantize_nvfp4
+
+        return traced_quantize_nvfp4(x, global_scale)
     if not _block_backend(x, R.NVFP4_BLOCK, backend):
         return R.quantize_nvfp4_reference(x, global_scale)
     x = x.contiguous()
@@ -415,3 +526,65 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
     fn(x, q, s.view(-1), g, amax)
     return R.BlockScaledTensor(storage_view(q, E2M1), s.view(E4M3.torch_dtype), E2M1, R.NVFP4_BLOCK, (rows, k),
                                g.reshape(()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# INT8
+# ----------------------------------------------------------------------------------------------------
+
+
+def quantize_int8(x: torch.Tensor, granularity="row", *, backend: str = "auto"):
+    """Symmetric INT8 quantization of a 2-D (rows, K) bf16/fp16/fp32 tensor for the int8 ``scaled_mm``:
+    ``(q, scales)``, q torch.int8 (rows, K) row-major, scales fp32 (rows, 1) contiguous ("row", per token or per
+    output channel) or shape () ("tensor").
+
+    Numerics (:func:`~cutedsl_gemm.numerics.reference.quantize_int8_reference`, which the kernels match bit for
+    bit): ``scale = amax / 127`` over the finite ``|x|`` of the row or tensor (1 where there is none or all are
+    zero), ``q = RNE(clamp(x / scale, -127, 127))`` with the fp32 quotient correctly rounded (the FP8
+    quantizers' division), +-inf -> +-127, NaN -> 0. ``backend`` as in the module doc; the kernels need
+    ``K % 16 == 0`` and a row-major x (they are the FP8 row / tensor kernels with an integer target).
+    W8A8: ``qx, sx = quantize_int8(x)``, ``qw, sw = quantize_int8(w)`` (W (N, K)), then
+    ``scaled_mm(qx, qw.t(), sx, sw.t())``.
+    """
+    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+        from cutedsl_gemm.ops.library import traced_quantize_int8
+
+        return traced_quantize_int8(x, granularity)
+    sig = None
+    if type(x) is torch.Tensor:
+        sig = ("int8", x.shape, x.dtype, x.get_device(), granularity, backend)
+        try:
+            run = _FP8_PLANS.get(sig)
+        except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
+            sig = run = None
+        if run is not None:
+            try:
+                return run(x)
+            except (TypeError, ValueError):
+                pass  # refused before launch (a strided or misaligned x): the checks below say why
+    gran, use_kernel = _int8_arguments(x, granularity, backend)
+    if x.numel() == 0 or not use_kernel:
+        return _reference(x, gran, INT8, 128, None)
+    run = _plan(x, gran, INT8, 128, None)
+    if sig is not None:
+        if len(_FP8_PLANS) >= _MAX_FP8_PLANS:
+            _FP8_PLANS.clear()
+        _FP8_PLANS[sig] = run
+    return run(x)
+
+
+def _int8_arguments(x, granularity, backend, pointers=True):
+    """(granularity, whether the kernel runs) of a quantize_int8 call, checked (the FP8 kernels' input rules)."""
+    gran = G.named(granularity)
+    if gran not in (G.ROW, G.TENSOR):
+        raise ValueError(f"quantize_int8 scales per row or per tensor ('row', 'tensor'); got {gran.label!r}")
+    _, _, use_kernel = _validate(x, gran, E4M3, 128, None, backend, pointers)
+    return gran, use_kernel
+
+
+def quantize_int8_like(x, granularity="row"):
+    """Empty ``(q, scales)`` with the shapes, dtypes and strides ``quantize_int8(x, granularity)`` returns, after
+    its checks on the arguments but x's address: the op's fake implementation (x a fake or meta tensor)."""
+    gran, _ = _int8_arguments(x, granularity, "auto", False)
+    q, _, scales = _allocator(gran, INT8, 128, None, *x.shape)(x)
+    return q, scales

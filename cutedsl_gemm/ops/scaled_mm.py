@@ -78,7 +78,9 @@ def scaled_mm(
     * Hopper (sm_90a): E4M3 / E5M2 operands with fp32 scales in torch's shapes
       (``cutedsl_gemm.numerics.scale_layouts``): tensor-wise (one element each), row-wise (``scale_a`` (M, 1),
       ``scale_b`` (1, N)), or block-scaled per 128-deep K block: 1x128 x 128x128 (DeepSeek-V3: ``scale_a``
-      (M, Kb), ``scale_b`` (Kb, ceil(N/128))), 128x128 x 128x128 and 1x128 x 1x128.
+      (M, Kb), ``scale_b`` (Kb, ceil(N/128))), 128x128 x 128x128 and 1x128 x 1x128. Or INT8 x INT8
+      (W8A8: ``quantize_int8``) with tensor-wise or row-wise fp32 scales: s8 WGMMA, exact int32 sums (K up to
+      ``problem.INT8_MAX_K``), so ``use_fast_accum`` makes no difference there.
     * Blackwell (sm_100a): any of E4M3, E5M2, E3M2, E2M3, E2M1 per operand (FP8 dtypes,
       ``float4_e2m1fn_x2``, or uint8 bytes with ``fmt_a``/``fmt_b`` naming the format: packed FP6 always needs
       it), with one-element fp32 scales (tensor-wise), or MX (``float8_e8m0fnu`` scales per 32 elements,
@@ -103,6 +105,13 @@ def scaled_mm(
     waves, in the instance's last-wave variant). ``out``, if given, is a row-major (M, N) ``out_dtype`` tensor
     written in place.
     """
+    if torch.compiler.is_compiling():  # the op: torch.compile records it instead of tracing into the launch
+        from cutedsl_gemm.ops.library import traced_scaled_mm
+
+        return traced_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum,
+                                scale_recipe_a=scale_recipe_a, scale_recipe_b=scale_recipe_b, swizzle_a=swizzle_a,
+                                swizzle_b=swizzle_b, out=out, fmt_a=fmt_a, fmt_b=fmt_b, schedule=schedule,
+                                split_k=split_k)
     sig = None
     if fmt_a is None and fmt_b is None and swizzle_a is None and swizzle_b is None and scale_result is None \
             and type(a) is torch.Tensor and type(b) is torch.Tensor and type(scale_a) is torch.Tensor \

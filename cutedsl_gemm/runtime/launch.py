@@ -9,16 +9,17 @@ compiled-function call. Each family's plan knows its kernel's argument order: ``
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 from typing import NamedTuple, Optional
 
 import torch
 
 from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
-from cutedsl_gemm.numerics.formats import element_format
+from cutedsl_gemm.numerics.formats import element_format, float_format
 from cutedsl_gemm.runtime.device import device_info, max_active_clusters
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
-from cutedsl_gemm.selection.instances import SM100, KernelInstance
+from cutedsl_gemm.selection.instances import SM100, WEIGHT_ONLY, KernelInstance
 
 
 def compiled(inst: KernelInstance):
@@ -34,40 +35,84 @@ def launch_clusters(index: int, inst: KernelInstance) -> int:
     return max_active_clusters(index, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm
 
 
+# ----------------------------------------------------------------------------------------------------
+# Persistent per-device buffers (dummies, split-K workspaces): allocated outside any CUDA graph memory pool.
+# ----------------------------------------------------------------------------------------------------
+
+_BUFFER_THREAD = None  # one worker thread: graph pools take the allocations of the thread that warms up or captures
+
+
+def persistent_buffer(index: int, make):
+    """``make()`` (a function allocating tensors on GPU ``index``) run so that what it allocates lives outside
+    any CUDA graph memory pool: torch.compile's CUDA graph trees route every allocation of the warming-up thread
+    to the graph's private pool, where a tensor kept across calls is refused ("not tracked as outputs") and
+    would be overwritten by replays. It runs on a worker thread (no pool takes its allocations), which waits for
+    its work to finish. A stream capture in progress is refused: buffers must exist before capturing."""
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"cutedsl_gemm needs a new persistent buffer on cuda:{index} (first call of this shape or kernel) while a "
+            "CUDA graph is being captured: run the call once before capturing (a warm-up, as CUDA graphs need anyway)")
+    global _BUFFER_THREAD
+    if _BUFFER_THREAD is None:
+        _BUFFER_THREAD = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="cutedsl_gemm_buffers")
+
+    def build():
+        with torch.cuda.device(index):
+            made = make()
+            torch.cuda.current_stream().synchronize()  # zero-fills done before another stream reads them
+        return made
+
+    return _BUFFER_THREAD.submit(build).result()
+
+
+def _zeros(index: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    return persistent_buffer(index, lambda: torch.zeros(n, dtype=dtype, device=torch.device("cuda", index)))
+
+
 @functools.lru_cache(maxsize=None)
 def dummy_bias(index: int) -> torch.Tensor:
     """Stands in for the bias argument of instances built without one; never read."""
-    return torch.zeros(1, dtype=torch.float32, device=torch.device("cuda", index))
+    return _zeros(index, 1, torch.float32)
 
 
 class _SplitKWorkspace:
     """Per-device split-K buffers, grown on demand and reused by every call (no per-call allocation, so
     calls can be captured in CUDA graphs once the buffers are large enough): fp32 partial sums and int32
-    per-tile counters, which the kernel leaves at zero after each launch."""
+    per-tile counters, which the kernel leaves at zero after each launch. Outgrown buffers are kept: a CUDA
+    graph captured with them still writes them on replay."""
 
-    def __init__(self, device):
-        self.device = device
-        self.partials = torch.empty(1, dtype=torch.float32, device=device)
-        self.counters = torch.zeros(1, dtype=torch.int32, device=device)
+    def __init__(self, index: int):
+        self.index = index
+        self.partials = _zeros(index, 1, torch.float32)
+        self.counters = _zeros(index, 1, torch.int32)
+        self.outgrown: list = []
 
     def get(self, partial_floats: int, tiles: int):
         if self.partials.numel() < partial_floats:
-            self.partials = torch.empty(partial_floats, dtype=torch.float32, device=self.device)
+            self.outgrown.append(self.partials)
+            self.partials = persistent_buffer(self.index, lambda: torch.empty(
+                partial_floats, dtype=torch.float32, device=torch.device("cuda", self.index)))
         if self.counters.numel() < tiles:
-            self.counters = torch.zeros(tiles, dtype=torch.int32, device=self.device)
+            self.outgrown.append(self.counters)
+            self.counters = _zeros(self.index, tiles, torch.int32)
         return self.partials, self.counters
 
 
 @functools.lru_cache(maxsize=None)
 def _workspace(index: int) -> _SplitKWorkspace:
-    return _SplitKWorkspace(torch.device("cuda", index))
+    return _SplitKWorkspace(index)
 
 
 @functools.lru_cache(maxsize=None)
 def _idle_workspace(index: int):
     # Stands in for the split-K buffers of unsplit launches (the kernel reads them only when splits > 1).
-    dev = torch.device("cuda", index)
-    return torch.empty(1, dtype=torch.float32, device=dev), torch.zeros(1, dtype=torch.int32, device=dev)
+    return _zeros(index, 1, torch.float32), _zeros(index, 1, torch.int32)
+
+
+def forget_buffers() -> None:
+    """Drop the kept per-device buffers (the next plan allocates them again; plans made before keep theirs)."""
+    for cached in (dummy_bias, _workspace, _idle_workspace, _no_zeros, _sm100_stand_ins):
+        cached.cache_clear()
 
 
 def split_tiles(inst: KernelInstance, m: int, n: int, splits: int, max_clusters: int) -> int:
@@ -112,6 +157,31 @@ class LaunchPlan(NamedTuple):
         return out
 
 
+class WeightOnlyLaunchPlan(NamedTuple):
+    """A launch of one weight-only instance (``kernels/sm90/weight_only_gemm.py``) on one problem size."""
+
+    fn: object
+    max_clusters: int
+    splits: int
+    ws_need: tuple
+    device_index: int
+    idle_ws: tuple
+    no_zeros: torch.Tensor  # stands in for the zero points of instances built without them (never read)
+
+    def run(self, x, w, scales, zeros, out) -> torch.Tensor:
+        """Launch on the current stream: activations, packed weights, scales and zero points in the kernel's
+        layouts (``numerics.int_packing``), ``out`` (M, N)."""
+        partials, counters = _workspace(self.device_index).get(*self.ws_need) if self.splits > 1 else self.idle_ws
+        self.fn(x, w, scales, self.no_zeros if zeros is None else zeros, out, partials, counters, self.splits,
+                self.max_clusters)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def _no_zeros(index: int, dtype: torch.dtype) -> torch.Tensor:
+    return _zeros(index, 8, dtype)
+
+
 class Sm100LaunchPlan(NamedTuple):
     """Everything a launch of one sm_100a instance on one problem needs besides the tensors. The operands come
     as (rows, row bytes) uint8 views; each goes into the storage view of its format (8-bit, 6-bit or 4-bit TMA
@@ -149,11 +219,12 @@ class Sm100LaunchPlan(NamedTuple):
 def _sm100_stand_ins(index: int):
     """Valid, aligned operand views for the storage classes an operand does not use (never read), and 1.0."""
     dev = torch.device("cuda", index)
-    buf = torch.zeros(128 * 128 + 256, dtype=torch.uint8, device=dev)
+    buf, unit = persistent_buffer(index, lambda: (torch.zeros(128 * 128 + 256, dtype=torch.uint8, device=dev),
+                                                  torch.ones(1, dtype=torch.float32, device=dev)))
     off = (-buf.data_ptr()) % 256
     flat = buf[off: off + 128 * 128]
     views = (flat.view(128, 128), flat[: 128 * 96].view(128, 96), flat[: 128 * 64].view(128, 64))
-    return views, torch.ones(1, dtype=torch.float32, device=dev)
+    return views, unit
 
 
 def _sm100_plan(inst: KernelInstance, k: int, fmt_a: str, fmt_b: str, device_index: int) -> Sm100LaunchPlan:
@@ -182,8 +253,15 @@ def plan(inst: KernelInstance, m: int, n: int, splits: int, device_index: int, *
             raise ValueError(f"{inst.name} is built without the split-K reduction; got splits={splits}")
         return _sm100_plan(inst, k, fmt_a, fmt_b, device_index)
     clusters = launch_clusters(device_index, inst)
-    return LaunchPlan(compiled(inst), clusters, splits, workspace_need(inst, m, n, splits, clusters), device_index,
-                      dummy_bias(device_index), _idle_workspace(device_index))
+    need = workspace_need(inst, m, n, splits, clusters)
+    if splits > 1:
+        _workspace(device_index).get(*need)  # grown now, before any capture of the launch
+    if inst.op == WEIGHT_ONLY:
+        no_zeros = _no_zeros(device_index, float_format(inst.a_dtype).torch_dtype)
+        return WeightOnlyLaunchPlan(compiled(inst), clusters, splits, need, device_index, _idle_workspace(device_index),
+                                    no_zeros)
+    bias = dummy_bias(device_index)
+    return LaunchPlan(compiled(inst), clusters, splits, need, device_index, bias, _idle_workspace(device_index))
 
 
 def run(p, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:

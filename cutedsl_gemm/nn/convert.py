@@ -1,0 +1,85 @@
+"""``convert``: swap a model's ``nn.Linear`` layers for ``Fp8Linear`` in place, and say which were skipped and why."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from .linear import Fp8Linear, check_linear, target_arch, unsupported
+from .recipes import linear_recipe
+
+
+@dataclass
+class ConversionReport:
+    """What ``convert`` did: ``converted`` module names, and ``skipped``: name -> why (one line each)."""
+
+    recipe: str
+    converted: list = field(default_factory=list)
+    skipped: dict = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        lines = [f"recipe {self.recipe!r}: {len(self.converted)} linear layers converted, {len(self.skipped)} skipped"]
+        lines += [f"  {name or '(the model)'}: {why}" for name, why in self.skipped.items()]
+        return "\n".join(lines)
+
+
+def _holders(model: torch.nn.Module) -> dict:
+    """id(parameter) -> [(name, module)] for every module of ``model`` that holds it (two modules: tied)."""
+    holders: dict = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((f"{module_name}.{name}" if module_name else name, module))
+    return holders
+
+
+def convert(model: torch.nn.Module, recipe: str = "row",
+            filter: Optional[Callable[[str, torch.nn.Module], bool]] = None) -> ConversionReport:
+    """Replace, in place, every ``nn.Linear`` of ``model`` for which ``filter(name, module)`` (default: all) is
+    true by an :class:`Fp8Linear` of ``recipe`` ("row", "deepseek", "tensor", "int8", "int8_weight", "int4_weight";
+    on Blackwell "tensor", "mxfp8", "nvfp4": ``recipes.LINEAR_RECIPES``), its weight quantized where it lives
+    (the kernels on a GPU, their torch reference, the same bits, elsewhere).
+
+    Skipped, with the reason in the report: layers whose shapes the kernels cannot take (the ops' own checks:
+    e.g. K or N alignment), subclasses of ``nn.Linear`` (their owners may read ``.weight``), layers whose weight
+    is tied to another module's, and layers ``filter`` excludes. Refused: a recipe the GPU does not run (the
+    current GPU, or the layer's), weights that are not bf16 / fp16 / fp32 or not materialized.
+    ``filter=lambda name, m: name != "lm_head"`` keeps a language model's head in its dtype.
+    """
+    r = linear_recipe(recipe)
+    if type(model) is torch.nn.Linear:
+        raise TypeError("convert replaces the layers inside a model; convert one nn.Linear with Fp8Linear.from_linear")
+    report = ConversionReport(r.name)
+    holders = _holders(model)
+    checked: dict = {}  # layer shape and arch -> why it cannot run (or None)
+    replacement: dict = {}  # id(nn.Linear) -> its Fp8Linear
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        if type(module) is not torch.nn.Linear:
+            report.skipped[name] = (f"{type(module).__name__} subclasses nn.Linear and its owner may read .weight: "
+                                    "only nn.Linear itself is converted")
+            continue
+        if filter is not None and not filter(name, module):
+            report.skipped[name] = "excluded by filter"
+            continue
+        others = [n for n, holder in holders.get(id(module.weight), ()) if holder is not module]
+        if others:
+            report.skipped[name] = f"its weight is tied to {', '.join(others)}: quantizing it would untie them"
+            continue
+        check_linear(module)
+        key = (module.out_features, module.in_features, module.weight.dtype, module.bias is not None,
+               target_arch(r, module.weight.device))
+        if key not in checked:
+            checked[key] = unsupported(r, *key)
+        if checked[key] is not None:
+            report.skipped[name] = checked[key]
+            continue
+        replacement[id(module)] = Fp8Linear.quantized(module, r)
+        report.converted.append(name)
+    for parent in list(model.modules()):
+        for child_name, child in list(parent.named_children()):
+            if id(child) in replacement:
+                setattr(parent, child_name, replacement[id(child)])
+    return report

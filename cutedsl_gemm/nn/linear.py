@@ -1,0 +1,213 @@
+"""``Fp8Linear``: a linear layer whose weight is quantized once and whose activations are quantized on every
+call, then multiplied by ``scaled_mm``, for the recipes of :mod:`cutedsl_gemm.nn.recipes`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from cutedsl_gemm.numerics.formats import FLOAT_FORMATS
+from cutedsl_gemm.ops import library
+from cutedsl_gemm.ops.library import EAGER, OPS
+from cutedsl_gemm.runtime.device import device_info
+
+from .recipes import LINEAR_RECIPES, LinearRecipe, kept_launch, linear_recipe, quantized_matmul
+
+WEIGHT_DTYPES = tuple(f.torch_dtype for f in FLOAT_FORMATS)  # what a layer to convert may hold
+QUANTIZED = ("weight", "weight_scale", "weight_global_scale")  # the buffers whose dtypes the recipe fixes
+OPERANDS = (*QUANTIZED, "bias", "recipe")
+
+
+def target_arch(recipe: LinearRecipe, device: torch.device) -> str:
+    """The arch a layer on ``device`` is checked for: its GPU's, or the current GPU's for a layer on the CPU,
+    or without a GPU the first arch that runs the recipe. A GPU that does not run the recipe is an error."""
+    if device.type != "cuda" and not torch.cuda.is_available():
+        return recipe.archs[0]
+    arch = device_info(device.index if device.type == "cuda" and device.index is not None
+                       else torch.cuda.current_device())[0]
+    if arch not in recipe.archs:
+        others = [r.name for r in LINEAR_RECIPES.values() if arch in r.archs]
+        runs = f"recipes for {arch}: {', '.join(map(repr, others))}" if others else "it has no kernels for this GPU"
+        raise ValueError(f"recipe {recipe.describe()} runs on {' and '.join(recipe.archs)}, not on this GPU ({arch}); "
+                         f"{runs}")
+    return arch
+
+
+def unsupported(recipe: LinearRecipe, out_features: int, in_features: int, dtype: torch.dtype, bias: bool,
+                arch: str) -> Optional[str]:
+    """Why the kernels of ``arch`` cannot run this layer (the ops' own checks, run on fake tensors: the
+    ValueError they raise), or None. A dtype the recipe's kernels do not take raises (TypeError)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with library.fake_target(arch), FakeTensorMode():
+        w = torch.empty(out_features, in_features, dtype=dtype, device="cuda")
+        x = torch.empty(2, in_features, dtype=dtype, device="cuda")  # 2 rows: the checks of strided rows apply
+        b = torch.empty(out_features, dtype=torch.float32, device="cuda") if bias else None
+        try:
+            qw, sw, gw = recipe.quantize(w, "b", recipe, OPS)
+            OPS.fp8_linear(x, qw, sw, gw, b, recipe.name)
+        except ValueError as e:
+            return f"K={in_features}, N={out_features}: {e}"
+    return None
+
+
+def check_linear(linear) -> None:
+    """A layer ``convert`` / ``from_linear`` can quantize: an ``nn.Linear`` with materialized float weights."""
+    if not isinstance(linear, torch.nn.Linear):
+        raise TypeError(f"expected a torch.nn.Linear, got {type(linear).__name__}")
+    w = linear.weight
+    if w.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"the weight to quantize must be bfloat16, float16 or float32, got {w.dtype}")
+    if w.device.type == "meta":
+        raise ValueError("the weight is on the meta device: load or materialize the weights before converting")
+
+
+class Fp8Linear(torch.nn.Module):
+    """``y = x @ W.T + bias`` with W quantized once (:meth:`from_linear`, ``cutedsl_gemm.nn.convert``) and x
+    quantized on every call by the recipe (``recipes.LINEAR_RECIPES``), multiplied by ``scaled_mm``.
+
+    ``x``: (..., K) bf16 or fp16 (fp32 where the recipe's quantizer takes it), any leading dimensions, on a GPU
+    that runs the recipe -> (..., N) in x's dtype. A CPU input is refused (no torch fallback). Inference only:
+    the layer holds buffers, no parameters, and no gradient flows through it.
+
+    Saved format (``state_dict``, loadable with ``safetensors``): ``weight`` the quantized (N, K) weight (NVFP4:
+    (N, K/2) ``float4_e2m1fn_x2``; "int8": int8; weight-only recipes: the int32 words of
+    ``numerics.int_packing.pack_weights``); ``weight_scale`` its scales in the layout the kernel takes
+    (``scaled_mm``'s ``scale_b``, fp32: () per tensor, (1, N) per channel, (ceil(K/128), ceil(N/128)) per
+    128x128 block; MX / NVFP4: SWIZZLE_32_4_4 block scales; weight-only: (1, N) fp32 per channel or
+    (K / group, N) in the activations' dtype); ``weight_global_scale`` (NVFP4's fp32 decode scale); ``bias`` (N,)
+    fp32; and ``_extra_state`` the recipe's name (uint8 ASCII), checked on load: weights load only into a layer
+    of the same recipe. Casting the model (``.to(torch.float16)``, ``.half()``) leaves these dtypes alone.
+
+    ``Fp8Linear(in_features, out_features, bias, recipe, dtype=...)`` builds an empty layer to load a checkpoint
+    into (``dtype``: the activations', which the group-wise weight-only scales are stored in; default bf16).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "row", device=None,
+                 dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        r = linear_recipe(recipe)
+        self.in_features, self.out_features, self.recipe = in_features, out_features, r.name
+        # the buffers' shapes and dtypes: the recipe's weight quantizer run on a meta weight (the ops' meta kernels)
+        w = torch.empty(out_features, in_features, dtype=dtype or torch.bfloat16, device="meta")
+        quantized = r.quantize(w, "b", r, OPS)
+        for name, t in zip(QUANTIZED, quantized):
+            self.register_buffer(name, None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
+        self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device) if bias else None)
+
+    @classmethod
+    def from_linear(cls, linear: torch.nn.Linear, recipe: str = "row") -> Fp8Linear:
+        """The quantized copy of ``linear`` (on its device; the bias kept in fp32). A layer the kernels cannot
+        run (its shape, or a recipe the GPU does not run) is refused with the reason."""
+        check_linear(linear)
+        r = linear_recipe(recipe)
+        arch = target_arch(r, linear.weight.device)
+        why = unsupported(r, linear.out_features, linear.in_features, linear.weight.dtype, linear.bias is not None,
+                          arch)
+        if why is not None:
+            raise ValueError(f"this layer cannot run recipe {r.name!r} on {arch}: {why}")
+        return cls.quantized(linear, r)
+
+    @classmethod
+    def quantized(cls, linear: torch.nn.Linear, recipe: LinearRecipe) -> Fp8Linear:
+        """``from_linear`` without its checks (``convert`` makes them once per layer shape). The weight is
+        quantized where it lives: by the kernels on a GPU, by their torch reference (the same bits) elsewhere."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe.name, device="meta",
+                    dtype=linear.weight.dtype)
+        with torch.no_grad():
+            quantized = recipe.quantize(linear.weight.detach().contiguous(), "b", recipe, EAGER)
+            for name, t in zip(QUANTIZED, quantized):
+                setattr(layer, name, t)
+            if linear.bias is not None:
+                layer.bias = linear.bias.detach().to(torch.float32, copy=True)
+        return layer
+
+    # The eager call's operands (kernel weight, weight_scale, weight_global_scale, bias, recipe), and per input
+    # (shape, dtype, device) the kept launches of a call (recipes.kept_launch), so that a repeated call costs the
+    # kernels' own launches: reading buffers through Module.__getattr__, the ops' argument handling and their plan
+    # lookups cost microseconds per call. Dropped when any operand is reassigned or the layer moves.
+    _eager = None
+    _launches = None
+    _MAX_LAUNCHES = 64  # distinct input shapes kept per layer (e.g. every prompt length): start over
+
+    def _eager_operands(self) -> tuple:
+        r = linear_recipe(self.recipe)
+        self._eager = (r.kernel_weight(self.weight), self.weight_scale, self.weight_global_scale, self.bias, r)
+        return self._eager
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name in OPERANDS:
+            self._forget_launches()
+
+    def _forget_launches(self):
+        self.__dict__.pop("_eager", None)
+        self.__dict__.pop("_launches", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(x) is torch.Tensor and x.is_cuda and not torch.compiler.is_compiling():
+            launches = self._launches
+            if launches is not None and x.is_contiguous():
+                run = launches.get((x.shape, x.dtype, x.get_device()))
+                if run is not None:
+                    try:
+                        return run(x)
+                    except (TypeError, ValueError):  # refused before launch: the ops' full checks say why
+                        return quantized_matmul(x, *(self._eager or self._eager_operands()))
+            return self._first_call(x)
+        # traced, fake, meta or CPU tensors: the op (which refuses the CPU)
+        return OPS.fp8_linear(x, self.weight, self.weight_scale, self.weight_global_scale, self.bias, self.recipe)
+
+    def _first_call(self, x: torch.Tensor) -> torch.Tensor:
+        b, scale, global_scale, bias, r = self._eager or self._eager_operands()
+        if not x.is_contiguous() or not r.keeps_launch or x.numel() == 0:
+            return quantized_matmul(x, b, scale, global_scale, bias, r)
+        try:
+            y, run = kept_launch(x, b, scale, bias, r)
+        except (TypeError, ValueError):  # a kept quantizer launch refused x: the ops' full checks say why
+            return quantized_matmul(x, b, scale, global_scale, bias, r)
+        if run is not None:
+            launches = self.__dict__.get("_launches")
+            if launches is None or len(launches) >= self._MAX_LAUNCHES:
+                launches = self.__dict__["_launches"] = {}
+            launches[(x.shape, x.dtype, x.get_device())] = run
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"recipe={self.recipe!r}")
+
+    # --- saved format -------------------------------------------------------------------------------
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(list(self.recipe.encode("ascii")), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        pass  # checked before anything loads (_load_from_state_dict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        where = prefix[:-1] or "Fp8Linear"
+        saved = state_dict.get(prefix + "_extra_state")
+        if isinstance(saved, torch.Tensor):
+            name = bytes(saved.to("cpu", torch.uint8).tolist()).decode("ascii", "replace")
+            if name != self.recipe:
+                raise ValueError(f"{where}: the checkpoint holds recipe {name!r} weights and this layer runs recipe "
+                                 f"{self.recipe!r}; convert with recipe={name!r} before loading")
+        for key in QUANTIZED:
+            t, mine = state_dict.get(prefix + key), getattr(self, key)
+            if isinstance(t, torch.Tensor) and mine is not None and t.dtype != mine.dtype:
+                raise ValueError(f"{where}.{key}: expected {mine.dtype} (recipe {self.recipe!r}), got {t.dtype}; "
+                                 "an unconverted checkpoint loads into the unconverted model, which convert quantizes")
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) / .half() would cast the quantized buffers and the fp32 scales: only the device follows
+        for name, t in self._buffers.items():
+            if t is not None:
+                moved = fn(t)
+                self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        self._forget_launches()
+        return self
