@@ -57,14 +57,16 @@ def _demo_gpu() -> int:
 
     import cutedsl_gemm
     from cutedsl_gemm.numerics import reference as R
-    from cutedsl_gemm.tools.anchors import cublas_call, make_operands
+    from cutedsl_gemm.tools.anchors import cublas_call, int_mm_call, make_operands
 
     print(f"{'recipe':13s} {'M':>5s} {'N':>5s} {'K':>5s} | {'rel err':>8s} | {'ours TFLOPS':>11s} "
           f"{'cuBLAS TFLOPS':>13s} {'ratio':>6s}")
     worst = 0.0
-    for recipe in ("tensor", "row", "1x128_128x128"):
+    # (label, recipe, operand format); int8 is timed against torch._int_mm followed by the scale multiply
+    for label, recipe, fmt in (("tensor", "tensor", "e4m3"), ("row", "row", "e4m3"),
+                               ("1x128_128x128", "1x128_128x128", "e4m3"), ("int8 row", "row", "int8")):
         for m, n, k in DEMO_SHAPES:
-            qa, qw, scale_a, scale_b, plain = make_operands(m, n, k, recipe)
+            qa, qw, scale_a, scale_b, plain = make_operands(m, n, k, recipe, fmt_a=fmt, fmt_b=fmt)
             out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
 
             def run(qa=qa, qw=qw, scale_a=scale_a, scale_b=scale_b, out=out):
@@ -74,12 +76,14 @@ def _demo_gpu() -> int:
             err = R.rel_error(out, R.reference_gemm(*plain, recipe))
             worst = max(worst, err)
             t_ours = do_bench(run, return_mode="median")
+            ops = (qa, qw.t(), scale_a, scale_b)
             try:
-                t_ref = do_bench(cublas_call(recipe, qa, qw.t(), scale_a, scale_b), return_mode="median")
-            except (RuntimeError, ValueError):  # cuBLAS refuses some recipe/shape pairs (blockwise at M=1)
+                t_ref = do_bench(int_mm_call(*ops) if fmt == "int8" else cublas_call(recipe, *ops),
+                                 return_mode="median")
+            except (RuntimeError, ValueError):  # cuBLAS refuses some shapes (blockwise and int8 at small M)
                 t_ref = float("nan")
             flops = 2 * m * n * k
-            print(f"{recipe:13s} {m:5d} {n:5d} {k:5d} | {err:8.2e} | {flops / t_ours / 1e9:11.0f} "
+            print(f"{label:13s} {m:5d} {n:5d} {k:5d} | {err:8.2e} | {flops / t_ours / 1e9:11.0f} "
                   f"{flops / t_ref / 1e9:13.0f} {t_ref / t_ours:6.3f}")
     ok = worst <= 2e-3
     print(f"\n{'PASS' if ok else 'FAIL'}: worst relative error {worst:.2e} (limit 2e-3)")
@@ -89,15 +93,16 @@ def _demo_gpu() -> int:
 def _demo_cpu() -> int:
     from cutedsl_gemm.numerics import reference as R
     from cutedsl_gemm.selection import dispatch
-    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+    from cutedsl_gemm.tools.ptx_inspect import WGMMA_S8, inspect_instance
 
-    print("No Hopper GPU here: compiling the FP8 GEMM instances for sm_90a and inspecting them.\n")
+    print("No Hopper GPU here: compiling the FP8 and INT8 GEMM instances for sm_90a and inspecting them.\n")
     expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA",
               "setmaxnreg": "register reallocation"}
     ok = True
     cases = [(recipe, a, b, accum, 4096) for accum in ("promoted", "fast")
              for recipe, a, b in (("row", "e4m3", "e4m3"), ("tensor", "e5m2", "e4m3"))]
     cases += [("1x128_128x128", "e4m3", "e4m3", "promoted", 4096), ("row", "e4m3", "e4m3", "promoted", 16)]
+    cases += [("row", "int8", "int8", "fast", m) for m in (4096, 16)]  # W8A8: s8 x s8 -> s32 WGMMA
     for recipe, a, b, accum, m in cases:
         inst = dispatch.select_gemm("sm_90a", recipe, a, b, "bf16", None, m, accum)
         t0 = time.time()
@@ -107,20 +112,70 @@ def _demo_cpu() -> int:
             if not any(k.startswith(ins) for k in rep.instructions):
                 print(f"    MISSING {ins} ({what})")
                 ok = False
+        if a == "int8" and not rep.has(WGMMA_S8):
+            print("    MISSING the s8 x s8 -> s32 WGMMA")
+            ok = False
     print("\nReference numerics (CPU, float64 on dequantized operands):")
     torch.manual_seed(0)
-    for recipe in ("tensor", "row", "1x128_128x128", "128x128_128x128"):
+    for recipe, fmt in (("tensor", "e4m3"), ("row", "e4m3"), ("1x128_128x128", "e4m3"), ("128x128_128x128", "e4m3"),
+                        ("row", "int8")):
         a, w = torch.randn(256, 512), torch.randn(384, 512)
-        qa, sa, qw, sw = R.quantize_operands(a, w, recipe)
+        qa, sa, qw, sw = R.quantize_operands(a, w, recipe, fmt, fmt)
         err = R.rel_error(R.reference_gemm(qa, sa, qw, sw, recipe), a.double() @ w.double().t())
-        print(f"    {recipe:16s} quantization error of the GEMM vs full precision: {err:.2e}")
+        label = recipe if fmt == "e4m3" else f"{fmt} {recipe}"
+        print(f"    {label:16s} quantization error of the GEMM vs full precision: {err:.2e}")
         ok &= err < 0.1
     print(f"\n{'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
 
+def _demo_model() -> bool:
+    """Two Llama-3-8B-shaped layers with random weights: bf16, torch's FP8 path and this library's FP8 layers (row
+    recipe, LM head bf16), one decode step at batch 1 captured in a CUDA graph; ours must agree with bf16 at
+    least as well as torch's FP8 path does (1.1x its logit error)."""
+    if not _hopper_available():
+        print("\nModel: skipped (needs a Hopper GPU)")
+        return True
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        print("\nModel: skipped (transformers is not installed: pip install -e '.[models]')")
+        return True
+    from triton.testing import do_bench
+
+    from cutedsl_gemm import nn as cnn
+    from cutedsl_gemm.numerics import reference as R
+    from cutedsl_gemm.tools import models as M
+    from cutedsl_gemm.tools.anchors import TorchFp8Linear
+
+    config, context = M.llama_config(2), 128
+    variants = {"bf16": M.random_llama(config)}
+    variants["ours"] = M.sharing_copy(variants["bf16"])
+    report = cnn.convert(variants["ours"], recipe="row", filter=lambda name, module: name != "lm_head")
+    variants["torch FP8"] = M.sharing_copy(variants["bf16"])
+    M.replace_modules(variants["torch FP8"], report.converted, lambda lin: TorchFp8Linear.from_linear(lin, "row"))
+    print(f"\nModel: 2 Llama-3-8B layers, random weights, {len(report.converted)} linears converted (row, LM head "
+          f"bf16); one decode step at batch 1 after {context} tokens, replayed from a CUDA graph")
+    prompt, ms, logits = M.random_tokens(config, 1, context), {}, {}
+    for name, model in variants.items():
+        step = M.DecodeStep(model, 1, context + 1)
+        step.prefill(prompt)
+        graph, output = M.cuda_graph(step)
+        logits[name] = step.check_replay(graph.replay, output)  # each replay writes one cache slot
+        ms[name] = do_bench(graph.replay, return_mode="median")
+    errors = {name: R.rel_error(logits[name], logits["bf16"]) for name in ("torch FP8", "ours")}
+    for name in variants:
+        err = f"logits rel err {errors[name]:.3e}" if name in errors else ""
+        print(f"    {name:9s} {ms[name] * 1e3:7.1f} us/token {1e3 / ms[name]:7.0f} tokens/s "
+              f"{ms['bf16'] / ms[name]:5.2f}x bf16  {err}")
+    ok = errors["ours"] <= 1.1 * errors["torch FP8"]
+    print(f"{'PASS' if ok else 'FAIL'}: logit error {errors['ours']:.3e} against torch FP8's {errors['torch FP8']:.3e}")
+    return ok
+
+
 def cmd_demo(args) -> int:
-    return _demo_gpu() if _hopper_available() else _demo_cpu()
+    rc = _demo_gpu() if _hopper_available() else _demo_cpu()
+    return rc if _demo_model() else 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -261,13 +316,15 @@ def _add_all(p, what: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cutedsl-gemm", description="FP8/FP6/FP4 GEMM kernels in the CuTe DSL")
+    p = argparse.ArgumentParser(prog="cutedsl-gemm", description="FP8/FP6/FP4/INT8 GEMM kernels in the CuTe DSL")
     sub = p.add_subparsers(dest="cmd", required=True)
     demo_help = "GPU: run and check against cuBLAS; CPU: compile for sm_90a and inspect"
     sub.add_parser("demo", help=demo_help, description=(
         "With a Hopper GPU: run scaled_mm on a few shapes per recipe, check it against the float64 reference "
         "and time it against cuBLAS. Without one: compile GEMM instances for sm_90a and check their PTX for "
-        "the tensor-core MMA, TMA and register reallocation instructions, then check the reference numerics."
+        "the tensor-core MMA, TMA and register reallocation instructions, then check the reference numerics. "
+        "With a Hopper GPU and transformers, also time one decode step of a two-layer Llama-3-8B-shaped model in "
+        "bf16, through torch's FP8 path and converted by cutedsl_gemm.nn, and compare their logits."
     )).set_defaults(fn=cmd_demo)
     sub.add_parser("info", help="GPU, arch, DSL version, cache directory", description=(
         "Print the GPU (if any), the arch kernels compile for, the CuTe DSL and torch versions and the "
