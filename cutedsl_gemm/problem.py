@@ -48,10 +48,12 @@ TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row stride
 #: TMA unpacking of packed FP4 / FP6 (.b4x16_p64 / .b6x16_p32) reads 128-element rows from 32-byte aligned bases.
 SUBBYTE_BASE_ALIGN = 32
 SUBBYTE_K_MULTIPLE = 128
-#: The archs with kernels, and per arch the schedules a call may force and the recipes it runs (the instance table's).
-ARCHS = tuple(dict.fromkeys(i.arch for i in INSTANCES))
-SCHEDULES = {arch: tuple(dict.fromkeys(i.schedule for i in INSTANCES if i.arch == arch)) for arch in ARCHS}
-ARCH_RECIPES = {arch: tuple(dict.fromkeys(i.recipe for i in INSTANCES if i.arch == arch)) for arch in ARCHS}
+#: The scaled GEMMs of the instance table (op "gemm": what scaled_mm runs; the weight-only rows are mm_weight_only's).
+GEMMS = tuple(i for i in INSTANCES if i.op == "gemm")
+#: The archs with GEMM kernels, and per arch the schedules a call may force and the recipes it runs.
+ARCHS = tuple(dict.fromkeys(i.arch for i in GEMMS))
+SCHEDULES = {arch: tuple(dict.fromkeys(i.schedule for i in GEMMS if i.arch == arch)) for arch in ARCHS}
+ARCH_RECIPES = {arch: tuple(dict.fromkeys(i.recipe for i in GEMMS if i.arch == arch)) for arch in ARCHS}
 GPU_NAMES = {SM90: "Hopper (sm_90a)", SM100: "Blackwell (sm_100a)"}
 SWIZZLED, NOT_SWIZZLED = "SWIZZLE_32_4_4", "NO_SWIZZLE"
 
@@ -66,7 +68,7 @@ def runs(arch: str) -> str:
     by_formats: dict = {}
     for r in ARCH_RECIPES[arch]:
         names = {}
-        for i in INSTANCES:
+        for i in GEMMS:
             if i.arch == arch and i.recipe == r:
                 for d in (i.a_dtype, i.b_dtype):
                     formats = F8F6F4_FORMATS if d == F8F6F4 else (element_format(d),)

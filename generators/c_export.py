@@ -27,12 +27,20 @@ import jinja2
 from cutlass import Int32, Int64
 
 from cutedsl_gemm.generators.runner import code_key
-from cutedsl_gemm.selection.instances import KernelInstance
+from cutedsl_gemm.selection.instances import WEIGHT_ONLY, KernelInstance
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
 MAX_SYMS = 32  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel (sm_100a: 19)
 EXPORTED_ARCHS = ("sm_90a", "sm_100a")  # the GEMM families with a C export
+#: Ops of the table that the C registry cannot describe, with the reason: an export skips their instances by name and
+#: records them (docs/design.md, section 5).
+NOT_EXPORTED = {
+    WEIGHT_ONLY: "the weight-only GEMM's entry (packed int32 weight atoms, group-wise scales and zero points, "
+                 "activations in place of A and B) has no form in cutedsl_gemm_args_t, and cutedsl_gemm_find follows "
+                 "scaled_mm's wave-cost rule, not dispatch.select_weight_only's; mm_weight_only runs them through the "
+                 "JIT cache (precompile fills it)",
+}
 
 # Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case. Every
 # family's output is d and its persistent grid size max_clusters.
@@ -216,7 +224,8 @@ def export_one(job: Tuple[KernelInstance, str]) -> dict:
     """Compile one instance and write ``<key>.o`` and ``<key>.h`` into ``job[1]`` (runs in a worker)."""
     inst, kernels_dir = job
     if not exportable(inst):
-        raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}")
+        why = f": {NOT_EXPORTED[inst.op]}" if inst.op in NOT_EXPORTED else ""
+        raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}{why}")
     from cutedsl_gemm.runtime.compile import targeting
 
     with targeting(inst.arch):

@@ -24,7 +24,14 @@ from pathlib import Path
 
 from cutedsl_gemm.generators.runner import Interrupted, SelectionError, code_key, pick, run_parallel
 from cutedsl_gemm.numerics.formats import RECIPES
-from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance
+from cutedsl_gemm.selection.instances import (
+    INSTANCES,
+    SM90,
+    WEIGHT_ONLY,
+    WEIGHT_ONLY_RECIPES,
+    KernelInstance,
+    weight_only_config,
+)
 
 DOC_NAME, FACTS_NAME = "kernels.md", "kernels.json"
 FACTS_VERSION = 2
@@ -34,9 +41,11 @@ DISPATCH_ONLY = ("m_min", "m_max")
 
 def code_config(inst: KernelInstance) -> dict:
     cfg = {k: getattr(inst, k) for k in inst.__dataclass_fields__ if k not in DISPATCH_ONLY}
-    if (inst.arch, inst.op) == ("sm_90a", "gemm"):
-        # What the table derives for the kernel class (e.g. split_k) shapes the code too.
+    # What the table derives for the kernel class (e.g. split_k, the weight-only group) shapes the code too.
+    if (inst.arch, inst.op) == (SM90, "gemm"):
         cfg["kernel"] = dataclasses.asdict(inst.sm90_config())
+    elif (inst.arch, inst.op) == (SM90, WEIGHT_ONLY):
+        cfg["kernel"] = dataclasses.asdict(weight_only_config(inst))
     return cfg
 
 
@@ -71,11 +80,18 @@ def collect_facts(inst: KernelInstance) -> dict:
 # ------------------------------------------------------------------------------------------------
 def family_key(inst: KernelInstance) -> tuple:
     """The kind of code an instance compiles to: architecture, op, schedule, the MMA kind (sm_100a) or where the
-    scales apply (sm_90a: in the main loop, block-scaled, or in the epilogue) and whether it is an int8 kernel
-    (int32 accumulator), swapped operands, CTAs per SM, last-wave split and accumulation. Tiles, recipes of one
-    kind and types vary within a family as parameters of the same code."""
-    scaling = inst.mma_kind or ("block-scaled" if RECIPES[inst.recipe].in_mainloop else "epilogue-scaled")
-    integer = inst.a_dtype == "int8"
+    scales apply (sm_90a GEMMs: in the main loop, block-scaled, or in the epilogue; weight-only: per channel,
+    group-wise, or group-wise with zero points), its integer operand format ("int8" for the W8A8 GEMMs' int32
+    accumulator, the weights' for weight-only, else ""), swapped operands, CTAs per SM, last-wave split and
+    accumulation. Tiles, recipes of one kind (a weight-only group size) and types vary within a family as
+    parameters of the same code."""
+    if inst.op == WEIGHT_ONLY:
+        group, zeros = WEIGHT_ONLY_RECIPES[inst.recipe]
+        scaling = "per-channel" if group == 0 else "group-wise with zero points" if zeros else "group-wise"
+        integer = inst.b_dtype
+    else:
+        scaling = inst.mma_kind or ("block-scaled" if RECIPES[inst.recipe].in_mainloop else "epilogue-scaled")
+        integer = "int8" if inst.a_dtype == "int8" else ""
     return (inst.arch, inst.op, inst.schedule, scaling, integer, inst.swap_ab, inst.ctas_per_sm, inst.split_tail,
             inst.accum)
 

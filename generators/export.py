@@ -12,6 +12,9 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
 * ``export.json``: what was exported, from which sources, and the files written (a later export into
   the same directory removes them first).
 
+Instances of an op the registry cannot describe (``c_export.NOT_EXPORTED``: the weight-only GEMMs) are skipped with
+a line saying so and listed under ``skipped`` in ``export.json``; a selection of nothing else is an error.
+
 Compiling and describing one instance is ``c_export.export_one``; this module renders and builds.
 """
 
@@ -30,6 +33,7 @@ import jinja2
 from cutedsl_gemm.generators.c_export import (
     EXPORTED_ARCHS,
     MAX_SYMS,
+    NOT_EXPORTED,
     TEMPLATES,
     ExportError,
     export_one,
@@ -174,6 +178,7 @@ class ExportResult:
     kernels: Dict[str, dict]  # code key -> export_one's result
     files: List[Path]
     arg_fields: List[dict]  # cutedsl_gemm_args_t, in order: {"field", "ctype", "doc"}
+    skipped: Tuple[KernelInstance, ...] = ()  # selected, but of an op the C export skips (c_export.NOT_EXPORTED)
 
 
 RENDERED = (("registry.h.j2", "cutedsl_gemm_registry.h"), ("registry.c.j2", "cutedsl_gemm_registry.c"),
@@ -216,12 +221,21 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
     """Export the selected instances of ``arch`` into ``out_dir``; raise ExportError if any fails.
 
     The selection is ``runner.pick_ahead_of_time``'s (without ``filters``: the default set, or the whole
-    table with ``everything``). Files of an earlier export into ``out_dir`` are removed first.
+    table with ``everything``), less the ops the C export skips (``NOT_EXPORTED``, named on ``stream``). Files of an
+    earlier export into ``out_dir`` are removed first.
     """
     from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
 
+    stream = stream if stream is not None else sys.stderr
     selection = pick_ahead_of_time(arch, filters, limit, everything)
-    insts = selection.instances
+    skipped = tuple(i for i in selection.instances if i.op in NOT_EXPORTED)
+    insts = tuple(i for i in selection.instances if i.op not in NOT_EXPORTED)
+    for op in dict.fromkeys(i.op for i in skipped):
+        mine = [i for i in skipped if i.op == op]
+        print(f"export: skipping {len(mine)} {op} instance(s) (e.g. {mine[0].name}): {NOT_EXPORTED[op]}", file=stream)
+    if not insts:
+        raise ExportError(f"nothing to export: the {len(skipped)} selected instance(s) are {skipped[0].op} kernels, "
+                          f"which the C export skips: {NOT_EXPORTED[skipped[0].op]}")
     refused = [i for i in insts if not exportable(i)]
     if refused:
         raise ExportError(f"no AOT exporter for {refused[0].arch} {refused[0].op} instances (the C export covers "
@@ -238,7 +252,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
     (out / EXPORT_RECORD).write_text(json.dumps({"arch": arch, "complete": False,
                                             "files": _relative_files(first)}, indent=1) + "\n")
     print(f"export: {len(insts)} instance(s) of {arch} ({selection.scope}): {len(first)} kernel(s) to compile",
-          file=stream if stream is not None else sys.stderr)
+          file=stream)
     results = run_parallel(export_one, [(i, str(kdir)) for i in first.values()], jobs, "export",
                            describe=lambda job: job[0].name, stream=stream)
     failed = [r for r in results if not r.ok]
@@ -277,12 +291,13 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         files.append(path)
     meta = {"arch": arch, "complete": True, "dsl_version": ctx["dsl_version"],
             "source_fingerprint": ctx["fingerprint"], "files": _relative_files(first),
-            "instances": [{"name": e["name"], "key": e["key"], **e["fields"]} for e in ctx["entries"]]}
+            "instances": [{"name": e["name"], "key": e["key"], **e["fields"]} for e in ctx["entries"]],
+            "skipped": {i.name: NOT_EXPORTED[i.op] for i in skipped}}
     (out / EXPORT_RECORD).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     files.append(out / EXPORT_RECORD)
     for k in first:
         files += [kdir / f"{k}.o", kdir / f"{k}.h"]
-    return ExportResult(out, insts, kernels, files, ctx["arg_fields"])
+    return ExportResult(out, insts, kernels, files, ctx["arg_fields"], skipped)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Callable, Iterable, List, Optional, Sequence, TextIO, Tuple
 
-from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance, operand_dtypes
+from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, KernelInstance, operand_dtypes
 
 
 class SelectionError(ValueError):
@@ -57,15 +57,24 @@ def pick(arch: str, filters: Sequence[str] = (), limit: Optional[int] = None,
     return tuple(sel)
 
 
+#: The weight-only kernels (activations, weights, recipe) of the default set: int4 in groups of 128 along K and int8
+#: per channel, under bf16 activations, the common checkpoints.
+DEFAULT_WEIGHT_ONLY = (("bf16", "int4", "group128"), ("bf16", "int8", "channel"))
+
+
 def in_default_set(inst: KernelInstance) -> bool:
-    """What most callers need ahead of time: the kernels that run e4m3 x e4m3 operands (on sm_100a, the
-    f8f6f4 kernels) or int8 x int8 (W8A8), bf16 output, no bias or a bf16 one; every tile, schedule and recipe."""
+    """What most callers need ahead of time: the GEMMs that run e4m3 x e4m3 operands (on sm_100a, the f8f6f4
+    kernels) or int8 x int8 (W8A8), bf16 output, no bias or a bf16 one, every tile, schedule and recipe; and the
+    weight-only GEMMs of ``DEFAULT_WEIGHT_ONLY``, every tile."""
+    if inst.op == WEIGHT_ONLY:
+        return (inst.a_dtype, inst.b_dtype, inst.recipe) in DEFAULT_WEIGHT_ONLY
     operands = (inst.a_dtype, inst.b_dtype)
     return ((operands == operand_dtypes(inst.arch, inst.recipe, "e4m3", "e4m3") or operands == ("int8", "int8"))
             and inst.out_dtype == "bf16" and inst.bias_dtype in (None, "bf16"))
 
 
-DEFAULT_SET = "e4m3 x e4m3 or int8 x int8 operands, bf16 output, without bias or with a bf16 bias"
+DEFAULT_SET = ("e4m3 x e4m3 or int8 x int8 operands, bf16 output, without bias or with a bf16 bias, every tile, "
+               "schedule and recipe; weight-only bf16 x int4 group 128 and bf16 x int8 per channel, every tile")
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,8 @@ BLOCK2D_SHORT_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16
                               sms=132, k=1536).name
 BLOCK2D_LONG_K = select_gemm("sm_90a", "128x128_128x128", "e4m3", "e4m3", "bf16", None, 3072, "promoted", n=8192,
                              sms=132, k=8192).name
+# The weight-only GEMM of int4 weights in groups of 128 at M <= 16 (the C export skips the weight-only family)
+WEIGHT_ONLY_DECODE = M.select(op=M.WEIGHT_ONLY, recipe="group128", a_dtype="bf16", b_dtype="int4", tile_n=16)[0].name
 # the AOT tests' instances
 EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, MID, WIDE_DECODE, PAIR, CLUSTER4, BLOCK2D_SHORT_K,
                                  BLOCK2D_LONG_K]))
@@ -136,8 +138,8 @@ def exported(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("aot")
     t0 = time.perf_counter()
-    names = list(EXPORTED)
-    res = E.export("sm_90a", out, names, jobs=0)  # in-process: the DSL is loaded already
+    names = [*EXPORTED, WEIGHT_ONLY_DECODE]
+    res = E.export("sm_90a", out, names, jobs=0, stream=io.StringIO())  # in-process: the DSL is loaded already
     res.seconds = time.perf_counter() - t0
     return res
 
@@ -208,6 +210,11 @@ def test_export_writes_objects_headers_registry_and_build_files(exported):
     out = exported.out_dir
     keys = [code_key(_instance(n)) for n in EXPORTED]
     assert sorted(exported.kernels) == sorted(keys)
+    # the weight-only instance selected with them is skipped by name, and recorded with the reason
+    assert [i.name for i in exported.skipped] == [WEIGHT_ONLY_DECODE]
+    assert not (out / "kernels" / f"{code_key(_instance(WEIGHT_ONLY_DECODE))}.o").exists()
+    skipped = json.loads((out / "export.json").read_text())["skipped"]
+    assert list(skipped) == [WEIGHT_ONLY_DECODE] and "cutedsl_gemm_args_t" in skipped[WEIGHT_ONLY_DECODE]
     _check_exported_objects(out, keys)
     registry = (out / "cutedsl_gemm_registry.c").read_text()
     assert all(f"cdg_launch_{k}" in registry for k in keys)
@@ -602,9 +609,10 @@ def test_precompile_uses_the_runtime_cache_key(monkeypatch):
             return "compiled"
 
     monkeypatch.setattr(launch, "KERNEL_CACHE", Recorder())
-    inst = _instance(ROW_BF16)
-    launch.compiled(inst)
-    assert seen == [cache_key(inst)]
+    insts = [_instance(ROW_BF16), _instance(WEIGHT_ONLY_DECODE)]
+    for inst in insts:
+        launch.compiled(inst)
+    assert seen == [cache_key(i) for i in insts]
 
 
 @pytest.mark.compile
@@ -613,13 +621,15 @@ def test_precompile_fills_the_cache_once(tmp_path, monkeypatch):
     from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
     monkeypatch.setenv("CUTEDSL_GEMM_CACHE_DIR", str(tmp_path))
-    first = precompile("sm_90a", [ROW_BF16], jobs=1)  # one spawned worker process
-    assert (first.selected, first.compiled, first.failed) == (1, 1, [])
-    assert KERNEL_CACHE.entry_path(_instance(ROW_BF16), "sm_90a").stat().st_size > 0
+    names = [ROW_BF16, WEIGHT_ONLY_DECODE]  # a GEMM and a weight-only GEMM
+    first = precompile("sm_90a", names, jobs=1)  # one spawned worker process
+    assert (first.selected, first.compiled, first.failed) == (2, 2, [])
+    for name in names:
+        assert KERNEL_CACHE.entry_path(_instance(name), "sm_90a").stat().st_size > 0
     t0 = time.perf_counter()
-    second = precompile("sm_90a", [ROW_BF16], jobs=1)
+    second = precompile("sm_90a", names, jobs=1)
     took = time.perf_counter() - t0
-    assert (second.compiled, second.already_cached) == (0, 1)
+    assert (second.compiled, second.already_cached) == (0, 2)
     assert took < 0.5, f"a precompile with everything cached took {took:.2f} s"
     print(f"precompile no-op: {took * 1e3:.1f} ms")
 
@@ -633,11 +643,18 @@ def test_catalog_sample_is_one_instance_per_kernel_family():
     assert sorted(map(C.family_key, sample)) == sorted(families)  # every family, once
     assert C.select(sampled=True) == sample
     hopper = C.select("sm_90a", sampled=True)
-    assert 8 <= len(hopper) <= 15 and set(hopper) <= set(sample)
-    for arch in {i.arch for i in M.INSTANCES}:  # every recipe and type of each arch's table
-        mine, table = [i for i in sample if i.arch == arch], [i for i in M.INSTANCES if i.arch == arch]
+    assert 8 <= len(hopper) <= 20 and set(hopper) <= set(sample)
+    for arch in {i.arch for i in M.INSTANCES}:  # every recipe and type of each arch's GEMMs
+        mine, table = ([i for i in rows if i.arch == arch and i.op == "gemm"] for rows in (sample, M.INSTANCES))
         for axis in C.SAMPLE_AXES:
             assert {getattr(i, axis) for i in mine} == {getattr(i, axis) for i in table}, (arch, axis)
+    # the weight-only GEMMs: a family per weight format and kind of scales (a group size is a parameter), with
+    # every activation type
+    weight_only = [i for i in sample if i.op == M.WEIGHT_ONLY]
+    assert sorted((i.b_dtype, C.family_key(i)[3]) for i in weight_only) == [
+        ("int4", "group-wise"), ("int4", "group-wise with zero points"), ("int4", "per-channel"),
+        ("int8", "per-channel")]
+    assert {i.a_dtype for i in weight_only} == {"bf16", "fp16"}
     # the Hopper family key separates the code paths: schedules, block scales, swapped, paired, last-wave split,
     # accumulation
     assert {i.schedule for i in hopper} == {"small_m", "cooperative"}
@@ -648,6 +665,9 @@ def test_catalog_sample_is_one_instance_per_kernel_family():
 
 def _expected_mma(inst) -> str:
     """The MMA instruction an instance's PTX must hold, from its configuration."""
+    if inst.op == M.WEIGHT_ONLY:  # the converted weights (register-sourced A) x the activations, both in their dtype
+        act = {"bf16": "bf16", "fp16": "f16"}[inst.a_dtype]
+        return rf"wgmma\.mma_async\.sync\.aligned\.m64n{inst.tile_n}k16\.f32\.{act}\.{act}"
     if inst.arch == "sm_90a":  # the swapped kernels run W on WGMMA's A side
         first, second = (inst.b_dtype, inst.a_dtype) if inst.swap_ab else (inst.a_dtype, inst.b_dtype)
         n = Sm90GemmPlan.wgmma_n(inst.sm90_config())
@@ -730,15 +750,20 @@ def test_unfiltered_ahead_of_time_builds_take_the_default_set():
     default = pick_ahead_of_time("sm_90a")
     assert default.instances == tuple(i for i in table if in_default_set(i))
     assert 0 < len(default.instances) < len(table) / 10 and f"--all for all {len(table)}" in default.scope
-    assert {(i.a_dtype, i.b_dtype, i.out_dtype) for i in default.instances} == {("e4m3", "e4m3", "bf16"),
-                                                                                ("int8", "int8", "bf16")}
-    assert {i.bias_dtype for i in default.instances} == {None, "bf16"}
-    # every tile, schedule and recipe of the table is in it
+    gemms = [i for i in default.instances if i.op == "gemm"]
+    assert {(i.a_dtype, i.b_dtype, i.out_dtype) for i in gemms} == {("e4m3", "e4m3", "bf16"), ("int8", "int8", "bf16")}
+    assert {i.bias_dtype for i in gemms} == {None, "bf16"}
+    # every tile, schedule and recipe of the GEMMs is in it
     def shape(i):
         return (i.schedule, i.recipe, i.tile_m, i.tile_n, i.cluster_m, i.cluster_n, i.accum, i.swap_ab, i.split_tail,
                 i.ctas_per_sm, i.stages)
 
-    assert {shape(i) for i in default.instances} == {shape(i) for i in table}
+    assert {shape(i) for i in gemms} == {shape(i) for i in table if i.op == "gemm"}
+    # and the common weight-only kernels, every tile (M range) of each
+    weight_only = [i for i in default.instances if i.op == M.WEIGHT_ONLY]
+    assert {(i.a_dtype, i.b_dtype, i.recipe) for i in weight_only} == {("bf16", "int4", "group128"),
+                                                                      ("bf16", "int8", "channel")}
+    assert len(weight_only) == 8 and {i.tile_n for i in weight_only} == {16, 32, 64, 128}
     assert pick_ahead_of_time("sm_90a", everything=True).instances == table
     assert len(pick_ahead_of_time("sm_90a", limit=3).instances) == 3
     # a filter selects from the whole table
@@ -876,6 +901,21 @@ def test_cli_reports_an_interrupt_in_one_line(monkeypatch, capsys):
     monkeypatch.setattr(P, "precompile", interrupted)
     assert main(["precompile"]) == 130
     assert capsys.readouterr().err == "interrupted: 2 of 5 done, kept\n"
+
+
+def test_export_of_weight_only_instances_alone_is_an_error_saying_why(tmp_path, capsys):
+    from cutedsl_gemm.generators import export as E
+    from cutedsl_gemm.tools.cli import main
+
+    assert main(["export", "--out", str(tmp_path), "--filter", "_weight_only_"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    n = len(M.select(op=M.WEIGHT_ONLY))
+    assert lines[0].startswith(f"export: skipping {n} weight_only instance(s) (e.g. sm_90a_weight_only_")
+    assert lines[1].startswith(f"cutedsl-gemm export: nothing to export: the {n} selected instance(s) are "
+                               "weight_only kernels, which the C export skips: the weight-only GEMM's entry")
+    assert len(lines) == 2 and not any(tmp_path.iterdir())
+    with pytest.raises(E.ExportError, match="no AOT exporter for arch=sm_90a op=weight_only: the weight-only"):
+        E.export_one((_instance(WEIGHT_ONLY_DECODE), str(tmp_path)))
 
 
 def test_cli_export_into_a_file_is_a_one_line_error(tmp_path, capsys):

@@ -268,18 +268,33 @@ def test_ragged_n_needs_whole_scale_rows():
 
 
 # ---- the instance table and selection ------------------------------------------------------------------------------
+WEIGHT_ONLY_ROWS = table.select(op=table.WEIGHT_ONLY)
+
+
 def test_table_covers_every_format_and_m():
     for act, (w, recipes) in itertools.product(("bf16", "fp16"), table.WEIGHT_ONLY_FORMATS.items()):
         for recipe in recipes:
-            rows = [i for i in table.WEIGHT_ONLY_INSTANCES if (i.a_dtype, i.b_dtype, i.recipe) == (act, w, recipe)]
+            rows = [i for i in WEIGHT_ONLY_ROWS if (i.a_dtype, i.b_dtype, i.recipe) == (act, w, recipe)]
             for m in (1, 16, 17, 64, 65, 128, 1000, 1 << 20):
                 assert sum(i.m_min <= m <= i.m_max for i in rows) == 1, (act, w, recipe, m)
-    assert all(i.can_split_k and i.op == table.WEIGHT_ONLY for i in table.WEIGHT_ONLY_INSTANCES)
-    assert not set(table.WEIGHT_ONLY_INSTANCES) & set(table.INSTANCES)
+    assert all(i.can_split_k and i.arch == "sm_90a" for i in WEIGHT_ONLY_ROWS)
+    assert len(WEIGHT_ONLY_ROWS) == 2 * 8 * 4  # activations x (weight format, recipe) x M ranges
+    # rows of the one table: every other op is the scaled GEMM, whose readers never see a weight-only recipe
+    assert {i.op for i in table.INSTANCES} == {"gemm", table.WEIGHT_ONLY}
+    assert not {i.recipe for i in WEIGHT_ONLY_ROWS} & set(P.ARCH_RECIPES["sm_90a"])
+    assert P.SCHEDULES["sm_90a"] == ("small_m", "cooperative")
+
+
+def test_instance_names_are_stable():
+    """The disk cache and the catalog key instances by name."""
+    names = [i.name for i in WEIGHT_ONLY_ROWS]
+    assert len(set(names)) == len(names)
+    assert names[0] == "sm_90a_weight_only_small_m_group32_bf16xint4_bf16_t128x16_c1x1_fast_swapab"
+    assert "sm_90a_weight_only_small_m_channel_fp16xint8_fp16_t128x128_c1x1_fast_swapab" in names
 
 
 def test_table_rejects_bad_rows_with_reason():
-    inst = table.WEIGHT_ONLY_INSTANCES[0]
+    inst = WEIGHT_ONLY_ROWS[0]
     for change, match in (({"recipe": "row"}, "run with recipes"), ({"out_dtype": "fp32"}, "activations' dtype"),
                           ({"tile_n": 24}, "tile_n"), ({"swap_ab": False}, "fixes")):
         with pytest.raises(table.InstanceTableError, match=match):
@@ -303,6 +318,20 @@ def test_selection_by_m_and_k_splits(monkeypatch):
     assert dispatch.select_weight_only(_problem(1, 8192, 8192, split_k=5))[1] == 5
     with pytest.raises(dispatch.NoKernelError, match="recipe=row"):
         dispatch.select_weight_only(_problem(1, 64, 128, recipe="row"))
+    # the scaled GEMM's selection never takes a weight-only row, even named by its recipe and types
+    with pytest.raises(dispatch.NoKernelError, match="recipe=group128"):
+        dispatch.select_gemm("sm_90a", "group128", "bf16", "int4", "bf16", None, 16, "fast")
+
+
+def test_kernel_resources_of_every_row():
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyPlan
+    from cutedsl_gemm.tools.ptx_inspect import kernel_resources
+
+    for inst in WEIGHT_ONLY_ROWS:
+        cfg = table.weight_only_config(inst)
+        smem, stages = kernel_resources(inst)
+        assert stages == WeightOnlyPlan.max_stages(cfg) >= 2, inst.name
+        assert smem == WeightOnlyPlan.smem_usage(cfg, stages), inst.name
 
 
 # ---- compile tier ----------------------------------------------------------------------------------------------------
@@ -311,7 +340,7 @@ def _compiled(act, weights, recipe, tile_n):
     from cutedsl_gemm.runtime.compile import compile_instance
     from cutedsl_gemm.tools.ptx_inspect import inspect_compiled, keep_artifacts
 
-    inst = next(i for i in table.WEIGHT_ONLY_INSTANCES
+    inst = next(i for i in WEIGHT_ONLY_ROWS
                 if (i.a_dtype, i.b_dtype, i.recipe, i.tile_n) == (act, weights, recipe, tile_n))
     with keep_artifacts(inst.arch):
         return inst, inspect_compiled(inst.name, compile_instance(inst))
@@ -365,15 +394,19 @@ def test_packed_layout_is_the_wgmma_register_fragment():
 @pytest.mark.compile
 @pytest.mark.parametrize("which", COMPILED)
 def test_register_sourced_wgmma_and_conversion_instructions(which):
+    from cutedsl_gemm.tools.ptx_inspect import WEIGHT_CONVERSION, WGMMA_RS
+
     inst, rep = _compiled(*which)
     act = "bf16" if inst.a_dtype == "bf16" else "f16"
     # A from four registers, B from a shared-memory descriptor: 8 K blocks per K tile, 4 K tiles in the loop's code
     rs = re.findall(rf"wgmma\.mma_async\.sync\.aligned\.m64n{inst.tile_n}k16\.f32\.{act}\.{act}\s+"
                     r"\{[^}]*\},\s*\{%r\d+, %r\d+, %r\d+, %r\d+\},\s*%rd\d+", rep.ptx)
     assert len(rs) == 32, rep.name
+    assert len(re.findall(WGMMA_RS, rep.ptx)) == 32, rep.name  # the pattern the CPU demo reports
     assert not rep.has(r"wgmma\.mma_async[^\n]*\},\s*%rd\d+,\s*%rd\d+")  # no shared-memory A
     assert rep.has(r"lop3\.b32"), rep.name
     assert rep.has(rf"fma\.rn\.{act}x2"), rep.name
+    assert all(rep.has(p) for p in WEIGHT_CONVERSION.values()), rep.name
     assert rep.has(r"ld\.shared\.v4\.b32"), rep.name  # 128-bit reads of the packed words
     assert rep.has(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global"), rep.name  # the weight atoms by TMA
     assert rep.frame_bytes == 0, f"{rep.name} spills"
@@ -397,3 +430,18 @@ def test_wgmma_never_serialized(which):
     inst, rep = _compiled(*which)
     assert ptxas_performance_notes(rep.ptx, inst.arch, ptxas) == [], rep.name
     assert ptxas_registers_and_spills(ptxas_report(rep.ptx, inst.arch, ptxas))[1] == 0, rep.name
+
+
+@pytest.mark.compile
+def test_cpu_demo_lists_the_weight_only_kernel_and_its_instructions(capsys):
+    from cutedsl_gemm.tools import cli
+
+    assert cli._demo_cpu() == 0
+    out = capsys.readouterr().out
+    assert "MISSING" not in out and out.rstrip().endswith("PASS")
+    assert "sm_90a_weight_only_small_m_group128_bf16xint4_bf16_t128x16_c1x1_fast_swapab: " in out
+    assert re.search(r"\n +32 x the register-sourced WGMMA \(A: the converted weights\), e\.g\. wgmma\.mma_async\.sync"
+                     r"\.aligned\.m64n16k16\.f32\.bf16\.bf16 \{[^}]*\}, \{%r\d+, %r\d+, %r\d+, %r\d+\}, %rd\d+", out)
+    assert re.search(r"\n +\d+ x the weights' magic-number conversion, e\.g\. lop3\.b32 ", out)
+    assert re.search(r"\n +\d+ x the weights' scale FMA, e\.g\. fma\.rn\.bf16x2 ", out)
+    assert re.search(r"weight-only int4 g128 +quantization error", out)

@@ -25,7 +25,7 @@ from cutedsl_gemm.ops import quantize as Q
 from cutedsl_gemm.ops import scaled_mm as S
 from cutedsl_gemm.ops import weight_only as W
 from cutedsl_gemm.ops.library import EAGER, OPS
-from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY_INSTANCES, weight_only_recipe
+from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, weight_only_recipe
 
 
 def _weight_scales(s, operand):
@@ -106,10 +106,11 @@ class LinearRecipe:
 
     @property
     def archs(self) -> tuple:
-        """The GPU archs that run it (the instance tables')."""
+        """The GPU archs that run it (the instance table's)."""
         if self.weight_only:
             want = weight_only_recipe(self.group, False)
-            rows = [i.arch for i in WEIGHT_ONLY_INSTANCES if i.b_dtype == self.element and i.recipe == want]
+            rows = [i.arch for i in INSTANCES if i.op == WEIGHT_ONLY and i.b_dtype == self.element
+                    and i.recipe == want]
         elif self.element == "int8":
             rows = [i.arch for i in INSTANCES if i.a_dtype == "int8" and i.recipe == self.scaling.name]
         else:

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
 from cutedsl_gemm.runtime.launch import launch_clusters
-from cutedsl_gemm.selection.instances import INSTANCES, KernelInstance, operand_dtypes
+from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, KernelInstance, operand_dtypes
 
 
 class NoKernelError(ValueError):
@@ -25,6 +25,12 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
         and not i.split_tail  # picked per call instead: last_wave_variant
     ]
     return tuple(rows)
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_only_rows(arch, recipe, act_dtype, weight_dtype):
+    return tuple(i for i in INSTANCES if (i.arch, i.op, i.recipe, i.a_dtype, i.b_dtype) ==
+                 (arch, WEIGHT_ONLY, recipe, act_dtype, weight_dtype))
 
 
 # Sustained MMA throughput of each unswapped promoted tile, per mille of 128x192's: smaller tiles move more bytes
@@ -321,15 +327,12 @@ def select(problem):
 
 
 def select_weight_only(problem):
-    """(instance, K splits) for a described weight-only call (``problem.WeightOnlyProblem``): the first row of
-    ``WEIGHT_ONLY_INSTANCES`` for its recipe, activation and weight formats whose M range holds M, and the split the
-    call forces or ``min(SMs // output tiles, 16, K tiles // 2)`` (at least 1): the weight stream is memory-bound
-    and wants every SM pulling bytes, so K splits until the work units fill one wave."""
-    from cutedsl_gemm.selection.instances import WEIGHT_ONLY_INSTANCES
-
-    key = (problem.arch, problem.recipe, problem.act_name, problem.weight_format)
-    inst = next((i for i in WEIGHT_ONLY_INSTANCES if (i.arch, i.recipe, i.a_dtype, i.b_dtype) == key
-                 and i.m_min <= problem.m <= i.m_max), None)
+    """(instance, K splits) for a described weight-only call (``problem.WeightOnlyProblem``): the first weight-only
+    row (op ``WEIGHT_ONLY``) of ``INSTANCES`` for its recipe, activation and weight formats whose M range holds M, and
+    the split the call forces or ``min(SMs // output tiles, 16, K tiles // 2)`` (at least 1): the weight stream is
+    memory-bound and wants every SM pulling bytes, so K splits until the work units fill one wave."""
+    rows = _weight_only_rows(problem.arch, problem.recipe, problem.act_name, problem.weight_format)
+    inst = next((i for i in rows if i.m_min <= problem.m <= i.m_max), None)
     if inst is None:
         raise NoKernelError(f"no weight-only kernel instance for arch={problem.arch} recipe={problem.recipe} "
                             f"activations={problem.act_name} weights={problem.weight_format} M={problem.m}")

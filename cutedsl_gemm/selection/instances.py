@@ -3,8 +3,9 @@
 Runtime dispatch (``cutedsl_gemm.selection.dispatch``), the JIT cache, the precompiler, the AOT exporter and the
 catalog all read ``INSTANCES``; there is no other list of configurations. A row is a *tile configuration* crossed
 with the type axes it supports; ``expand()`` turns the table into concrete, hashable instances. An instance is
-its kernel's configuration: ``KernelInstance.sm90_config`` and ``KernelInstance.sm100_kernel`` derive what each
-kernel family is built from.
+its kernel's configuration: ``KernelInstance.sm90_config``, ``KernelInstance.sm100_kernel`` and
+``weight_only_config`` derive what each kernel family is built from. ``op`` tells the families' rows apart: "gemm"
+(``scaled_mm``) or ``WEIGHT_ONLY`` (``mm_weight_only``); a reader of one family's rows filters by it.
 
 Validity rules (shared-memory budget, TMA alignment, MMA shape limits) are checked by ``validate`` and run
 on every row at import time, so a bad edit to the table fails loudly.
@@ -19,7 +20,7 @@ from typing import Iterable, Optional, Tuple
 
 SM90 = "sm_90a"
 SM100 = "sm_100a"
-#: The op of the weight-only GEMMs (WEIGHT_ONLY_TABLE); the others are "gemm".
+#: The op of the weight-only GEMMs (bf16 / fp16 activations x packed integer weights); the others are "gemm".
 WEIGHT_ONLY = "weight_only"
 #: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
 #: e2m1) as a run-time value.
@@ -37,9 +38,9 @@ class KernelInstance:
     """One compiled kernel: everything that changes generated code, nothing that doesn't (M, N, K)."""
 
     arch: str  # "sm_90a" | "sm_100a"
-    op: str  # "gemm"
+    op: str  # "gemm" | WEIGHT_ONLY
     schedule: str  # sm_90a: "cooperative" | "small_m"; sm_100a: "1sm" | "2sm" (cta_group::1 / ::2)
-    recipe: str  # formats.RECIPES key
+    recipe: str  # formats.RECIPES key ("gemm"), WEIGHT_ONLY_RECIPES key (WEIGHT_ONLY)
     a_dtype: str  # an element format, or the sm_100a operand class F8F6F4
     b_dtype: str
     out_dtype: str
@@ -169,6 +170,52 @@ TileConfig = dataclasses.make_dataclass("TileConfig", _row_fields(), frozen=True
 TileConfig.__module__ = __name__
 TileConfig.__doc__ = """A row of the table: an instance's fields, with the type axes it is built for (``recipes``,
 ``ab_dtypes``, ``out_dtypes``, ``bias_kinds``) in place of one recipe and dtype each."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Weight-only GEMMs (kernels/sm90/weight_only_gemm.py, op WEIGHT_ONLY): bf16 / fp16 activations (a_dtype, also the
+# output's dtype) x packed int4 / int8 weights (b_dtype), scales group-wise along K or per output channel (the
+# recipe, a WEIGHT_ONLY_RECIPES key, not a formats.RECIPES one). Their rows are in TABLE, after the Hopper GEMMs'.
+# ------------------------------------------------------------------------------------------------
+#: recipe -> (group along K, integer zero points); group 0 is one scale per output channel (the epilogue's).
+WEIGHT_ONLY_RECIPES = {
+    "group32": (32, False), "group64": (64, False), "group128": (128, False),
+    "group32_zeros": (32, True), "group64_zeros": (64, True), "group128_zeros": (128, True),
+    "channel": (0, False),
+}
+#: weight format -> the recipes it runs with
+WEIGHT_ONLY_FORMATS = {"int4": tuple(WEIGHT_ONLY_RECIPES), "int8": ("channel",)}
+
+
+def weight_only_recipe(group: int, zeros: bool) -> str:
+    """The recipe name of a weight-only (group, zero points) combination."""
+    return "channel" if group == 0 else f"group{group}" + ("_zeros" if zeros else "")
+
+
+def weight_only_config(inst: KernelInstance):
+    """The weight-only kernel's configuration of a weight-only instance (op WEIGHT_ONLY)."""
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyConfig
+    from cutedsl_gemm.numerics.formats import element_format
+
+    group, zeros = WEIGHT_ONLY_RECIPES[inst.recipe]
+    return WeightOnlyConfig(bits=element_format(inst.b_dtype).bits, group=group, zeros=zeros, act_dtype=inst.a_dtype,
+                            tile_m=inst.tile_m, tile_n=inst.tile_n, stages=inst.stages)
+
+
+def _check_weight_only(inst: KernelInstance) -> None:
+    if inst.recipe not in WEIGHT_ONLY_FORMATS.get(inst.b_dtype, ()):
+        raise ValueError(f"{inst.b_dtype} weights run with recipes {WEIGHT_ONLY_FORMATS}, got {inst.recipe!r}")
+    if inst.out_dtype != inst.a_dtype or inst.bias_dtype is not None:
+        raise ValueError(f"the output is in the activations' dtype ({inst.a_dtype}), without bias; got "
+                         f"out={inst.out_dtype} bias={inst.bias_dtype}")
+    fixed = {"swap_ab": True, "tile_k": 128, "accum": "fast", "cluster_m": 1, "cluster_n": 1, "split_tail": False,
+             "ctas_per_sm": 1, "epi_stages": 0}
+    wrong = {k: getattr(inst, k) for k, v in fixed.items() if getattr(inst, k) != v}
+    if wrong:
+        raise ValueError(f"the weight-only GEMM fixes {fixed}; got {wrong}")
+    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyPlan
+
+    WeightOnlyPlan.check_config(weight_only_config(inst))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -312,6 +359,17 @@ TABLE: Tuple[TileConfig, ...] = (
             (128, 192, 2, 1, 1, True, {}),
         )
     ),
+    # Hopper, weight-only (op WEIGHT_ONLY): bf16 / fp16 activations x packed int4 / int8 weights, output in the
+    # activations' dtype. Decode first: the M tokens on WGMMA's N side, as narrow as M allows; the 128-wide row serves
+    # every larger M in 128-token tiles (each weight tile is then read once per token tile). bf16 WGMMAs accumulate
+    # in fp32: "fast". dispatch.select_weight_only takes the first row whose M range holds M.
+    *(
+        TileConfig(SM90, WEIGHT_ONLY, "small_m", WEIGHT_ONLY_FORMATS[w], 128, tn, accum="fast", m_min=lo, m_max=hi,
+                   swap_ab=True, ab_dtypes=((act, w),), out_dtypes=(act,), bias_kinds=(None,))
+        for act in ("bf16", "fp16")
+        for w in WEIGHT_ONLY_FORMATS
+        for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 64), (128, 65, 1 << 31))
+    ),
     # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the
     # operand formats are run-time values, so one kernel serves every f8f6f4 pair (operand class F8F6F4), per
     # tensor ("tensor") or MX-scaled ("mx"). The MXFP4 / NVFP4 kinds keep e2m1 packed in shared memory: a 128-byte
@@ -399,61 +457,3 @@ def select(instances=None, **want) -> Tuple[KernelInstance, ...]:
     """Instances whose fields equal every keyword given (e.g. ``select(arch="sm_90a", recipe="row")``)."""
     rows = INSTANCES if instances is None else instances
     return tuple(i for i in rows if all(getattr(i, k) == v for k, v in want.items()))
-
-
-# ------------------------------------------------------------------------------------------------
-# Weight-only GEMMs (kernels/sm90/weight_only_gemm.py): bf16 / fp16 activations (a_dtype, also the output's dtype)
-# x packed int4 / int8 weights (b_dtype), scales group-wise along K or per output channel (the recipe). Their own
-# table: scaled_mm's validation, precompile, the catalog and the C export read INSTANCES, the GEMMs'.
-# ------------------------------------------------------------------------------------------------
-#: recipe -> (group along K, integer zero points); group 0 is one scale per output channel (the epilogue's).
-WEIGHT_ONLY_RECIPES = {
-    "group32": (32, False), "group64": (64, False), "group128": (128, False),
-    "group32_zeros": (32, True), "group64_zeros": (64, True), "group128_zeros": (128, True),
-    "channel": (0, False),
-}
-#: weight format -> the recipes it runs with
-WEIGHT_ONLY_FORMATS = {"int4": tuple(WEIGHT_ONLY_RECIPES), "int8": ("channel",)}
-
-
-def weight_only_recipe(group: int, zeros: bool) -> str:
-    """The recipe name of a weight-only (group, zero points) combination."""
-    return "channel" if group == 0 else f"group{group}" + ("_zeros" if zeros else "")
-
-
-def weight_only_config(inst: KernelInstance):
-    """The weight-only kernel's configuration of an instance of WEIGHT_ONLY_TABLE."""
-    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyConfig
-    from cutedsl_gemm.numerics.formats import element_format
-
-    group, zeros = WEIGHT_ONLY_RECIPES[inst.recipe]
-    return WeightOnlyConfig(bits=element_format(inst.b_dtype).bits, group=group, zeros=zeros, act_dtype=inst.a_dtype,
-                            tile_m=inst.tile_m, tile_n=inst.tile_n, stages=inst.stages)
-
-
-def _check_weight_only(inst: KernelInstance) -> None:
-    if inst.recipe not in WEIGHT_ONLY_FORMATS.get(inst.b_dtype, ()):
-        raise ValueError(f"{inst.b_dtype} weights run with recipes {WEIGHT_ONLY_FORMATS}, got {inst.recipe!r}")
-    if inst.out_dtype != inst.a_dtype or inst.bias_dtype is not None:
-        raise ValueError(f"the output is in the activations' dtype ({inst.a_dtype}), without bias; got "
-                         f"out={inst.out_dtype} bias={inst.bias_dtype}")
-    fixed = {"swap_ab": True, "tile_k": 128, "accum": "fast", "cluster_m": 1, "cluster_n": 1, "split_tail": False,
-             "ctas_per_sm": 1, "epi_stages": 0}
-    wrong = {k: getattr(inst, k) for k, v in fixed.items() if getattr(inst, k) != v}
-    if wrong:
-        raise ValueError(f"the weight-only GEMM fixes {fixed}; got {wrong}")
-    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyPlan
-
-    WeightOnlyPlan.check_config(weight_only_config(inst))
-
-
-# Decode first: the M tokens on WGMMA's N side, as narrow as M allows; the 128-wide row serves every larger M in
-# 128-token tiles (each weight tile is then read once per token tile). bf16 WGMMAs accumulate in fp32: "fast".
-WEIGHT_ONLY_TABLE: Tuple[TileConfig, ...] = tuple(
-    TileConfig(SM90, WEIGHT_ONLY, "small_m", WEIGHT_ONLY_FORMATS[w], 128, tn, accum="fast", m_min=lo, m_max=hi,
-               swap_ab=True, ab_dtypes=((act, w),), out_dtypes=(act,), bias_kinds=(None,))
-    for act in ("bf16", "fp16")
-    for w in WEIGHT_ONLY_FORMATS
-    for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 64), (128, 65, 1 << 31))
-)
-WEIGHT_ONLY_INSTANCES: Tuple[KernelInstance, ...] = expand(WEIGHT_ONLY_TABLE)

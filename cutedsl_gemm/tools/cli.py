@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import io
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -91,11 +92,14 @@ def _demo_gpu() -> int:
 
 
 def _demo_cpu() -> int:
+    from cutedsl_gemm import problem as P
+    from cutedsl_gemm.numerics import int_packing as IP
     from cutedsl_gemm.numerics import reference as R
     from cutedsl_gemm.selection import dispatch
-    from cutedsl_gemm.tools.ptx_inspect import WGMMA_S8, inspect_instance
+    from cutedsl_gemm.tools.ptx_inspect import WEIGHT_CONVERSION, WGMMA_RS, WGMMA_S8, inspect_instance
 
-    print("No Hopper GPU here: compiling the FP8 and INT8 GEMM instances for sm_90a and inspecting them.\n")
+    print("No Hopper GPU here: compiling the FP8, INT8 and weight-only GEMM instances for sm_90a and inspecting "
+          "them.\n")
     expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA",
               "setmaxnreg": "register reallocation"}
     ok = True
@@ -103,8 +107,17 @@ def _demo_cpu() -> int:
              for recipe, a, b in (("row", "e4m3", "e4m3"), ("tensor", "e5m2", "e4m3"))]
     cases += [("1x128_128x128", "e4m3", "e4m3", "promoted", 4096), ("row", "e4m3", "e4m3", "promoted", 16)]
     cases += [("row", "int8", "int8", "fast", m) for m in (4096, 16)]  # W8A8: s8 x s8 -> s32 WGMMA
-    for recipe, a, b, accum, m in cases:
-        inst = dispatch.select_gemm("sm_90a", recipe, a, b, "bf16", None, m, accum)
+    insts = [dispatch.select_gemm("sm_90a", recipe, a, b, "bf16", None, m, accum) for recipe, a, b, accum, m in cases]
+    # Weight-only: bf16 activations x int4 weights in groups of 128 along K (M = 16), converted in registers and fed
+    # to WGMMA as its register-sourced A operand.
+    decode = P.WeightOnlyProblem(16, 8192, 8192, "bf16", "int4", "group128", "sm_90a", 132, None, split_k=1)
+    insts.append(dispatch.select_weight_only(decode)[0])
+    # (what the PTX must hold, for the instances it is checked in)
+    required = (("the s8 x s8 -> s32 WGMMA", WGMMA_S8, lambda i: i.a_dtype == "int8"),
+                ("the register-sourced WGMMA (A: the converted weights)", WGMMA_RS, lambda i: i.op == "weight_only"),
+                *((f"the weights' {step}", p, lambda i: i.op == "weight_only")
+                  for step, p in WEIGHT_CONVERSION.items()))
+    for inst in insts:
         t0 = time.time()
         rep = inspect_instance(inst)
         print("\n".join(rep.summary_lines()) + f"\n    (compiled in {time.time() - t0:.1f} s)")
@@ -112,9 +125,16 @@ def _demo_cpu() -> int:
             if not any(k.startswith(ins) for k in rep.instructions):
                 print(f"    MISSING {ins} ({what})")
                 ok = False
-        if a == "int8" and not rep.has(WGMMA_S8):
-            print("    MISSING the s8 x s8 -> s32 WGMMA")
-            ok = False
+        for what, pattern, applies in required:
+            if not applies(inst):
+                continue
+            count = len(re.findall(pattern, rep.ptx))
+            if not count:
+                print(f"    MISSING {what}")
+                ok = False
+            elif inst.op == "weight_only":  # its instructions, the first of each shown
+                first = re.search(rf"(?:{pattern})[^\n]*", rep.ptx).group(0)
+                print(f"    {count:4d} x {what}, e.g. {' '.join(first.split())}")
     print("\nReference numerics (CPU, float64 on dequantized operands):")
     torch.manual_seed(0)
     for recipe, fmt in (("tensor", "e4m3"), ("row", "e4m3"), ("1x128_128x128", "e4m3"), ("128x128_128x128", "e4m3"),
@@ -123,8 +143,17 @@ def _demo_cpu() -> int:
         qa, sa, qw, sw = R.quantize_operands(a, w, recipe, fmt, fmt)
         err = R.rel_error(R.reference_gemm(qa, sa, qw, sw, recipe), a.double() @ w.double().t())
         label = recipe if fmt == "e4m3" else f"{fmt} {recipe}"
-        print(f"    {label:16s} quantization error of the GEMM vs full precision: {err:.2e}")
+        print(f"    {label:24s} quantization error of the GEMM vs full precision: {err:.2e}")
         ok &= err < 0.1
+    # weight-only: the activations as they are, the weights rounded to int4 (about 1/7 of a group's amax a step:
+    # some 12% error on Gaussian data) or int8
+    for bits, group, bound in ((4, 128, 0.2), (8, 0, 0.02)):
+        x, w = torch.randn(256, 512), torch.randn(384, 512)
+        err = R.rel_error(R.reference_weight_only_mm(x, *IP.quantize_weights(w, bits, group), group),
+                          x.double() @ w.double().t())
+        label = f"weight-only int{bits} " + (f"g{group}" if group else "channel")
+        print(f"    {label:24s} quantization error of the GEMM vs full precision: {err:.2e}")
+        ok &= err < bound
     print(f"\n{'PASS' if ok else 'FAIL'}")
     return 0 if ok else 1
 
@@ -312,7 +341,7 @@ def _add_all(p, what: str):
 
     p.add_argument("--all", action="store_true",
                    help=f"{what} every instance of the table (thousands); without --all or --filter: the default "
-                        f"set ({DEFAULT_SET}, every tile, schedule and recipe)")
+                        f"set ({DEFAULT_SET})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -322,7 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", help=demo_help, description=(
         "With a Hopper GPU: run scaled_mm on a few shapes per recipe, check it against the float64 reference "
         "and time it against cuBLAS. Without one: compile GEMM instances for sm_90a and check their PTX for "
-        "the tensor-core MMA, TMA and register reallocation instructions, then check the reference numerics. "
+        "the tensor-core MMA, TMA and register reallocation instructions (for the weight-only GEMM also its "
+        "register-sourced WGMMA and the weights' conversion), then check the reference numerics. "
         "With a Hopper GPU and transformers, also time one decode step of a two-layer Llama-3-8B-shaped model in "
         "bf16, through torch's FP8 path and converted by cutedsl_gemm.nn, and compare their logits."
     )).set_defaults(fn=cmd_demo)

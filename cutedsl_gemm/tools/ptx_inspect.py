@@ -30,6 +30,13 @@ _PTX_PATTERNS = (
 
 #: The int8 GEMMs' tensor-core MMA: s8 x s8 operands, s32 accumulator (the DSL adds .satfinite).
 WGMMA_S8 = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32(?:\.satfinite)?\.s32\.s8\.s8"
+#: The weight-only GEMMs' tensor-core MMA: A (the converted weights) from four registers, B (the activations) from a
+#: shared-memory descriptor.
+WGMMA_RS = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:bf16|f16)\s+\{[^}]*\},\s*" \
+           r"\{%r\d+, %r\d+, %r\d+, %r\d+\},\s*%rd\d+"
+#: Their in-register integer-to-float conversion, step -> instruction: lop3 selects the integer bits into floats of
+#: a magic-number exponent, and one packed FMA subtracts that bias (and the zero point) and applies the scale.
+WEIGHT_CONVERSION = {"magic-number conversion": r"lop3\.b32", "scale FMA": r"fma\.rn\.(?:bf16|f16)x2"}
 
 # ELF .nv.info attribute ids (EIATTR_*) we read.
 _EIATTR_REGCOUNT = 0x2F
@@ -182,6 +189,12 @@ def kernel_resources(inst) -> tuple[int, int]:
 
         kernel = Sm90Fp8Gemm(inst.sm90_config())
         return kernel.smem_bytes, kernel.ab_stages
+    if inst.arch == "sm_90a" and inst.op == "weight_only":
+        from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm
+        from cutedsl_gemm.selection.instances import weight_only_config
+
+        kernel = Sm90WeightOnlyGemm(weight_only_config(inst))
+        return kernel.smem_bytes, kernel.stages
     if inst.arch == "sm_100a" and inst.op == "gemm":
         from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import describe_resources
 
