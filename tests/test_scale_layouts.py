@@ -75,6 +75,13 @@ def test_explicit_recipes_and_errors():
         resolve(torch.rand(m, 3), torch.rand(4, 2), m, n, k)
 
 
+def kept_for(cache: dict, t: torch.Tensor) -> bool:
+    """Whether a view cache keyed by id() holds an entry for ``t`` itself (an id can be reused by a new tensor once
+    the tensor of a stale entry is gone; the entry's weak reference tells them apart)."""
+    entry = cache.get(id(t))
+    return entry is not None and entry[0]() is t
+
+
 def test_per_tensor_scale_views_are_kept_and_refreshed():
     """kernel_views keeps the (1,) view of a 0-dim W scale per tensor, never stale, never for big storages; never
     A's (activations' scales are new per call: a kept view would pin their memory, in a CUDA graph pool too)."""
@@ -84,7 +91,7 @@ def test_per_tensor_scale_views_are_kept_and_refreshed():
     va, vb = L.kernel_views("tensor", 1, t, s)
     assert vb.shape == (1,) and float(vb) == 2.0 and float(va) == 3.0
     assert L.kernel_views("tensor", 1, t, s)[1] is vb  # kept
-    assert id(t) not in L._SCALAR_VIEWS  # A's: not kept
+    assert not kept_for(L._SCALAR_VIEWS, t)  # A's: not kept
     s.fill_(5.0)
     assert float(L.kernel_views("tensor", 1, t, s)[1]) == 5.0  # same storage: sees in-place updates
     s.set_(torch.tensor(7.0).untyped_storage())  # new storage: a new view
@@ -93,7 +100,7 @@ def test_per_tensor_scale_views_are_kept_and_refreshed():
     big = torch.arange(1000, dtype=torch.float32)
     elem = big[3]  # a 0-dim view into a big buffer: not kept (the view would pin the buffer)
     assert float(L.kernel_views("tensor", 1, t, elem)[1]) == 3.0
-    assert id(elem) not in L._SCALAR_VIEWS
+    assert not kept_for(L._SCALAR_VIEWS, elem)
     one = torch.ones(1)
     assert L.kernel_views("tensor", 1, one, one)[1] is one  # already (1,)
 
@@ -124,7 +131,7 @@ def test_block_w_scale_views_are_kept_and_refreshed():
     assert torch.equal(L.kernel_views("1x128_128x128", kb, padded_a, sb)[0], padded_a[:, :kb])
     big = torch.rand(1 << 19, 2)  # 4 MiB of scales: not kept (the view would pin the buffer)
     L.kernel_views("1x128_128x128", kb, sa, big)
-    assert id(big) not in L._W_BLOCK_VIEWS
+    assert not kept_for(L._W_BLOCK_VIEWS, big)
 
 
 # ---------------------------------------------------------------- SWIZZLE_32_4_4 blocked layout (MX / NVFP4 scales)
