@@ -620,3 +620,38 @@ def test_kernel_cache_reuses_compilation():
     n = KERNEL_CACHE.stats.compiles
     quantize_fp8(torch.randn(96, 512, device="cuda"), "1x128")  # new shape, same config
     assert KERNEL_CACHE.stats.compiles == n
+
+
+@pytest.mark.parametrize("which", ["fp8", "int8"])
+def test_a_repeated_call_reuses_its_kept_launch(monkeypatch, which):
+    """The kernel path keeps one launch per call signature; a launch the compiled kernel refuses before running
+    (TypeError / ValueError) sends the call the long way, which plans again; an unhashable argument keeps nothing.
+    (The launch is stubbed: the path is the host's, the kernels need a GPU.)"""
+    from cutedsl_gemm.ops import quantize as Q
+
+    plans, refuse = [], []
+
+    def plan(x, *args):
+        plans.append(args)
+
+        def run(t):
+            if refuse:
+                refuse.pop()
+                raise ValueError("refused before launch")
+            return ("launched", len(plans))
+        return run
+
+    monkeypatch.setattr(Q, "_plan", plan)
+    monkeypatch.setattr(Q, "_FP8_PLANS", {})
+    monkeypatch.setattr(Q, "_fp8_arguments", lambda x, *a: (ScaleGranularity.ROW, E4M3, 128, None, True))
+    monkeypatch.setattr(Q, "_int8_arguments", lambda x, *a: (ScaleGranularity.ROW, True))
+    x = torch.randn(4, 32)
+    call = (lambda: Q.quantize_fp8(x, "row")) if which == "fp8" else (lambda: Q.quantize_int8(x, "row"))
+    assert call() == ("launched", 1) and call() == ("launched", 1) and len(plans) == 1
+    refuse.append(True)
+    assert call() == ("launched", 2) and len(plans) == 2  # refused: planned again, the new launch kept
+    assert call() == ("launched", 2) and len(plans) == 2
+    if which == "fp8":
+        Q.quantize_fp8(x, "row", scale_layout=["unhashable"])
+        Q.quantize_fp8(x, "row", scale_layout=["unhashable"])
+        assert len(plans) == 4 and len(Q._FP8_PLANS) == 1  # planned each time, nothing kept

@@ -210,26 +210,16 @@ def quantize_fp8(
         from cutedsl_gemm.ops.library import traced_quantize_fp8
 
         return traced_quantize_fp8(x, recipe, fmt=fmt, block=block, scale_layout=scale_layout, operand=operand)
-    sig = None
-    if type(x) is torch.Tensor:
-        sig = (x.shape, x.dtype, x.get_device(), recipe, fmt, block, scale_layout, operand, backend)
-        try:
-            run = _FP8_PLANS.get(sig)
-        except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
-            sig = run = None
-        if run is not None:
-            try:
-                return run(x)
-            except (TypeError, ValueError):
-                pass  # refused before launch (a strided or misaligned x): the checks below say why
+    sig = (x.shape, x.dtype, x.get_device(), recipe, fmt, block, scale_layout, operand, backend) \
+        if type(x) is torch.Tensor else None
+    sig, out = _run_kept(sig, x)
+    if out is not None:
+        return out
     gran, fmt, block, scale_layout, use_kernel = _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, backend)
     if x.numel() == 0 or not use_kernel:
         return _reference(x, gran, fmt, block, scale_layout)
     run = _plan(x, gran, fmt, block, scale_layout)
-    if sig is not None:
-        if len(_FP8_PLANS) >= _MAX_FP8_PLANS:
-            _FP8_PLANS.clear()
-        _FP8_PLANS[sig] = run
+    _keep(sig, run)
     return run(x)
 
 
@@ -238,6 +228,32 @@ def quantize_fp8(
 # extents, compact strides, 16-byte alignment) is not checked again; a call they refuse takes the long way.
 _FP8_PLANS: dict = {}
 _MAX_FP8_PLANS = 4096  # many distinct shapes (e.g. every batch size): start over
+
+
+def _run_kept(sig, x):
+    """(sig, output) of the launch kept for call signature ``sig``: output None where there is none, or where the
+    compiled kernel refused ``x`` before launching (the caller's checks then say why); sig None where an argument
+    is unhashable (the caller validates the long way and keeps nothing)."""
+    if sig is None:
+        return None, None
+    try:
+        run = _FP8_PLANS.get(sig)
+    except TypeError:
+        return None, None
+    if run is not None:
+        try:
+            return sig, run(x)
+        except (TypeError, ValueError):
+            pass
+    return sig, None
+
+
+def _keep(sig, run) -> None:
+    """Keep ``run`` for repeated calls with signature ``sig`` (None: nothing to keep)."""
+    if sig is not None:
+        if len(_FP8_PLANS) >= _MAX_FP8_PLANS:
+            _FP8_PLANS.clear()
+        _FP8_PLANS[sig] = run
 
 
 def kernel_launch(x: torch.Tensor, recipe, *, fmt="e4m3"):
@@ -550,26 +566,15 @@ def quantize_int8(x: torch.Tensor, granularity="row", *, backend: str = "auto"):
         from cutedsl_gemm.ops.library import traced_quantize_int8
 
         return traced_quantize_int8(x, granularity)
-    sig = None
-    if type(x) is torch.Tensor:
-        sig = ("int8", x.shape, x.dtype, x.get_device(), granularity, backend)
-        try:
-            run = _FP8_PLANS.get(sig)
-        except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
-            sig = run = None
-        if run is not None:
-            try:
-                return run(x)
-            except (TypeError, ValueError):
-                pass  # refused before launch (a strided or misaligned x): the checks below say why
+    sig = ("int8", x.shape, x.dtype, x.get_device(), granularity, backend) if type(x) is torch.Tensor else None
+    sig, out = _run_kept(sig, x)
+    if out is not None:
+        return out
     gran, use_kernel = _int8_arguments(x, granularity, backend)
     if x.numel() == 0 or not use_kernel:
         return _reference(x, gran, INT8, 128, None)
     run = _plan(x, gran, INT8, 128, None)
-    if sig is not None:
-        if len(_FP8_PLANS) >= _MAX_FP8_PLANS:
-            _FP8_PLANS.clear()
-        _FP8_PLANS[sig] = run
+    _keep(sig, run)
     return run(x)
 
 
