@@ -30,17 +30,22 @@ def _call_args(m, n, k, recipe, fa="e4m3", fb="e4m3"):
     return (qa, qw.t(), scale_a, scale_b), (qa, sa, qw, sw)
 
 
-@pytest.mark.parametrize("n,k", NKS)
-@pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("recipe", RECIPES)
-def test_small_m_matches_reference(recipe, m, n, k):
-    torch.manual_seed(m * 7 + n + k)
+def check_scaled_mm(recipe, m, n, k, seed):
+    """scaled_mm through dispatch into a NaN-poisoned output, against the float64 reference."""
+    torch.manual_seed(seed)
     args, plain = _call_args(m, n, k, recipe)
     out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
     cutedsl_gemm.scaled_mm(*args, out=out)
     torch.cuda.synchronize()
     err = R.rel_error(out, R.reference_gemm(*plain, recipe))
     assert err <= 2e-3, f"relative error {err:.3e}"
+
+
+@pytest.mark.parametrize("n,k", NKS)
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_small_m_matches_reference(recipe, m, n, k):
+    check_scaled_mm(recipe, m, n, k, seed=m * 7 + n + k)
 
 
 @pytest.mark.parametrize("split_k", [1, 3, 7, 16])
@@ -228,10 +233,4 @@ def test_dispatch_takes_the_mid_m_picks(recipe, m, n, tile):
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
     if tile is not None:
         assert (inst.tile_m, inst.tile_n, inst.cluster_m, inst.swap_ab) == tile, inst.name
-    torch.manual_seed(m)
-    args, plain = _call_args(m, n, k, recipe)
-    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    cutedsl_gemm.scaled_mm(*args, out=out)
-    torch.cuda.synchronize()
-    err = R.rel_error(out, R.reference_gemm(*plain, recipe))
-    assert err <= 2e-3, f"relative error {err:.3e}"
+    check_scaled_mm(recipe, m, n, k, seed=m)

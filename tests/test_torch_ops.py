@@ -470,6 +470,16 @@ def test_compiled_model_matches_eager(mode):
     assert torch.equal(got, eager)
 
 
+def assert_replays_like_eager(graph, static, out, mlp, seeds):
+    """Replaying ``graph`` (captured on ``static``, writing ``out``) on fresh inputs equals eager calls of ``mlp``."""
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        x = torch.randn(*static.shape, dtype=static.dtype, device=static.device)
+        static.copy_(x)
+        graph.replay()
+        assert torch.equal(out, mlp(x))
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_matches_eager():
     mlp = _cuda_mlp("deepseek")
@@ -479,12 +489,7 @@ def test_cuda_graph_replay_matches_eager():
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = mlp(static)
-        for seed in range(3):
-            torch.manual_seed(seed)
-            x = torch.randn(16, 512, dtype=torch.bfloat16, device="cuda")
-            static.copy_(x)
-            graph.replay()
-            assert torch.equal(out, mlp(x))
+        assert_replays_like_eager(graph, static, out, mlp, seeds=3)
 
 
 @pytest.mark.gpu
@@ -511,12 +516,7 @@ def test_cuda_graph_capture_needs_a_warm_up(recipe):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = mlp(static)
-        for seed in range(2):
-            torch.manual_seed(seed)
-            x = torch.randn(16, 512, dtype=torch.bfloat16, device="cuda")
-            static.copy_(x)
-            graph.replay()
-            assert torch.equal(out, mlp(x))
+        assert_replays_like_eager(graph, static, out, mlp, seeds=2)
 
 
 @pytest.mark.gpu

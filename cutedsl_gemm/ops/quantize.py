@@ -206,7 +206,7 @@ def quantize_fp8(
     The kernels need ``K % 16 == 0`` and a row-major x. Under ``torch.compile`` the kernel path is the op
     ``torch.ops.cutedsl_gemm.quantize_fp8``.
     """
-    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+    if _traced(x, backend):
         from cutedsl_gemm.ops.library import traced_quantize_fp8
 
         return traced_quantize_fp8(x, recipe, fmt=fmt, block=block, scale_layout=scale_layout, operand=operand)
@@ -228,6 +228,12 @@ def quantize_fp8(
 # extents, compact strides, 16-byte alignment) is not checked again; a call they refuse takes the long way.
 _FP8_PLANS: dict = {}
 _MAX_FP8_PLANS = 4096  # many distinct shapes (e.g. every batch size): start over
+
+
+def _traced(x, backend: str) -> bool:
+    """Whether this call is being traced by torch.compile onto a kernel path: it then becomes the op (recorded, not
+    traced into the launch); the reference backend stays torch code the compiler traces."""
+    return torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda)
 
 
 def _run_kept(sig, x):
@@ -500,7 +506,7 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3", *, backend: str = "auto") -> R.Bloc
     e5m2, e3m2, e2m3 or e2m1). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_mx_reference`;
     ``backend`` as in the module doc."""
     fmt = element_format(fmt)
-    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+    if _traced(x, backend):
         from cutedsl_gemm.ops.library import traced_quantize_mx
 
         return traced_quantize_mx(x, fmt)
@@ -523,7 +529,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
     decode scale (``global_scale``, a one-element fp32 tensor, or computed on the device: no host
     synchronisation). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_nvfp4_reference`;
     ``backend`` as in the module doc."""
-    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+    if _traced(x, backend):
         from cutedsl_gemm.ops.library import traced_quantize_nvfp4
 
         return traced_quantize_nvfp4(x, global_scale)
@@ -562,7 +568,7 @@ def quantize_int8(x: torch.Tensor, granularity="row", *, backend: str = "auto"):
     W8A8: ``qx, sx = quantize_int8(x)``, ``qw, sw = quantize_int8(w)`` (W (N, K)), then
     ``scaled_mm(qx, qw.t(), sx, sw.t())``.
     """
-    if torch.compiler.is_compiling() and (backend == "auto" or backend == "kernel" and x.is_cuda):
+    if _traced(x, backend):
         from cutedsl_gemm.ops.library import traced_quantize_int8
 
         return traced_quantize_int8(x, granularity)
