@@ -36,6 +36,8 @@ only the stores are predicated. (A load under a branch would make the warp wait 
 issue the next one: one vector in flight instead of P.)
 
 * 1x128 groups: TPR = 8, PC = 1; a group's amax is a 3-step butterfly shuffle over its 8 lanes.
+  The Hopper GEMM that quantizes its own activations (``activation_quant.py``) runs the same group code
+  (``group_scale``, ``emit_quantized``), so its FP8 activations and scales are these bits.
 * BxB blocks (also per-row, as 1 x 2^n blocks for K <= 65536): the CTA owns one block; thread max -> warp
   butterfly -> one float per warp in shared memory -> butterfly over those. The block stays in registers
   (``hold``) unless that would need too many registers (fp32 256x256, fp32 rows > 32768); then it is read
@@ -185,6 +187,27 @@ def _cast_fma(frag, scale, rcp, out_dtype):
     return _narrow(y.load(), out_dtype)
 
 
+def group_scale(frag, lanes: int, fmax: float):
+    """(scale, its reciprocal, whether the reciprocal path applies) of one 1 x (lanes * 16) group whose vectors
+    ``lanes`` aligned neighbouring lanes hold, one each (``frag`` is this lane's): the contract's scale."""
+    amax = _lane_allreduce_max(_finite_amax(frag, Float32(0.0)), lanes)
+    scale = _scale_of(amax, fmax)
+    return scale, _recip(scale), scale >= Float32(FAST_MIN_SCALE)
+
+
+def emit_quantized(frag, scale, rcp, fast, dst, ok, out_dtype, div: str):
+    """Quantize one vector by ``scale`` and store it into ``dst`` where ``ok``: the reciprocal path (``div`` "fma",
+    16-bit input) where ``fast``, ``div.rn`` otherwise (see the module docstring)."""
+    def store(cast):
+        return lambda: cutlass.if_generate(ok, lambda: cute.autovec_copy(cast(), dst))
+
+    by_div = store(lambda: _cast_div(frag, scale, out_dtype))
+    if div == "fma":
+        cutlass.if_generate(fast, store(lambda: _cast_fma(frag, scale, rcp, out_dtype)), by_div)
+    else:
+        by_div()
+
+
 def _block_allreduce_max(amax, red, tidx, nw: int):
     """CTA-wide max (every thread gets it): warp butterfly, one float per warp in smem, butterfly again."""
     amax = _lane_allreduce_max(amax, 32)
@@ -288,15 +311,7 @@ class TileQuant:
         return batch
 
     def _emit(self, frag, scale, rcp, fast, dst, ok):
-        """Quantize one vector and store it where ``ok``; the reciprocal path where ``fast``."""
-        def store(cast):
-            return lambda: cutlass.if_generate(ok, lambda: cute.autovec_copy(cast(), dst))
-
-        by_div = store(lambda: _cast_div(frag, scale, self.out_dtype))
-        if cutlass.const_expr(self.div == "fma"):
-            cutlass.if_generate(fast, store(lambda: _cast_fma(frag, scale, rcp, self.out_dtype)), by_div)
-        else:
-            by_div()
+        emit_quantized(frag, scale, rcp, fast, dst, ok, self.out_dtype, self.div)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mPart: cute.Tensor):
@@ -333,10 +348,7 @@ class TileQuant:
 
         if cutlass.const_expr(self.mode == MODE_GROUP):
             for p in cutlass.range_constexpr(self.P):
-                amax = _lane_allreduce_max(_finite_amax(frags[p], Float32(0.0)), self.TPR)
-                scale = _scale_of(amax, self.fmax)
-                rcp = _recip(scale)
-                fast = scale >= Float32(FAST_MIN_SCALE)
+                scale, rcp, fast = group_scale(frags[p], self.TPR, self.fmax)
                 self._emit(frags[p], scale, rcp, fast, gQ[(None, (rows[p], cvs[p]))], oks[p])
                 if (tidx % self.TPR == 0) & (rows[p] < M):
                     mS[rows[p], cb] = scale
