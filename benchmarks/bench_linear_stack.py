@@ -2,7 +2,9 @@
 (O), 4096->28672 (gate+up), 14336->4096 (down), distinct weights, bf16 activations in and out; one forward of the
 stack runs every linear once on an (M, K) input of its K. Three ways, timed in turns in one process: bf16
 (``torch.matmul`` through ``nn.Linear``), torch FP8 (``anchors.TorchFp8Linear``: torch-side quantization +
-``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.Fp8Linear``).
+``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.Fp8Linear``). For the recipes whose layer quantizes its
+activations inside the GEMM at decode sizes (``quantize_scaled_mm``: DeepSeek's 1x128 activations), a fourth
+variant runs the same weights as ``quantize_fp8`` then ``scaled_mm``: what the one-kernel path saves.
 
     python -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
 
@@ -34,9 +36,28 @@ REFUSALS = (RuntimeError, ValueError, NotImplementedError)  # what torch raises 
 
 #: (N, K) of one Llama-3-8B layer's linears: fused QKV, O, fused gate+up, down
 LLAMA3_8B_LINEARS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-VARIANTS = ("bf16", "torch FP8", "ours")
+VARIANTS = ("bf16", "torch FP8", "ours", "ours, 2 kernels")
 COLUMNS = ["M", "mode", "bf16 ms", "torch FP8 ms", "ours ms", "ours x bf16", "ours x torch FP8", "floor ms",
            "ours % of floor"]
+#: with the two-kernel variant
+TWO_KERNEL_COLUMNS = ["2 kernels ms", "ours x 2 kernels"]
+
+
+class TwoKernelLinear(torch.nn.Module):
+    """An ``Fp8Linear`` of 1x128 activations run as ``quantize_fp8`` then ``scaled_mm``: the two kernels that
+    ``quantize_scaled_mm`` makes one at decode sizes."""
+
+    def __init__(self, layer: cnn.Fp8Linear):
+        super().__init__()
+        self.in_features, self.layer = layer.in_features, layer
+        self.scale_recipe_b = cnn.linear_recipe(layer.recipe).scaling.b.scaling_type
+
+    def forward(self, x):
+        import cutedsl_gemm
+
+        qa, sa = cutedsl_gemm.quantize_fp8(x, "1x128")
+        return cutedsl_gemm.scaled_mm(qa, self.layer.weight.t(), sa, self.layer.weight_scale, self.layer.bias, None,
+                                      x.dtype, scale_recipe_a="1x128", scale_recipe_b=self.scale_recipe_b)
 
 
 def stack_floor_ms(m: int, layers: int, shapes=LLAMA3_8B_LINEARS, scale_bytes: int = 0) -> float:
@@ -57,7 +78,9 @@ def build_stacks(layers: int, recipe: str, variants, device="cuda", seed: int = 
         stacks["torch FP8"] = [TorchFp8Linear.from_linear(lin, cnn.linear_recipe(recipe).scaling) for lin in bf16]
     if "ours" in variants:
         stacks["ours"] = [cnn.Fp8Linear.from_linear(lin, recipe=recipe) for lin in bf16]
-    return {v: stacks[v] for v in VARIANTS if v in variants}
+        if "ours, 2 kernels" in variants and cnn.linear_recipe(recipe).quantizes_in_gemm:
+            stacks["ours, 2 kernels"] = [TwoKernelLinear(layer) for layer in stacks["ours"]]
+    return {v: stacks[v] for v in VARIANTS if v in variants and v in stacks}
 
 
 def forward_fn(stack, inputs):
@@ -87,12 +110,14 @@ def main(argv=None):
     if not torch.cuda.is_available():
         p.error("needs a GPU")
     stacks = build_stacks(args.layers, args.recipe, VARIANTS)
+    two = "ours, 2 kernels" in stacks
+    columns = COLUMNS + (TWO_KERNEL_COLUMNS if two else [])
     scale_bytes = sum(t.numel() * t.element_size() for lin in stacks["ours"] for name, t in lin.named_buffers()
                       if name != "weight")
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows = []
     print(f"{args.layers} layers, {4 * args.layers} linears, recipe {args.recipe}; ms per forward of the stack")
-    print(" ".join(f"{c:>{max(len(c), 10)}s}" for c in COLUMNS))
+    print(" ".join(f"{c:>{max(len(c), 10)}s}" for c in columns))
     failed = {}
     for m, mode in [(m, "CUDA graph") for m in args.ms] + [(m, "eager") for m in args.eager_ms]:
         inputs = {k: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -107,12 +132,14 @@ def main(argv=None):
             except REFUSALS as e:  # torch's blockwise path refuses some M
                 failed[f"M={m} {mode}, {name}"] = one_line(e)
         t = common.time_interleaved(runs, args.rounds, args.reps)
-        bf16, theirs, ours = (t.get(name) for name in VARIANTS)
+        bf16, theirs, ours, split = (t.get(name) for name in VARIANTS)
         floor = stack_floor_ms(m, args.layers, scale_bytes=scale_bytes)
         rows.append([m, mode, _round(bf16, 4), _round(theirs, 4), _round(ours, 4),
                      _round(ours and bf16 and bf16 / ours, 3), _round(ours and theirs and theirs / ours, 3),
                      round(floor, 4), _round(ours and 100 * floor / ours, 1)])
-        print(" ".join(f"{'-' if x is None else x!s:>{max(len(c), 10)}s}" for x, c in zip(rows[-1], COLUMNS)))
+        if two:
+            rows[-1] += [_round(split, 4), _round(ours and split and split / ours, 3)]
+        print(" ".join(f"{'-' if x is None else x!s:>{max(len(c), 10)}s}" for x, c in zip(rows[-1], columns)))
         del runs
         torch.cuda.empty_cache()
     for what, why in failed.items():
@@ -123,7 +150,7 @@ def main(argv=None):
              f"scales + activations at {HBM_TBPS:g} TB/s or FLOPs at {FP8_TFLOPS:g} TFLOPS, whichever is longer")
     notes += "".join(f"; not measured: {what} ({why})" for what, why in failed.items())
     common.save_result(args, "linear_stack", f"Llama-3-8B linear stack ({args.layers} layers): bf16 vs torch FP8 vs "
-                       f"ours ({args.recipe})", COLUMNS, rows, notes=notes)
+                       f"ours ({args.recipe})", columns, rows, notes=notes)
     return rows
 
 

@@ -9,6 +9,7 @@ what it does run. Nothing here chooses or launches a kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Optional
@@ -201,6 +202,9 @@ class GemmProblem:
     device_index: Optional[int]
     schedule: Optional[str] = None  # forced schedule, or None
     split_k: Optional[int] = None  # forced K splits, or None
+    # "bf16" | "fp16" | "fp32": A comes unquantized in this dtype, to be quantized to a_format in 1x128 groups
+    # (``describe_quantize_scaled_mm``); None: A comes quantized.
+    act_format: Optional[str] = None
 
     @property
     def is_empty(self) -> bool:
@@ -409,6 +413,42 @@ def _describe_sm90(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum,
     check_output_rows(n, out_dtype)
     check_overrides(schedule, split_k, arch)
     return problem, operands
+
+
+#: What ``quantize_scaled_mm`` quantizes its activations to, and in which groups (quantize_fp8's recipe name).
+QUANTIZED_ACTIVATIONS = ("e4m3", "1x128")
+
+
+def describe_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, out, scale_recipe_b, split_k, device: torch.device, *,
+                                target=None):
+    """Validate a ``quantize_scaled_mm`` call -- ``scaled_mm`` of ``quantize_fp8(x, "1x128")`` -- for ``device``'s
+    GPU (or ``target`` = (arch, SMs)): x is bf16 / fp16 / fp32 (M, K) row-major with K % 16 == 0 (the group quantizer's
+    16-element vectors); b, scale_b, bias and out as ``scaled_mm`` takes them with BlockWise1x128 activation scales.
+    Returns (GemmProblem with ``act_format`` set, GemmOperands with x as A and no A scales)."""
+    arch, sms = device_info(device.index) if target is None else target
+    if arch != SM90:
+        raise RuntimeError(f"quantize_scaled_mm runs on Hopper (sm_90a) GPUs; this one is {arch} (call quantize_fp8 "
+                           "and scaled_mm)")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"x must be a 2-D (M, K) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if x.dtype not in OUT_NAMES:
+        raise TypeError(f"x must be bfloat16, float16 or float32 (what quantize_fp8 takes), got {x.dtype}")
+    m, k = x.shape
+    if k % 16:
+        raise ValueError(f"K must be a multiple of 16 (the activation quantizer's 16-element vectors), got K={k}")
+    if k:
+        require_k_major("x", x, 1, "row-major (M, K)")
+    fmt, groups = QUANTIZED_ACTIVATIONS
+    # b, its scales, bias and out are checked as scaled_mm checks them, beside a stand-in for the quantized x and
+    # its (M, Kb) 1x128 scales in torch's layout (meta tensors: shapes and strides only).
+    qa = torch.empty((m, k), dtype=element_format(fmt).torch_dtype, device="meta")
+    kb = ceil_div(k, scale_layouts.SCALE_K)
+    sa = torch.empty_strided((m, kb), (1, max(m, 1)), dtype=torch.float32, device="meta")
+    recipe_a = None if scale_recipe_b is None else G.named(groups)
+    problem, ops = _describe_sm90(qa, b, sa, scale_b, bias, out_dtype, out, False, recipe_a, scale_recipe_b, None,
+                                  split_k, arch, sms, device.index)
+    problem = dataclasses.replace(problem, act_format=OUT_NAMES[x.dtype])
+    return problem, dataclasses.replace(ops, a=x, scale_a=None)
 
 
 # ------------------------------------------------------------------------------------------------

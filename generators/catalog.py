@@ -26,6 +26,7 @@ from cutedsl_gemm.generators.runner import Interrupted, SelectionError, code_key
 from cutedsl_gemm.numerics.formats import RECIPES
 from cutedsl_gemm.selection.instances import (
     INSTANCES,
+    QUANT_GEMM,
     SM90,
     WEIGHT_ONLY,
     WEIGHT_ONLY_RECIPES,
@@ -42,7 +43,7 @@ DISPATCH_ONLY = ("m_min", "m_max")
 def code_config(inst: KernelInstance) -> dict:
     cfg = {k: getattr(inst, k) for k in inst.__dataclass_fields__ if k not in DISPATCH_ONLY}
     # What the table derives for the kernel class (e.g. split_k, the weight-only group) shapes the code too.
-    if (inst.arch, inst.op) == (SM90, "gemm"):
+    if inst.arch == SM90 and inst.op in ("gemm", QUANT_GEMM):
         cfg["kernel"] = dataclasses.asdict(inst.sm90_config())
     elif (inst.arch, inst.op) == (SM90, WEIGHT_ONLY):
         cfg["kernel"] = dataclasses.asdict(weight_only_config(inst))
@@ -91,7 +92,7 @@ def family_key(inst: KernelInstance) -> tuple:
         integer = inst.b_dtype
     else:
         scaling = inst.mma_kind or ("block-scaled" if RECIPES[inst.recipe].in_mainloop else "epilogue-scaled")
-        integer = "int8" if inst.a_dtype == "int8" else ""
+        integer = "int8" if inst.a_dtype == "int8" else ""  # (QUANT_GEMM: its op tells it apart)
     return (inst.arch, inst.op, inst.schedule, scaling, integer, inst.swap_ab, inst.ctas_per_sm, inst.split_tail,
             inst.accum)
 

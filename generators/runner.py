@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Callable, Iterable, List, Optional, Sequence, TextIO, Tuple
 
-from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, KernelInstance, operand_dtypes
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, WEIGHT_ONLY, KernelInstance, operand_dtypes
 
 
 class SelectionError(ValueError):
@@ -68,13 +68,21 @@ def in_default_set(inst: KernelInstance) -> bool:
     weight-only GEMMs of ``DEFAULT_WEIGHT_ONLY``, every tile."""
     if inst.op == WEIGHT_ONLY:
         return (inst.a_dtype, inst.b_dtype, inst.recipe) in DEFAULT_WEIGHT_ONLY
+    if inst.op == QUANT_GEMM:
+        return (inst.a_dtype, inst.b_dtype, inst.bias_dtype) in DEFAULT_QUANT_GEMM
     operands = (inst.a_dtype, inst.b_dtype)
     return ((operands == operand_dtypes(inst.arch, inst.recipe, "e4m3", "e4m3") or operands == ("int8", "int8"))
             and inst.out_dtype == "bf16" and inst.bias_dtype in (None, "bf16"))
 
 
+#: The GEMMs quantizing their activations of the default set: bf16 activations, e4m3 weights, with the fp32 bias of
+#: cutedsl_gemm.nn's layers or none.
+DEFAULT_QUANT_GEMM = (("bf16", "e4m3", None), ("bf16", "e4m3", "fp32"))
+
+
 DEFAULT_SET = ("e4m3 x e4m3 or int8 x int8 operands, bf16 output, without bias or with a bf16 bias, every tile, "
-               "schedule and recipe; weight-only bf16 x int4 group 128 and bf16 x int8 per channel, every tile")
+               "schedule and recipe; weight-only bf16 x int4 group 128 and bf16 x int8 per channel, every tile; "
+               "bf16 activations quantized in the GEMM for e4m3 weights, without bias or with an fp32 one")
 
 
 @dataclass(frozen=True)

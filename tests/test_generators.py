@@ -668,9 +668,11 @@ def _expected_mma(inst) -> str:
     if inst.op == M.WEIGHT_ONLY:  # the converted weights (register-sourced A) x the activations, both in their dtype
         act = {"bf16": "bf16", "fp16": "f16"}[inst.a_dtype]
         return rf"wgmma\.mma_async\.sync\.aligned\.m64n{inst.tile_n}k16\.f32\.{act}\.{act}"
-    if inst.arch == "sm_90a":  # the swapped kernels run W on WGMMA's A side
-        first, second = (inst.b_dtype, inst.a_dtype) if inst.swap_ab else (inst.a_dtype, inst.b_dtype)
-        n = Sm90GemmPlan.wgmma_n(inst.sm90_config())
+    if inst.arch == "sm_90a":  # the swapped kernels run W on WGMMA's A side; the operands are the kernel's (a kernel
+        # that quantizes its activations multiplies them in its a_dtype)
+        cfg = inst.sm90_config()
+        first, second = (cfg.b_dtype, cfg.a_dtype) if inst.swap_ab else (cfg.a_dtype, cfg.b_dtype)
+        n = Sm90GemmPlan.wgmma_n(cfg)
         if inst.a_dtype == "int8":
             return rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.satfinite\.s32\.s8\.s8"
         return rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{first}\.{second}"

@@ -118,6 +118,13 @@ class LinearRecipe:
         return tuple(a for a in P.ARCHS if a in rows)
 
     @property
+    def quantizes_in_gemm(self) -> bool:
+        """Whether its activations are what ``quantize_scaled_mm`` quantizes (e4m3, 1x128 groups): then the layer
+        calls it, one kernel at decode sizes on Hopper."""
+        return (self.quantize is fp8_operand and self.scaling is not None
+                and (self.element, self.scaling.a.label) == P.QUANTIZED_ACTIVATIONS)
+
+    @property
     def keeps_launch(self) -> bool:
         """Whether ``kept_launch`` runs it: the weight-only and the fp32-scaled Hopper recipes."""
         return self.weight_only or self.quantize is fp8_operand or self.quantize is int8_operand
@@ -177,6 +184,8 @@ def quantized_matmul(x, b, weight_scale, weight_global_scale, bias, recipe: Line
         y = ops.mm_weight_only(x2, b, weight_scale, None, group=recipe.group, bits=recipe.bits)
         if bias is not None:
             y = y.add_(bias)
+    elif recipe.quantizes_in_gemm:
+        y = ops.quantize_scaled_mm(x2, b, weight_scale, bias, x.dtype, scale_recipe_b=recipe.scaling.b.scaling_type)
     else:
         qa, sa, ga = recipe.quantize(x2, "a", recipe, ops)
         y = ops.scaled_mm(qa, b, sa, weight_scale, bias, x.dtype, scale_recipe_a=recipe.scaling.a.scaling_type,
@@ -213,8 +222,25 @@ def kept_launch(x, b, weight_scale, bias, recipe: LinearRecipe):
     else:
         if not recipe.keeps_launch:
             raise ValueError(f"recipe {recipe.name!r} has no kept launch (its GEMMs run on sm_100a)")
-        quantize = Q.kernel_launch(x2, recipe.scaling.a.label, fmt=recipe.element)
         ra, rb = recipe.scaling.a.scaling_type, recipe.scaling.b.scaling_type
+        if recipe.quantizes_in_gemm:
+            y = S.quantize_scaled_mm(x2, b, weight_scale, bias, dtype, scale_recipe_b=rb)
+            hit = S.cached_quantize_plan(S.quantize_call_signature(x2, b, weight_scale, bias, dtype, rb, None))
+            if hit is None:
+                return (y if flat else y.view(*lead, y.shape[1])), None
+            if hit[0] is not None:  # one kernel quantizes and multiplies
+                plan, name, kb, out_shape = hit
+                launch, stand_in, n = plan.run, plan.dummy_bias, out_shape[1]
+                sb = scale_layouts.w_kernel_view(name, kb, weight_scale)
+
+                def run(x):
+                    y = launch(x if flat else x.view(rows, k), b, x.new_empty(out_shape, dtype=dtype), stand_in, sb,
+                               bias)
+                    return y if flat else y.view(*lead, n)
+
+                return (y if flat else y.view(*lead, y.shape[1])), run
+            # two kernels at this M: the quantizer's and the GEMM's launches are kept below (y is computed again)
+        quantize = Q.kernel_launch(x2, recipe.scaling.a.label, fmt=recipe.element)
         qa, sa = quantize(x2)
         y = S.scaled_mm(qa, b, sa, weight_scale, bias, None, dtype, scale_recipe_a=ra, scale_recipe_b=rb)
         hit = S.cached_plan(S.call_signature(qa, b, sa, weight_scale, bias, dtype, False, ra, rb, None, None))

@@ -200,6 +200,13 @@ def kernel_views(recipe: str, kb: int, scale_a: torch.Tensor, scale_b: torch.Ten
     return (scale_a if scale_a.shape[1] == kb else scale_a[:, :kb]), _w_blocks(scale_b, kb)
 
 
+def w_kernel_view(recipe: str, kb: int, scale_b: torch.Tensor) -> torch.Tensor:
+    """W's view of ``kernel_views`` alone (for calls whose A scales the kernel computes)."""
+    if recipe == "tensor":
+        return _one(scale_b)
+    return scale_b if recipe == "row" else _w_blocks(scale_b, kb)
+
+
 # ---------------------------------------------------------------------------------------------------
 # SWIZZLE_32_4_4 blocked layout of the MX / NVFP4 block scales
 # ---------------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The public ops as torch operators: ``torch.ops.cutedsl_gemm.scaled_mm``, ``mm_weight_only``, ``quantize_fp8``,
+"""The public ops as torch operators: ``torch.ops.cutedsl_gemm.scaled_mm``, ``quantize_scaled_mm``, ``mm_weight_only``,
+``quantize_fp8``,
 ``quantize_int8``, ``quantize_mx`` and ``quantize_nvfp4`` (``cutedsl_gemm.nn`` adds ``fp8_linear``), so that
 ``torch.compile(fullgraph=True)`` traces through them, ``mode="reduce-overhead"`` captures them in CUDA graphs
 and ``torch.library.opcheck`` passes.
@@ -151,6 +152,38 @@ def _scaled_mm_fake(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
 
+QUANTIZE_SCALED_MM_SCHEMA = (
+    "(Tensor x, Tensor b, Tensor scale_b, Tensor? bias=None, ScalarType? out_dtype=None, *, "
+    "str? scale_recipe_b=None, int? split_k=None, bool? in_kernel=None) -> Tensor"
+)
+
+
+def quantize_scaled_mm(x, b, scale_b, bias=None, out_dtype=None, *, scale_recipe_b=None, split_k=None,
+                       in_kernel=None):
+    """``cutedsl_gemm.quantize_scaled_mm`` with the op's arguments (no ``out=``)."""
+    return S.quantize_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b=scale_recipe_b, split_k=split_k,
+                                in_kernel=in_kernel)
+
+
+def _quantize_scaled_mm_fake(x, b, scale_b, bias=None, out_dtype=None, *, scale_recipe_b=None, split_k=None,
+                             in_kernel=None):
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    target = _target(x.device)
+    if target is not None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+        with unset_fake_temporarily():
+            metas = [_meta(t) for t in (x, b, scale_b, bias)]
+            if not any(m is False for m in metas):
+                P.describe_quantize_scaled_mm(*metas, out_dtype, None, scale_recipe_b, split_k, x.device,
+                                              target=target)
+    else:
+        P.require_out_dtype(out_dtype)
+        if x.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"x and b must be 2-D, got shapes {tuple(x.shape)} and {tuple(b.shape)}")
+    return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
+
+
 # ----------------------------------------------------------------------------------------------------
 # the quantizers
 # ----------------------------------------------------------------------------------------------------
@@ -228,6 +261,7 @@ def _mm_weight_only_fake(x, packed_w, scales, zeros=None, *, group=128, bits=4, 
 
 
 define("scaled_mm", SCALED_MM_SCHEMA, scaled_mm, _scaled_mm_fake)
+define("quantize_scaled_mm", QUANTIZE_SCALED_MM_SCHEMA, quantize_scaled_mm, _quantize_scaled_mm_fake)
 define("quantize_fp8", QUANTIZE_FP8_SCHEMA, Q.quantize_fp8, Q.quantize_fp8_like)
 define("quantize_int8", QUANTIZE_INT8_SCHEMA, Q.quantize_int8, Q.quantize_int8_like)
 define("quantize_mx", QUANTIZE_MX_SCHEMA, quantize_mx, _quantize_mx_fake)
@@ -235,8 +269,9 @@ define("quantize_nvfp4", QUANTIZE_NVFP4_SCHEMA, quantize_nvfp4, _quantize_nvfp4_
 define("mm_weight_only", MM_WEIGHT_ONLY_SCHEMA, mm_weight_only, _mm_weight_only_fake)
 
 #: The ops' implementations, called with the ops' arguments without crossing the dispatcher (eager calls).
-EAGER = types.SimpleNamespace(scaled_mm=scaled_mm, quantize_fp8=Q.quantize_fp8, quantize_int8=Q.quantize_int8,
-                              quantize_mx=quantize_mx, quantize_nvfp4=quantize_nvfp4, mm_weight_only=mm_weight_only)
+EAGER = types.SimpleNamespace(scaled_mm=scaled_mm, quantize_scaled_mm=quantize_scaled_mm,
+                              quantize_fp8=Q.quantize_fp8, quantize_int8=Q.quantize_int8, quantize_mx=quantize_mx,
+                              quantize_nvfp4=quantize_nvfp4, mm_weight_only=mm_weight_only)
 #: The ops themselves (what a traced call records).
 OPS = getattr(torch.ops, NAMESPACE)
 
@@ -279,6 +314,16 @@ def traced_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_
                         global_scale_a=global_a, global_scale_b=global_b, swizzle_a=op_name(swizzle_a),
                         swizzle_b=op_name(swizzle_b), fmt_a=op_name(fmt_a), fmt_b=op_name(fmt_b), schedule=schedule,
                         split_k=split_k)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
+def traced_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, *, scale_recipe_b, out, split_k, in_kernel):
+    """``cutedsl_gemm.quantize_scaled_mm`` under ``torch.compile``: the op (``out=`` is filled from its result)."""
+    res = OPS.quantize_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b=op_name(scale_recipe_b),
+                                 split_k=split_k, in_kernel=in_kernel)
     if out is None:
         return res
     out.copy_(res)

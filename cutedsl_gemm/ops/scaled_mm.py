@@ -150,3 +150,105 @@ def scaled_mm(
             _PLANS.clear()
         _PLANS[sig] = (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n))
     return plan.run(ops.a, ops.b, dst, ops.scale_a, ops.scale_b, ops.bias, ops.global_a, ops.global_b)
+
+
+# Call signature -> (launch plan, B's kernel scale view recipe, K blocks, output shape) of the calls that quantize in
+# the kernel; (None, ...) for those that run quantize_fp8 and scaled_mm.
+_QUANT_PLANS: dict = {}
+
+
+def quantize_call_signature(x, b, scale_b, bias, out_dtype, scale_recipe_b, split_k, in_kernel=None):
+    return (x.shape, b.shape, x.dtype, b.dtype, x.get_device(), scale_b.shape, scale_b.stride(),
+            None if bias is None else bias.dtype, out_dtype, scale_recipe_b, split_k, in_kernel)
+
+
+def quantize_scaled_mm(
+    x: torch.Tensor,
+    b: torch.Tensor,
+    scale_b: torch.Tensor,
+    bias: Optional[torch.Tensor] = None,
+    out_dtype: Optional[torch.dtype] = None,
+    *,
+    scale_recipe_b=None,
+    out: Optional[torch.Tensor] = None,
+    split_k: Optional[int] = None,
+    in_kernel: Optional[bool] = None,
+) -> torch.Tensor:
+    """``scaled_mm(*quantize_fp8(x, "1x128"), b, scale_b, bias, out_dtype)`` -- a linear layer of bf16 / fp16
+    activations x (M, K) and an FP8 weight b = W.t() (K, N) with block scales (DeepSeek-V3's 128x128, or 1x128),
+    bit for bit -- in one Hopper kernel where that is faster: the GEMM quantizes each K tile of its token tile
+    itself (``kernels/sm90/activation_quant.py``), so there is no quantizer launch and no FP8 round trip through
+    memory. ``dispatch.quantizes_in_kernel`` decides (today: large layers at M <= 4, where the quantizing warps keep
+    up with the weight stream); elsewhere the two kernels run.
+
+    ``in_kernel``: True runs the one kernel (an error where the table has none: M above its 32-token tiles, a
+    recipe without 1x128 activation groups, fp32 activations or output), False the two, None lets dispatch choose.
+    ``out_dtype``: x's dtype by default; ``scale_recipe_b`` names W's scale recipe (else its shape decides, as in
+    ``scaled_mm``); ``out``, ``split_k`` as in ``scaled_mm``.
+    """
+    if out_dtype is None:
+        out_dtype = getattr(x, "dtype", None)
+    if torch.compiler.is_compiling():
+        from cutedsl_gemm.ops.library import traced_quantize_scaled_mm
+
+        return traced_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b=scale_recipe_b, out=out,
+                                         split_k=split_k, in_kernel=in_kernel)
+    sig = None
+    if type(x) is torch.Tensor and type(b) is torch.Tensor and type(scale_b) is torch.Tensor \
+            and (bias is None or type(bias) is torch.Tensor) and (out is None or type(out) is torch.Tensor):
+        sig = quantize_call_signature(x, b, scale_b, bias, out_dtype, scale_recipe_b, split_k, in_kernel)
+        try:
+            hit = _QUANT_PLANS.get(sig)
+        except TypeError:
+            sig = hit = None
+        if hit is not None and hit[0] is not None:
+            plan, recipe, k_blocks, out_shape = hit
+            dst = x.new_empty(out_shape, dtype=out_dtype) if out is None else out
+            try:
+                sb = scale_layouts.w_kernel_view(recipe, k_blocks, scale_b)
+                return plan.run(x, b, dst, plan.dummy_bias, sb, bias)
+            except (TypeError, ValueError):
+                pass  # refused before launch: the full validation below says why
+        elif hit is not None:
+            return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k)
+    device = P.require_cuda_tensors(x=x, b=b, scale_b=scale_b, bias=bias, out=out)
+    problem, ops = P.describe_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, out, scale_recipe_b, split_k, device)
+    if in_kernel and not problem.is_empty and not dispatch.has_quantizing_rows(problem):
+        raise ValueError(f"in_kernel=True: no kernel quantizes {problem.act_format} activations for recipe "
+                         f"{problem.recipe!r}, {problem.out_name} output, M={problem.m} (the table's rows: e4m3 "
+                         "weights, 1x128 activation groups, bf16 / fp16 in and out, M <= 32)")
+    one = in_kernel if in_kernel is not None else not problem.is_empty and dispatch.quantizes_in_kernel(problem)
+    if problem.is_empty or not one:
+        if sig is not None and not problem.is_empty:
+            _keep(_QUANT_PLANS, sig, (None, None, None, None))
+        return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k)
+    dst = torch.empty((problem.m, problem.n), dtype=out_dtype, device=device) if out is None else out
+    inst, splits = dispatch.select(problem)
+    plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k)
+    if sig is not None:
+        _keep(_QUANT_PLANS, sig, (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n)))
+    # (the A scale argument is unused: the kernel computes the scales)
+    return plan.run(x, b, dst, plan.dummy_bias, ops.scale_b, ops.bias)
+
+
+def cached_quantize_plan(sig):
+    """What a repeated ``quantize_scaled_mm`` call with signature ``sig`` (``quantize_call_signature``) reuses:
+    (launch plan, recipe, K blocks, output shape), (None, ...) for a call that runs two kernels, or None before the
+    first such call."""
+    return _QUANT_PLANS.get(sig)
+
+
+def _keep(plans: dict, sig, value) -> None:
+    if len(plans) >= _MAX_PLANS:
+        plans.clear()
+    plans[sig] = value
+
+
+def _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k):
+    from cutedsl_gemm.ops.quantize import quantize_fp8
+
+    fmt, groups = P.QUANTIZED_ACTIVATIONS
+    qa, sa = quantize_fp8(x, groups, fmt=fmt)
+    recipe_a = None if scale_recipe_b is None else groups
+    return scaled_mm(qa, b, sa, scale_b, bias, None, out_dtype, scale_recipe_a=recipe_a, scale_recipe_b=scale_recipe_b,
+                     out=out, split_k=split_k)

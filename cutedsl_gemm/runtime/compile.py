@@ -18,6 +18,7 @@ from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES
 from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, cutlass_dtype
 from cutedsl_gemm.numerics.formats import float_format
 from cutedsl_gemm.numerics.scale_layouts import SF_ATOM_BYTES
+from cutedsl_gemm.selection.instances import QUANT_GEMM
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 #: Base alignment the sm_100a GEMM assumes of its operand views (``problem`` checks it before every call): 16 bytes
@@ -61,7 +62,9 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
     m = cute.sym_int()
     n = cute.sym_int(divisibility=16)
     k = cute.sym_int(divisibility=16)
-    a = make_fake_compact_tensor(cutlass_dtype(cfg.a_dtype), (m, k), stride_order=(1, 0), assumed_align=16)
+    # (A unquantized when the kernel quantizes it: ``a_input``)
+    a = make_fake_compact_tensor(cutlass_dtype(cfg.a_input or cfg.a_dtype), (m, k), stride_order=(1, 0),
+                                 assumed_align=16)
     # b follows torch._scaled_mm: (K, N) column-major (the transpose of a row-major (N, K) weight).
     b = make_fake_compact_tensor(cutlass_dtype(cfg.b_dtype), (k, n), stride_order=(0, 1), assumed_align=16)
     d = make_fake_compact_tensor(cutlass_dtype(cfg.out_dtype), (m, n), stride_order=(1, 0), assumed_align=16)
@@ -82,6 +85,8 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
                               (cute.sym_int(), cute.sym_int()), assumed_align=4)
     else:
         raise ValueError(f"unknown recipe {cfg.recipe!r}")
+    if cfg.a_input:
+        sa = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)  # computed in the kernel
     if cfg.bias_dtype:
         bias = make_fake_compact_tensor(cutlass_dtype(cfg.bias_dtype), (n,), assumed_align=4)
     else:
@@ -164,24 +169,26 @@ def fake_weight_only_args(cfg):
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
-def compile_weight_only(cfg, arch: str = "sm_90a"):
-    """The weight-only GEMM of one configuration, compiled for ``arch``."""
-    from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm
+def instance_entry(inst):
+    """(kernel entry, fake arguments) of an instance of the table, as it is traced: the Hopper GEMM's ``__call__``
+    (op "gemm" or QUANT_GEMM), the weight-only GEMM's, the sm_100a GEMM's ``__call__`` / ``call_block_scaled``.
+    Call inside ``targeting(inst.arch)``: kernel constructors may check the arch."""
+    if inst.arch == "sm_90a" and inst.op in ("gemm", QUANT_GEMM):
+        cfg = inst.sm90_config()
+        return Sm90Fp8Gemm(cfg), fake_gemm_args(cfg)
+    if (inst.arch, inst.op) == ("sm_90a", "weight_only"):
+        from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm
+        from cutedsl_gemm.selection.instances import weight_only_config
 
-    with targeting(arch):
-        return compile_entry(Sm90WeightOnlyGemm(cfg), fake_weight_only_args(cfg), arch)
+        cfg = weight_only_config(inst)
+        return Sm90WeightOnlyGemm(cfg), fake_weight_only_args(cfg)
+    if (inst.arch, inst.op) == ("sm_100a", "gemm"):
+        return sm100_entry(inst)
+    raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")
 
 
 def compile_instance(inst):
     """``cute.compile`` the kernel of an instance of the table for its arch: the one compile path that the JIT
     cache, precompile, export and the catalog share."""
-    if (inst.arch, inst.op) == ("sm_90a", "gemm"):
-        return compile_gemm(inst.sm90_config(), inst.arch)
-    if (inst.arch, inst.op) == ("sm_90a", "weight_only"):
-        from cutedsl_gemm.selection.instances import weight_only_config
-
-        return compile_weight_only(weight_only_config(inst), inst.arch)
-    if (inst.arch, inst.op) == ("sm_100a", "gemm"):
-        with targeting(inst.arch):
-            return compile_entry(*sm100_entry(inst), inst.arch)
-    raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")
+    with targeting(inst.arch):
+        return compile_entry(*instance_entry(inst), inst.arch)

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
 from cutedsl_gemm.runtime.launch import launch_clusters
-from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, KernelInstance, operand_dtypes
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, WEIGHT_ONLY, KernelInstance, operand_dtypes
 
 
 class NoKernelError(ValueError):
@@ -195,15 +195,17 @@ def select_gemm(
     n: int = 0,
     sms: int = 0,
     k: int = 0,
+    op: str = "gemm",
 ) -> KernelInstance:
-    """The instance for a GEMM call: of the table's rows whose M range holds ``m``, the one of least
+    """The instance for a GEMM call (``op`` "gemm", or QUANT_GEMM with ``a_dtype`` the activations' unquantized
+    dtype): of the table's rows whose M range holds ``m``, the one of least
     ``wave_cost`` for an N-wide (K-deep; 0: unknown) output on ``sms`` SMs, the first in table order on
     ties (or when ``n`` or ``sms`` is 0). The C registry's ``cutedsl_gemm_find`` applies the same rule.
 
     ``schedule`` forces a schedule (e.g. "small_m") whatever M is: its row for ``m`` if it has one, else
     its row for the largest M it covers (every instance computes any M; the ranges are for speed).
     """
-    rows = _candidates(arch, "gemm", recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule)
+    rows = _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule)
     holding = [i for i in rows if i.m_min <= m <= i.m_max]
     if holding:
         if n > 0 and sms > 0 and len(holding) > 1:
@@ -307,13 +309,52 @@ def splits_for(inst: KernelInstance, m: int, n: int, k: int, slots: int, want: i
     return choose_splits(inst, m, n, k, slots)
 
 
+#: A stage of a GEMM that quantizes its activations costs its quantizing warps about this many ns per CTA, plus
+#: ``QUANT_PASS_NS`` per four tokens of the tile (one pass of a warp), the three warps taking turns: measured on an
+#: H100 (``benchmarks/bench_quantize_scaled_mm.py``: M = 1, 4096 x 14336 on 64 x 16 tiles, 405 ns a stage; M = 16,
+#: 633; M = 32 on 64 x 32, 1225).
+QUANT_STAGE_NS = 280
+QUANT_PASS_NS = 105
+#: The weight stream the quantizing warps must keep up with: HBM bytes per ns.
+HBM_BYTES_PER_NS = 3000
+
+
+def has_quantizing_rows(problem) -> bool:
+    """Whether the table has a QUANT_GEMM row for a described call with unquantized activations
+    (``problem.act_format``): its M, recipe and dtypes."""
+    rows = _candidates(problem.arch, QUANT_GEMM, problem.recipe, problem.act_format, problem.b_format,
+                       problem.out_name, problem.bias_name, problem.accum, None)
+    return any(i.m_min <= problem.m <= i.m_max for i in rows)
+
+
+def quantizes_in_kernel(problem) -> bool:
+    """Whether ``quantize_scaled_mm`` runs a described call in one kernel (a QUANT_GEMM row quantizing the
+    activations) rather than quantize_fp8 and scaled_mm: where the table has a row and the quantizing warps keep up
+    with the weight stream -- each CTA's stages at ``QUANT_STAGE_NS`` + ``QUANT_PASS_NS`` per four tokens take no
+    longer than the weights take at ``HBM_BYTES_PER_NS``. Then the kernel is about as fast as the GEMM alone and
+    saves the quantizer's launch and round trip; otherwise the two kernels are faster (large layers at M <= 4 pass,
+    the rest do not)."""
+    if not has_quantizing_rows(problem):
+        return False
+    inst, splits = select(problem)
+    tokens = min(problem.m, inst.tile_n)
+    stage_ns = QUANT_STAGE_NS + QUANT_PASS_NS * -(-tokens // 4)
+    units = inst.output_tiles(problem.m, problem.n) * splits
+    stages_per_cta = -(-units // max(problem.sms, 1)) * -(-inst.k_tiles(problem.k) // splits)
+    return stages_per_cta * stage_ns * HBM_BYTES_PER_NS <= problem.n * problem.k
+
+
 def select(problem):
     """(instance, K splits) for a described call (``problem.GemmProblem``): ``select_gemm`` over the instances
-    that run its operand formats, then the split the call forces or ``plan_splits``' choice over the CTAs
-    resident at once on its GPU."""
-    a_dtype, b_dtype = operand_dtypes(problem.arch, problem.recipe, problem.a_format, problem.b_format)
+    that run its operand formats (the QUANT_GEMM rows of its activations' dtype when it brings them unquantized),
+    then the split the call forces or ``plan_splits``' choice over the CTAs resident at once on its GPU."""
+    if problem.act_format is not None:
+        op, (a_dtype, b_dtype) = QUANT_GEMM, (problem.act_format, problem.b_format)
+    else:
+        op, (a_dtype, b_dtype) = "gemm", operand_dtypes(problem.arch, problem.recipe, problem.a_format,
+                                                        problem.b_format)
     inst = select_gemm(problem.arch, problem.recipe, a_dtype, b_dtype, problem.out_name, problem.bias_name,
-                       problem.m, problem.accum, problem.schedule, n=problem.n, sms=problem.sms, k=problem.k)
+                       problem.m, problem.accum, problem.schedule, n=problem.n, sms=problem.sms, k=problem.k, op=op)
     if problem.split_k is not None:
         if not inst.can_split_k:
             raise ValueError(f"split_k: {inst.name} is built without the split-K reduction (on Hopper, "

@@ -5,7 +5,8 @@ catalog all read ``INSTANCES``; there is no other list of configurations. A row 
 with the type axes it supports; ``expand()`` turns the table into concrete, hashable instances. An instance is
 its kernel's configuration: ``KernelInstance.sm90_config``, ``KernelInstance.sm100_kernel`` and
 ``weight_only_config`` derive what each kernel family is built from. ``op`` tells the families' rows apart: "gemm"
-(``scaled_mm``) or ``WEIGHT_ONLY`` (``mm_weight_only``); a reader of one family's rows filters by it.
+(``scaled_mm``), ``QUANT_GEMM`` (``quantize_scaled_mm``: the Hopper GEMM quantizing its activations) or
+``WEIGHT_ONLY`` (``mm_weight_only``); a reader of one family's rows filters by it.
 
 Validity rules (shared-memory budget, TMA alignment, MMA shape limits) are checked by ``validate`` and run
 on every row at import time, so a bad edit to the table fails loudly.
@@ -22,6 +23,9 @@ SM90 = "sm_90a"
 SM100 = "sm_100a"
 #: The op of the weight-only GEMMs (bf16 / fp16 activations x packed integer weights); the others are "gemm".
 WEIGHT_ONLY = "weight_only"
+#: The op of the FP8 GEMMs that quantize their bf16 / fp16 activations themselves (1x128 groups, in the decode
+#: schedule): ``quantize_scaled_mm``'s one-kernel path. a_dtype is the activations' dtype.
+QUANT_GEMM = "quant_gemm"
 #: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
 #: e2m1) as a run-time value.
 F8F6F4 = "f8f6f4"
@@ -38,7 +42,7 @@ class KernelInstance:
     """One compiled kernel: everything that changes generated code, nothing that doesn't (M, N, K)."""
 
     arch: str  # "sm_90a" | "sm_100a"
-    op: str  # "gemm" | WEIGHT_ONLY
+    op: str  # "gemm" | QUANT_GEMM | WEIGHT_ONLY
     schedule: str  # sm_90a: "cooperative" | "small_m"; sm_100a: "1sm" | "2sm" (cta_group::1 / ::2)
     recipe: str  # formats.RECIPES key ("gemm"), WEIGHT_ONLY_RECIPES key (WEIGHT_ONLY)
     a_dtype: str  # an element format, or the sm_100a operand class F8F6F4
@@ -103,7 +107,7 @@ class KernelInstance:
     def can_split_k(self) -> bool:
         """Compiled with the split-K reduction (dispatch.choose_splits decides per call). Not the 128x256
         fast-accumulation tiles: their 128-register accumulator leaves no room for it without spilling."""
-        return self.arch == SM90 and (self.op == WEIGHT_ONLY or self.op == "gemm" and self.tile_n <= 192)
+        return self.arch == SM90 and (self.op == WEIGHT_ONLY or self.op in ("gemm", QUANT_GEMM) and self.tile_n <= 192)
 
     def sm90_config(self):
         """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them."""
@@ -111,7 +115,10 @@ class KernelInstance:
 
         # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and set-up
         # overlap the previous kernel's tail (programmatic dependent launch).
-        return Sm90GemmConfig(**_shared_fields(self, Sm90GemmConfig), split_k=self.can_split_k, pdl=self.swap_ab)
+        fields = _shared_fields(self, Sm90GemmConfig)
+        if self.op == QUANT_GEMM:  # activations in a_dtype, quantized to e4m3 in the kernel
+            fields.update(a_dtype="e4m3", a_input=self.a_dtype)
+        return Sm90GemmConfig(**fields, split_k=self.can_split_k, pdl=self.swap_ab)
 
     @property
     def mma_kind(self) -> Optional[str]:
@@ -359,6 +366,17 @@ TABLE: Tuple[TileConfig, ...] = (
             (128, 192, 2, 1, 1, True, {}),
         )
     ),
+    # Hopper, FP8 GEMMs that quantize their activations (op QUANT_GEMM): the block-scaled decode rows above with bf16 /
+    # fp16 activations, quantized in 1x128 groups by the producer warps (kernels/sm90/activation_quant.py). One
+    # kernel per decode-sized linear layer; from M = 33 the token tiles read too many unquantized bytes
+    # (Sm90GemmPlan.max_quantizing_tile_n) and quantize_scaled_mm runs quantize_fp8 and scaled_mm.
+    *(
+        TileConfig(SM90, QUANT_GEMM, "small_m", ("1x128_128x128", "1x128_1x128"), tm, tn, accum="promoted", m_min=lo,
+                   m_max=hi, swap_ab=True, ab_dtypes=((act, "e4m3"),), out_dtypes=(act,), bias_kinds=(None, "fp32"))
+        for act in ("bf16", "fp16")
+        for tm in (128, 64)
+        for tn, lo, hi in ((16, 1, 16), (32, 17, 32))
+    ),
     # Hopper, weight-only (op WEIGHT_ONLY): bf16 / fp16 activations x packed int4 / int8 weights, output in the
     # activations' dtype. Decode first: the M tokens on WGMMA's N side, as narrow as M allows; the 128-wide row serves
     # every larger M in 128-token tiles (each weight tile is then read once per token tile). bf16 WGMMAs accumulate
@@ -424,7 +442,7 @@ def validate(inst: KernelInstance) -> None:
     The rules live with the kernel classes (they own their shared-memory plans); this only routes.
     """
     try:
-        if inst.arch == SM90 and inst.op == "gemm":
+        if inst.arch == SM90 and inst.op in ("gemm", QUANT_GEMM):
             from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
             Sm90GemmPlan.check_config(inst.sm90_config())

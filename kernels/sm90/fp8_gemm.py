@@ -26,6 +26,9 @@ from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .promoted_mainloops import PromotedMainloops
 from .split_k import k_tile_range, reduce_partials
+from .activation_quant import (
+    QUANT_WARPS, W_SCALE_SLOTS, ActivationQuantStaging, make_registers, w_prefetch_floats,
+)
 from .block_scales import (
     BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
     is_block_scaled, load_a_scale_box,
@@ -44,6 +47,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
       40 registers (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM.
     * warp group 0, warp 1 -- block-scaled recipes: scale producer, each K tile's W scales and (unless they
       came by TMA) A scales into its stage (``block_scales.ScaleStaging``). Registers as warp 0.
+    * warp group 0, warps 1 .. 3 -- with ``a_input`` (the kernel quantizes its activations) instead: the
+      activation quantizers, stage by stage in turn, each filling its stage's FP8 token tile, token scales and W
+      scales (``activation_quant.ActivationQuantStaging``); the TMA warp loads the W tiles alone. 96 registers
+      (200 for the consumers).
     * warp groups 1 .. tile_m/64 -- MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative
       when two), then the epilogue. 232 registers (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with
       two CTAs per SM (224 block-scaled).
@@ -94,6 +101,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         self.bias_dtype = cutlass_dtype(cfg.bias_dtype) if cfg.bias_dtype else None
         # The WGMMA accumulator: fp32, or int32 for s8 x s8 (converted to fp32 for the epilogue).
         self.integer = is_integer(cfg)
+        # The kernel quantizes the activations (kernel B when swapped) itself: they arrive in this dtype.
+        self.quantizes_a = cfg.a_input is not None
         self.acc_dtype = Int32 if self.integer else Float32
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.num_mma_warp_groups = cfg.tile_m // 64
@@ -152,7 +161,16 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         d_smem = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, self.epi_stages)
 
         tma_a, tA = self._make_tma_load(mA, a_smem, (bM, bK), cn)
-        tma_b, tB = self._make_tma_load(mB, b_smem, (bN, bK), cm)
+        x_smem = None
+        self.x_dtype = mB.element_type  # (the kernel sees B as its TMA coordinate tensor)
+        if cutlass.const_expr(self.quantizes_a):
+            # The unquantized activations' tile of each stage, row-major (the quantizing warps read 16-element
+            # vectors of a row), loaded by TMA onto the stage's own barrier (activation_quant.py).
+            x_smem = cute.make_layout((bN, bK, self.ab_stages), stride=(bK, 1, bN * bK))
+            tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(x_smem, (None, None, 0)), (bN, bK))
+        else:
+            tma_b, tB = self._make_tma_load(mB, b_smem, (bN, bK), cm)
         a_scales_by_tma = tma_sa = tSA = None
         if cutlass.const_expr(self.a_scale_tma):
             a_scales_by_tma, sa_view = a_scale_tma_view(mSA)
@@ -177,8 +195,19 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
 
         self.shared_storage = SharedStorage
-        assert SharedStorage.size_in_bytes() <= smem_capacity(self.cfg.ctas_per_sm), (
-            SharedStorage.size_in_bytes(), self.cfg)
+        self.quant_storage = None
+        smem_bytes = SharedStorage.size_in_bytes()
+        if cutlass.const_expr(self.quantizes_a):
+            @cute.struct
+            class QuantStorage:
+                # Each stage's unquantized activation tile and its TMA barrier; the quantizing warps' W-scale buffers.
+                sX: cute.struct.Align[cute.struct.MemRange[self.x_dtype, cute.cosize(x_smem)], 128]
+                x_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
+                w_prefetch: cute.struct.Align[cute.struct.MemRange[Float32, w_prefetch_floats()], 16]
+
+            self.quant_storage = QuantStorage
+            smem_bytes += QuantStorage.size_in_bytes() + 128  # (allocated after the rest, 128-byte aligned)
+        assert smem_bytes <= smem_capacity(self.cfg.ctas_per_sm), (smem_bytes, self.cfg)
 
         M, N = mD.shape
         tiles_m = ceil_div(M, bM)
@@ -192,14 +221,14 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         self.kernel(
             tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, tma_sa, tSA, a_scales_by_tma,
             mBias, mWorkspace, mCounters,
-            a_smem, b_smem, d_smem, tiles_m, tiles_n, splits,
+            a_smem, b_smem, d_smem, x_smem, tiles_m, tiles_n, splits,
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
             # 1x1 "clusters" launch as a plain grid: with the cluster attribute the hardware places their CTAs
             # worse where many CTAs share operands. A 1-CTA launch is still an implicit 1-CTA cluster.
             cluster=(cm, cn, 1) if cm * cn > 1 else None,
-            smem=self.shared_storage.size_in_bytes(),
+            smem=smem_bytes,
             # With 2, ptxas caps registers at 128 per thread so that two CTAs fit; the carveout (all shared
             # memory) is given here, or the DSL would ask the driver for it while compiling.
             min_blocks_per_mp=self.cfg.ctas_per_sm,
@@ -268,6 +297,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         d_smem: cute.ComposedLayout,
+        x_smem,  # kernels that quantize their activations: the unquantized tiles' stages (else None)
         tiles_m: Int32,
         tiles_n: Int32,
         splits: Int32,
@@ -296,9 +326,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0))) + cute.size_in_bytes(
-            self.b_dtype, cute.slice_(b_smem, (None, None, 0))
-        )
+        # The bytes TMA brings per stage (the quantizing warps write the B tile themselves).
+        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
+        if cutlass.const_expr(not self.quantizes_a):
+            stage_bytes += cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
         # Every consumer warp releases a stage to each CTA that multicast into it.
         consumer_arrivals = (cm + cn - 1) * self.num_mma_warp_groups * 4
         # Block scales: every scale-warp lane also arrives (after its cp.async copies land).
@@ -312,6 +343,13 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)),
             defer_sync=True,
         )
+        x_full = qstorage = None
+        if cutlass.const_expr(self.quantizes_a):
+            qstorage = smem.allocate(self.quant_storage, byte_alignment=128)
+            x_full = qstorage.x_barriers.data_ptr()
+            if tidx == 0:
+                for s in cutlass.range_constexpr(self.ab_stages):
+                    cute.arch.mbarrier_init(x_full + s, 1)  # the TMA warp's arrive with the tile's bytes
         pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, cn), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -337,13 +375,19 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2),
         )
-        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-            tma_b,
-            cluster_coord[0],
-            cute.make_layout(cm),
-            cute.group_modes(sB, 0, 2),
-            cute.group_modes(gB, 0, 2),
-        )
+        sX = None
+        if cutlass.const_expr(self.quantizes_a):
+            sX = qstorage.sX.get_tensor(x_smem)
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gB, 0, 2))
+        else:
+            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                tma_b,
+                cluster_coord[0],
+                cute.make_layout(cm),
+                cute.group_modes(sB, 0, 2),
+                cute.group_modes(gB, 0, 2),
+            )
 
         cluster_id = cute.arch.block_idx()[2]
         num_clusters = cute.arch.grid_dim()[2]
@@ -356,12 +400,24 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 a_scales = None
                 if cutlass.const_expr(self.a_scale_tma):
                     a_scales = ATileScalesByTma(tma_sa, tSA, scale_slots[0], bM, a_scales_by_tma, stage_bytes)
+                b_stage = None
+                if cutlass.const_expr(self.quantizes_a):
+                    b_stage = (x_full, cute.size_in_bytes(self.x_dtype, cute.slice_(x_smem, (None, None, 0))))
                 loads = TmaLoads(mainloop, tma_a, tma_b, tAgA, tBgB, tAsA, tBsB, a_mcast_mask, b_mcast_mask,
-                                 a_scales)
+                                 a_scales, b_stage)
                 state = self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
                                                    k_tiles, loads)
                 mainloop.producer_tail(state)
-            if cutlass.const_expr(self.block_scaled):
+            if cutlass.const_expr(self.quantizes_a):
+                assert QUANT_WARPS == self.num_threads_per_warp_group // 32 - 1  # every warp but the TMA warp
+                if warp_idx >= 1:
+                    w_buf = qstorage.w_prefetch.get_tensor(cute.make_layout((W_SCALE_SLOTS, QUANT_WARPS)))
+                    quantizer = ActivationQuantStaging(mainloop, mB, sX, x_full, mSA, w_buf, sB, scale_slots,
+                                                       self.scale_gran[0], (bM, bN), warp_idx - 1,
+                                                       cute.arch.lane_idx(), make_registers(), k_tiles)
+                    self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
+                                               k_tiles, quantizer)
+            elif cutlass.const_expr(self.block_scaled):
                 if warp_idx == 1:
                     staging = ScaleStaging(mainloop, mSA, mSB, scale_slots, self.scale_gran, (bM, bN),
                                            cute.arch.lane_idx(), a_scales_by_tma if self.a_scale_tma else False)
@@ -656,6 +712,9 @@ class TmaLoads:
     a_mcast_mask: object
     b_mcast_mask: object
     a_scales: object = None  # ATileScalesByTma when A's 1x128 scales may come by TMA
+    # (barriers, bytes): B's tiles (the unquantized activations of a kernel that quantizes them) land on barriers
+    # of their own, for the quantizing warps, instead of the stage's full barrier (None).
+    b_stage: object = None
 
     def unit_views(self, tm, tn):
         """The unit's A rows and W columns, all K tiles."""
@@ -671,8 +730,14 @@ class TmaLoads:
         bar = self.mainloop.producer_get_barrier(state)
         cute.copy(self.tma_a, tAgA_t[(None, kt)], self.tAsA[(None, state.index)], tma_bar_ptr=bar,
                   mcast_mask=self.a_mcast_mask)
-        cute.copy(self.tma_b, tBgB_t[(None, kt)], self.tBsB[(None, state.index)], tma_bar_ptr=bar,
-                  mcast_mask=self.b_mcast_mask)
+        if cutlass.const_expr(self.b_stage is None):
+            cute.copy(self.tma_b, tBgB_t[(None, kt)], self.tBsB[(None, state.index)], tma_bar_ptr=bar,
+                      mcast_mask=self.b_mcast_mask)
+        else:
+            b_bar = self.b_stage[0] + state.index
+            with cute.arch.elect_one():  # one arrival (the barrier's count) with the tile's bytes
+                cute.arch.mbarrier_arrive_and_expect_tx(b_bar, self.b_stage[1])
+            cute.copy(self.tma_b, tBgB_t[(None, kt)], self.tBsB[(None, state.index)], tma_bar_ptr=b_bar)
         if cutlass.const_expr(self.a_scales is not None):
             self.a_scales.load(tm, kt, state.index, bar)
         self.mainloop.producer_commit(state)

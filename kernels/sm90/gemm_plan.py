@@ -10,6 +10,7 @@ from typing import Optional, Tuple
 
 import cutlass
 
+from .activation_quant import w_prefetch_floats
 from .block_scales import BLOCK_RECIPES, is_block_scaled, scale_smem_bytes_per_stage
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
@@ -67,6 +68,10 @@ class Sm90GemmConfig:
     # memory the A/W stages leave, up to a whole tile, so that a tile's stores drain while the next tile's
     # MMAs run instead of each slice waiting for the one before it to leave shared memory.
     epi_stages: int = 0
+    # The activations' dtype ("bf16" | "fp16") when the kernel quantizes them itself (activation_quant.py): A comes
+    # unquantized and each K tile is quantized to ``a_dtype`` in 1x128 groups on its way into shared memory, with
+    # quantize_fp8's numerics; None: A comes quantized. The decode schedule of the recipes with 1x128 A scales only.
+    a_input: Optional[str] = None
 
     @property
     def cluster_shape_mn(self):
@@ -124,11 +129,22 @@ class Sm90GemmPlan:
     max_promoted_tile_n = 192
     max_paired_tile_n = 192
     min_epi_stages = 2  # the A/W stages are sized to leave room for two output slices (one store in flight)
+    # Kernels that quantize their activations: the producer warp group's quantizing warps hold a K tile's activation
+    # vectors in registers; the narrow decode tiles' consumers need far fewer than 232.
+    quantizing_regs = (96, 200)
+    # Token tiles of the kernels that quantize their activations: each CTA reads its tokens' K tile unquantized
+    # (2 bytes an element) beside the weight tile, so wider token tiles move more bytes than the quantizer saves.
+    max_quantizing_tile_n = 32
+    # ... and their stages: a stage is in flight from its loads through the quantizing warp to the MMAs, longer than
+    # a plain stage, so the weight stream needs more of them in flight than the 8 of the other kernels.
+    quantizing_max_stages = 16
 
     @classmethod
     def register_split(cls, cfg: Sm90GemmConfig) -> Tuple[int, int]:
         """(producer, consumer) registers per thread after setmaxnreg."""
         producer, consumer = cls.producer_regs, cls.consumer_regs
+        if cfg.a_input is not None:
+            return cls.quantizing_regs
         if cfg.accum == "promoted" and cls.default_overlap_max_n < cfg.tile_n <= cls.overlapped_promote_max_n:
             producer, consumer = cls.wide_overlap_regs
         if cfg.ctas_per_sm > 1:
@@ -196,6 +212,8 @@ class Sm90GemmPlan:
             if cfg.recipe not in ("tensor", "row"):
                 raise ValueError(f"int8 GEMMs scale in the epilogue: recipe must be 'tensor' or 'row', "
                                  f"got {cfg.recipe!r}")
+        if cfg.a_input is not None:
+            cls._check_quantizing(cfg)
         if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
             raise ValueError(f"recipe must be 'tensor', 'row' or one of {sorted(BLOCK_RECIPES)}, got {cfg.recipe!r}")
         if is_block_scaled(cfg.recipe) and cfg.accum != "promoted":
@@ -223,12 +241,35 @@ class Sm90GemmPlan:
                 f"({cfg.ctas_per_sm} per SM) and >= 2 stages"
             )
 
+    @classmethod
+    def _check_quantizing(cls, cfg: Sm90GemmConfig) -> None:
+        """The rules of a kernel that quantizes its activations (``a_input``)."""
+        if cfg.a_input not in ("bf16", "fp16"):
+            raise ValueError(f"a_input (the activations the kernel quantizes) is 'bf16' or 'fp16', got {cfg.a_input!r}")
+        if cfg.a_dtype != "e4m3" or cfg.b_dtype not in ("e4m3", "e5m2"):
+            raise ValueError(f"activations are quantized to e4m3 for an FP8 weight: a_dtype must be 'e4m3' and "
+                             f"b_dtype FP8, got {cfg.a_dtype} x {cfg.b_dtype}")
+        gran = BLOCK_RECIPES.get(cfg.recipe)
+        if gran is None or gran[0] != "group":
+            raise ValueError(f"the kernel quantizes activations in 1x128 groups: the recipe must scale A per 1x128 "
+                             f"group ({', '.join(r for r, g in BLOCK_RECIPES.items() if g[0] == 'group')}), "
+                             f"got {cfg.recipe!r}")
+        if not cfg.swap_ab or cfg.cluster_shape_mn != (1, 1) or cfg.ctas_per_sm != 1:
+            raise ValueError("activation quantization runs in the decode schedule (swap_ab) without clusters (each "
+                             f"CTA quantizes its own token tile), one CTA per SM; got swap_ab={cfg.swap_ab}, cluster "
+                             f"{cfg.cluster_shape_mn}, ctas_per_sm={cfg.ctas_per_sm}")
+        if cfg.tile_n > cls.max_quantizing_tile_n:
+            raise ValueError(f"token tiles of a kernel that quantizes its activations are at most "
+                             f"{cls.max_quantizing_tile_n} wide, got tile_n={cfg.tile_n}")
+
     # ---- host-side sizing (also used by the instance table's validity rules) -------------------------------
     @staticmethod
     def stage_bytes(cfg: Sm90GemmConfig) -> int:
         # One byte per FP8 / INT8 element, K tile of 128 (+ the K tile's scales for block-scaled recipes).
         scales = scale_smem_bytes_per_stage(cfg.tile_m, cfg.tile_n) if is_block_scaled(cfg.recipe) else 0
-        return (cfg.tile_m + cfg.tile_n) * cfg.tile_k + scales
+        # (+ the unquantized activation tile, 16-bit, of a kernel that quantizes its activations, and its barrier)
+        unquantized = cfg.tile_n * cfg.tile_k * 2 + 8 if cfg.a_input else 0
+        return (cfg.tile_m + cfg.tile_n) * cfg.tile_k + scales + unquantized
 
     @staticmethod
     def epi_n(cfg: Sm90GemmConfig) -> int:
@@ -247,14 +288,20 @@ class Sm90GemmPlan:
     reserved_bytes = 2048  # mbarriers and 1 KiB alignment of the buffers
 
     @classmethod
+    def fixed_bytes(cls, cfg: Sm90GemmConfig) -> int:
+        """Shared memory outside the stages and the epilogue: barriers and alignment, and the W-scale buffers of
+        the quantizing warps (activation_quant.py)."""
+        return cls.reserved_bytes + (w_prefetch_floats() * 4 if cfg.a_input else 0)
+
+    @classmethod
     def smem_usage(cls, cfg: Sm90GemmConfig, stages: int, epi_stages: int) -> int:
-        return stages * cls.stage_bytes(cfg) + cls.epilogue_bytes(cfg, epi_stages) + cls.reserved_bytes
+        return stages * cls.stage_bytes(cfg) + cls.epilogue_bytes(cfg, epi_stages) + cls.fixed_bytes(cfg)
 
     @classmethod
     def max_stages(cls, cfg: Sm90GemmConfig) -> int:
         epi = cfg.epi_stages or cls.min_epi_stages
-        free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg, epi) - cls.reserved_bytes
-        return min(8, free // cls.stage_bytes(cfg))
+        free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg, epi) - cls.fixed_bytes(cfg)
+        return min(cls.quantizing_max_stages if cfg.a_input else 8, free // cls.stage_bytes(cfg))
 
     @classmethod
     def epi_buffers(cls, cfg: Sm90GemmConfig, stages: int) -> int:
@@ -263,7 +310,7 @@ class Sm90GemmPlan:
         if cfg.epi_stages:
             return cfg.epi_stages
         slices = cfg.tile_n // cls.epi_n(cfg)
-        free = smem_capacity(cfg.ctas_per_sm) - stages * cls.stage_bytes(cfg) - cls.reserved_bytes
+        free = smem_capacity(cfg.ctas_per_sm) - stages * cls.stage_bytes(cfg) - cls.fixed_bytes(cfg)
         return max(cls.min_epi_stages, min(slices, free // cls.slice_bytes(cfg)))
 
     # ---- host entry (traced once per configuration) -----------------------------------------------

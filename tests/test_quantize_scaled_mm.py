@@ -1,0 +1,160 @@
+"""quantize_scaled_mm without a GPU: the instance table's rows of the GEMMs that quantize their activations, their
+configuration rules, the compiled kernel's instructions, the call's validation and dispatch, and the op's fake
+implementation."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from cutedsl_gemm import problem as P
+from cutedsl_gemm.kernels.sm90.activation_quant import E4M3_MAX
+from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
+from cutedsl_gemm.nn.recipes import LINEAR_RECIPES
+from cutedsl_gemm.numerics.formats import E4M3
+from cutedsl_gemm.ops import library as L
+from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, select
+from cutedsl_gemm.tools.ptx_inspect import find_ptxas, inspect_instance, ptxas_performance_notes
+
+HOPPER = ("sm_90a", 132)
+DEV = torch.device("cuda", 0)
+
+
+def _meta_call(m, n, k, x_dtype=torch.bfloat16, recipe="1x128_128x128", scale_b=None):
+    """Meta tensors of a call: x (M, K), b = W.t() (K, N) e4m3, scale_b in scaled_mm's layout."""
+    kb = -(-k // 128)
+    x = torch.empty(m, k, dtype=x_dtype, device="meta")
+    b = torch.empty(n, k, dtype=E4M3.torch_dtype, device="meta").t()
+    if scale_b is None:
+        scale_b = (kb, -(-n // 128)) if recipe == "1x128_128x128" else (kb, n)
+    return x, b, torch.empty(scale_b, device="meta")
+
+
+def _describe(*call, bias=None, out_dtype=None, split_k=None):
+    x = call[0]
+    return P.describe_quantize_scaled_mm(*call, bias, out_dtype or x.dtype, None, None, split_k, DEV, target=HOPPER)
+
+
+def test_table_has_quantizing_decode_rows():
+    rows = select(op=QUANT_GEMM)
+    assert {(i.recipe, i.a_dtype, i.b_dtype) for i in rows} == {
+        (r, a, "e4m3") for r in ("1x128_128x128", "1x128_1x128") for a in ("bf16", "fp16")}
+    for i in rows:
+        cfg = i.sm90_config()
+        assert i.swap_ab and cfg.a_input == i.a_dtype and cfg.a_dtype == "e4m3" and i.out_dtype == i.a_dtype
+        assert i.tile_n <= Sm90GemmPlan.max_quantizing_tile_n and i.m_max <= 32 and i.can_split_k
+        assert Sm90GemmPlan.register_split(cfg) == Sm90GemmPlan.quantizing_regs
+
+
+def test_quantized_activations_are_e4m3():
+    assert E4M3_MAX == E4M3.max_finite and P.QUANTIZED_ACTIVATIONS == ("e4m3", "1x128")
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(recipe="row"), "1x128 group"),
+    (dict(recipe="128x128_128x128"), "1x128 group"),
+    (dict(cluster_m=2), "without clusters"),
+    (dict(swap_ab=False), "decode schedule"),
+    (dict(tile_n=64), "at most 32 wide"),
+    (dict(a_input="fp32"), "'bf16' or 'fp16'"),
+    (dict(b_dtype="int8"), "e4m3"),
+])
+def test_config_rules_name_what_is_wrong(change, match):
+    cfg = select(op=QUANT_GEMM)[0].sm90_config()
+    with pytest.raises(ValueError, match=match):
+        Sm90GemmPlan.check_config(dataclasses.replace(cfg, **change))
+
+
+@pytest.mark.compile
+def test_kernel_quantizes_in_the_producer_warps():
+    """TMA brings the W tile and the unquantized token tile; the producer warps read the activations from shared
+    memory in 16-byte vectors, quantize them with the group quantizer's e4m3 conversion, store them with 16-byte
+    shared stores and fence them for the WGMMAs (e4m3 x e4m3)."""
+    inst = next(i for i in select(op=QUANT_GEMM, a_dtype="bf16", bias_dtype=None, recipe="1x128_128x128")
+                if (i.tile_m, i.tile_n) == (128, 16))
+    rep = inspect_instance(inst)
+    tma_load = "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes"
+    assert rep.ptx.count(tma_load) == 2 and not rep.has(r"ld\.global(?:\.nc)?\.v4\.b32")
+    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3")
+    assert rep.has(r"ld\.shared\.v4\.b32") and rep.has(r"st\.shared\.v4\.b32")
+    assert rep.has(r"cvt\.rn\.satfinite\.e4m3x2\.f32") and rep.has(r"fence\.proxy\.async\.shared::cta")
+    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+96\b")
+    assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+200\b")
+    assert rep.frame_bytes == 0, f"{rep.name} spills ({rep.frame_bytes} B stack frame)"
+    ptxas = find_ptxas()
+    if ptxas is not None:
+        assert not ptxas_performance_notes(rep.ptx, inst.arch, ptxas)
+
+
+def test_quantizing_rows_cover_the_decode_token_tiles():
+    for m in (1, 16, 17, 32):
+        problem, ops = _describe(*_meta_call(m, 4096, 7168))
+        assert problem.act_format == "bf16" and problem.recipe == "1x128_128x128" and ops.scale_a is None
+        assert dispatch.has_quantizing_rows(problem)
+        plain = dataclasses.replace(problem, act_format=None)
+        rows = [i for i in INSTANCES if i.op == QUANT_GEMM and i.m_min <= m <= i.m_max and i.a_dtype == "bf16"
+                and i.recipe == problem.recipe and i.bias_dtype is None]
+        gemm_rows = [i for i in INSTANCES if i.op == "gemm" and i.m_min <= m <= i.m_max and i.a_dtype == "e4m3"
+                     and i.b_dtype == "e4m3" and i.out_dtype == "bf16" and i.recipe == plain.recipe
+                     and i.bias_dtype is None and not i.split_tail]
+        # The same decode tiles compete for scaled_mm at these M: the one-kernel call and quantize_fp8 + scaled_mm
+        # pick the same tile (so they give the same bits).
+        assert {(i.tile_m, i.tile_n) for i in rows} == {(i.tile_m, i.tile_n) for i in gemm_rows}
+    assert not dispatch.has_quantizing_rows(_describe(*_meta_call(33, 4096, 7168))[0])
+    assert not dispatch.has_quantizing_rows(_describe(*_meta_call(4, 4096, 7168, torch.float32))[0])
+    assert not dispatch.has_quantizing_rows(_describe(*_meta_call(4, 4096, 7168), out_dtype=torch.float32)[0])
+    bias = torch.empty(4096, device="meta")
+    assert dispatch.has_quantizing_rows(_describe(*_meta_call(4, 4096, 7168), bias=bias)[0])
+    assert dispatch.has_quantizing_rows(_describe(*_meta_call(4, 4096, 7168, recipe="1x128_1x128"))[0])
+
+
+def test_one_kernel_where_the_quantizing_warps_keep_up_with_the_weights(monkeypatch):
+    """The measured stage costs against the weight stream: large layers at M <= 4 quantize in the GEMM; small
+    layers, long-K ones on few tiles and M = 16 run the two kernels (as benchmarks/bench_quantize_scaled_mm.py
+    measured on an H100)."""
+    monkeypatch.setattr(dispatch, "launch_clusters", lambda index, inst: HOPPER[1])
+    want = {(28672, 4096, 1): True, (28672, 4096, 4): True, (28672, 4096, 16): False, (4096, 14336, 1): False,
+            (6144, 4096, 1): False, (7168, 2048, 4): False, (4608, 7168, 1): False, (28672, 4096, 33): False}
+    got = {(n, k, m): dispatch.quantizes_in_kernel(_describe(*_meta_call(m, n, k))[0]) for n, k, m in want}
+    assert got == want
+
+
+@pytest.mark.parametrize("call,error,match", [
+    (lambda: _meta_call(4, 512, 1000), ValueError, "multiple of 16"),
+    (lambda: _meta_call(4, 512, 1024, torch.int8), TypeError, "bfloat16, float16 or float32"),
+    (lambda: _meta_call(4, 512, 1024, scale_b=(3, 4)), ValueError, "scale"),
+    (lambda: (torch.empty(4, 1024, dtype=torch.bfloat16, device="meta"),
+              torch.empty(512, 1024, dtype=torch.bfloat16, device="meta").t(),
+              torch.empty(8, 4, device="meta")), TypeError, "float8_e4m3fn"),
+])
+def test_bad_calls_are_refused_with_what_was_expected(call, error, match):
+    with pytest.raises(error, match=match):
+        _describe(*call())
+
+
+def test_other_gpus_are_refused():
+    with pytest.raises(RuntimeError, match="runs on Hopper"):
+        P.describe_quantize_scaled_mm(*_meta_call(4, 512, 1024), None, torch.bfloat16, None, None, None, DEV,
+                                      target=("sm_100a", 148))
+
+
+def test_op_fake_gives_the_output_shape_and_dtype():
+    with L.fake_target("sm_90a"), FakeTensorMode():
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.empty(3, 1024, dtype=dtype, device="cuda")
+            b = torch.empty(512, 1024, dtype=E4M3.torch_dtype, device="cuda").t()
+            y = L.OPS.quantize_scaled_mm(x, b, torch.empty(8, 4, device="cuda"))
+            assert y.shape == (3, 512) and y.dtype == dtype
+            y = L.OPS.quantize_scaled_mm(x, b, torch.empty(8, 4, device="cuda"), None, torch.float32)
+            assert y.dtype == torch.float32
+        with pytest.raises(ValueError, match="multiple of 16"):
+            L.OPS.quantize_scaled_mm(torch.empty(3, 1000, dtype=torch.bfloat16, device="cuda"),
+                                     torch.empty(512, 1000, dtype=E4M3.torch_dtype, device="cuda").t(),
+                                     torch.empty(8, 4, device="cuda"))
+
+
+def test_layers_of_1x128_activations_call_it():
+    assert LINEAR_RECIPES["deepseek"].quantizes_in_gemm
+    assert not any(r.quantizes_in_gemm for name, r in LINEAR_RECIPES.items() if name != "deepseek")
