@@ -2,8 +2,9 @@
 ``<key>.h``, and describe the entry point for the registry templates.
 
 The kernel's entry and fake arguments are the runtime's (``cutedsl_gemm.runtime.compile``: the Hopper GEMM's
-``__call__``, the sm_100a GEMM's ``__call__`` or ``call_block_scaled``). The entry's arguments are read from its
-signature, so a kernel that gains an argument (e.g. split-K buffers) is exported without editing this file.
+``__call__``, the sm_100a GEMM's ``__call__`` or ``call_block_scaled``, the Hopper weight-only GEMM's ``__call__``:
+``instance_entry``), for the (arch, op) pairs in ``ENTRIES``. The entry's arguments are read from its signature,
+so a kernel that gains an argument (e.g. split-K buffers) is exported without editing this file.
 Each tensor argument is described mode by mode from the fake tensor it was traced with: a fixed extent/stride,
 or a run-time value with its divisibility, and for extents which other tensor modes hold the same value (the
 same ``SymInt`` object: M, N, K). The registry turns that into argument checks.
@@ -19,7 +20,7 @@ import inspect
 import linecache
 import re
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import cuda.bindings.driver as cuda
 import cutlass.cute as cute
@@ -27,25 +28,20 @@ import jinja2
 from cutlass import Int32, Int64
 
 from cutedsl_gemm.generators.runner import code_key
-from cutedsl_gemm.selection.instances import WEIGHT_ONLY, KernelInstance
+from cutedsl_gemm.selection.instances import SM90, SM100, WEIGHT_ONLY, KernelInstance
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
 MAX_SYMS = 32  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel (sm_100a: 19)
-EXPORTED_ARCHS = ("sm_90a", "sm_100a")  # the GEMM families with a C export
-#: Ops of the table that the C registry cannot describe, with the reason: an export skips their instances by name and
-#: records them (docs/design.md, section 5).
-NOT_EXPORTED = {
-    WEIGHT_ONLY: "the weight-only GEMM's entry (packed int32 weight atoms, group-wise scales and zero points, "
-                 "activations in place of A and B) has no form in cutedsl_gemm_args_t, and cutedsl_gemm_find follows "
-                 "scaled_mm's wave-cost rule, not dispatch.select_weight_only's; mm_weight_only runs them through the "
-                 "JIT cache (precompile fills it)",
-}
+#: Ops of the table that the C registry does not describe, with the reason: an export skips their instances by name
+#: and records them (docs/design.md, section 5). An op with no entry in ``ENTRIES`` is skipped too (``skip_reason``).
+NOT_EXPORTED: Dict[str, str] = {}
 
 # Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case. Every
-# family's output is d and its persistent grid size max_clusters.
+# family's output is d and its persistent grid size max_clusters; the weight-only GEMM's activations are a (M, K).
 KNOWN_FIELDS = {"mA": "a", "mB": "b", "mD": "d", "mSA": "scale_a", "mSB": "scale_b", "mBias": "bias",
-                "mWorkspace": "workspace", "mCounters": "counters", "c": "d", "max_active_clusters": "max_clusters"}
+                "mWorkspace": "workspace", "mCounters": "counters", "c": "d", "max_active_clusters": "max_clusters",
+                "mX": "a", "mW": "packed_w", "mS": "w_scales", "mZ": "w_zeros"}
 
 
 class ExportError(RuntimeError):
@@ -195,20 +191,18 @@ def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
     return {"wrapper": wrapper, "return_type": ret_type}
 
 
+#: (arch, op) of the kernel families the C export covers (their entries are ``runtime.compile.instance_entry``'s).
+ENTRIES = ((SM90, "gemm"), (SM100, "gemm"), (SM90, WEIGHT_ONLY))
+
+
 def traced_entry(inst: KernelInstance):
     """(kernel object, entry method name, fake args) as the runtime traces them, with a plain fake stream for
     the C caller. Call inside ``targeting(inst.arch)``."""
     from cutlass.cute.runtime import make_fake_stream
 
-    from cutedsl_gemm.runtime import compile as rc
+    from cutedsl_gemm.runtime.compile import instance_entry
 
-    if inst.arch == "sm_90a":
-        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-
-        cfg = inst.sm90_config()
-        entry, args = Sm90Fp8Gemm(cfg), rc.fake_gemm_args(cfg)
-    else:
-        entry, args = rc.sm100_entry(inst)
+    entry, args = instance_entry(inst)
     kernel = getattr(entry, "__self__", entry)
     args = list(args)
     args[-1] = make_fake_stream()  # the C caller passes its stream; there is no TVM-FFI environment stream
@@ -216,16 +210,28 @@ def traced_entry(inst: KernelInstance):
 
 
 def exportable(inst: KernelInstance) -> bool:
-    """Whether the C export covers the instance's kernel family (the Hopper and sm_100a GEMMs)."""
-    return inst.arch in EXPORTED_ARCHS and inst.op == "gemm"
+    """Whether the C export covers the instance's kernel family (``ENTRIES``)."""
+    return (inst.arch, inst.op) in ENTRIES
+
+
+def skip_reason(inst: KernelInstance) -> Optional[str]:
+    """Why an export skips ``inst`` (its op has no form in the C registry), or None. An op the exporter knows on
+    another arch is not skipped: that is an arch without an exporter, which ``export`` refuses."""
+    if inst.op in NOT_EXPORTED:
+        return NOT_EXPORTED[inst.op]
+    ops = dict.fromkeys(op for _, op in ENTRIES)
+    if inst.op not in ops:
+        return f"the C registry has no form for op {inst.op!r} (it describes {', '.join(ops)} kernels)"
+    return None
 
 
 def export_one(job: Tuple[KernelInstance, str]) -> dict:
     """Compile one instance and write ``<key>.o`` and ``<key>.h`` into ``job[1]`` (runs in a worker)."""
     inst, kernels_dir = job
-    if not exportable(inst):
-        why = f": {NOT_EXPORTED[inst.op]}" if inst.op in NOT_EXPORTED else ""
-        raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}{why}")
+    why = skip_reason(inst)
+    if why or not exportable(inst):
+        raise ExportError(f"{inst.name}: no AOT exporter for arch={inst.arch} op={inst.op}"
+                          + (f": {why}" if why else ""))
     from cutedsl_gemm.runtime.compile import targeting
 
     with targeting(inst.arch):

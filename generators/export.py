@@ -6,14 +6,18 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
 
 * ``cutedsl_gemm_registry.h`` / ``.c``: one uniform C entry point per instance (DLPack-like tensor
   descriptors in, the instance's typed structs out), argument checks derived from the traced signature
-  (ranks, static extents, divisibility, shared M/N/K, alignment), lazy per-instance module loading and a
-  lookup by (op, arch, recipe, dtypes, accumulation, M) that follows ``cutedsl_gemm.selection.dispatch``;
+  (ranks, static extents, divisibility, shared M/N/K, alignment), lazy per-instance module loading and
+  lookups that follow ``cutedsl_gemm.selection.dispatch``: ``cutedsl_gemm_find`` by (op, arch, recipe, dtypes,
+  accumulation, M, N, K) as ``select_gemm``, ``cutedsl_gemm_find_weight_only`` by (arch, recipe, activations,
+  weights, M, N, K) with its K splits as ``select_weight_only``;
 * ``cutedsl_gemm_kernels.cmake`` + ``CMakeLists.txt``: the static library ``cutedsl_gemm_kernels``;
 * ``export.json``: what was exported, from which sources, and the files written (a later export into
   the same directory removes them first).
 
-Instances of an op the registry cannot describe (``c_export.NOT_EXPORTED``: the weight-only GEMMs) are skipped with
-a line saying so and listed under ``skipped`` in ``export.json``; a selection of nothing else is an error.
+The scaled GEMMs and the weight-only GEMMs share one argument struct, whose fields follow the selected entries'
+signatures. Instances of an op the registry cannot describe (``c_export.skip_reason``: one without an entry in
+``c_export.ENTRIES``, or listed in ``c_export.NOT_EXPORTED``) are skipped with a line saying so and listed under
+``skipped`` in ``export.json``; a selection of nothing else is an error.
 
 Compiling and describing one instance is ``c_export.export_one``; this module renders and builds.
 """
@@ -31,35 +35,38 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import jinja2
 
 from cutedsl_gemm.generators.c_export import (
-    EXPORTED_ARCHS,
+    ENTRIES,
     MAX_SYMS,
-    NOT_EXPORTED,
     TEMPLATES,
     ExportError,
     export_one,
     exportable,
     field_name,
+    skip_reason,
 )
 from cutedsl_gemm.generators.runner import code_key, pick_ahead_of_time, run_parallel
+from cutedsl_gemm.kernels.sm90.weight_only_gemm import ATOM_K, ATOM_ROWS
 from cutedsl_gemm.selection.dispatch import (
     EPILOGUE_MILLI_K_BLOCKS,
     ESTIMATED_RATE_MARGIN,
     LONG_K,
+    MAX_SPLITS,
+    MIN_K_TILES_PER_SPLIT,
     STREAM_MILLI_AREA_PER_BYTE,
     STREAM_SHARE_CAP,
     UNHIDDEN_MILLI,
     has_estimated_rate,
     tile_rate,
 )
-from cutedsl_gemm.selection.instances import F8F6F4, KernelInstance
+from cutedsl_gemm.selection.instances import F8F6F4, WEIGHT_ONLY, KernelInstance
 
 LIB_NAME = "cutedsl_gemm_kernels"
 C_TYPES = {"int32": "int32_t", "int64": "int64_t"}
 # What the registry header says about each field of cutedsl_gemm_args_t (others: "kernel argument <name>").
 FIELD_DOCS = {
-    "a": "(M, K) row-major",
+    "a": "(M, K) row-major (weight-only: the bf16 / fp16 activations)",
     "b": "(K, N) column-major: w.t() of a row-major (N, K) weight",
-    "d": "(M, N) row-major output",
+    "d": "(M, N) row-major output (weight-only: in a's dtype)",
     "scale_a": "fp32: (1,) | (M, 1) | block recipes (M or M/128 blocks, K/128); sm_100a: (1,) (NVFP4's global scale, "
                "else 1)",
     "scale_b": "fp32: (1,) | (1, N) | block recipes (N or N/128 blocks, K/128); sm_100a: (1,) (NVFP4's global scale, "
@@ -67,7 +74,12 @@ FIELD_DOCS = {
     "bias": "(N,); ignored by instances built without bias",
     "workspace": "split-K fp32 partials, >= tiles x splits x tile_m x tile_n; data NULL when splits <= 1",
     "counters": "split-K int32, one per output tile, zeroed before first use (launches leave them zero)",
-    "splits": "K splits: <= 1 none; > 1 only on split_k instances (normalised: no empty split)",
+    "splits": "K splits: <= 1 none; > 1 only on split_k instances (normalised: no empty split); weight-only: "
+              "cutedsl_gemm_find_weight_only's choice",
+    "packed_w": f"weight-only: int32 (ceil(N / {ATOM_ROWS}), ceil(K / {ATOM_K}), {ATOM_ROWS * ATOM_K // 32} x bits) "
+                "packed weight atoms, as cutedsl_gemm.numerics.int_packing.pack_weights returns them",
+    "w_scales": "weight-only: group-wise recipes (K / group, N) in a's dtype; channel (1, N) fp32",
+    "w_zeros": "weight-only *_zeros recipes: integer zero points, laid out as w_scales; else empty (data NULL)",
     **{f"{x}{bits}": f"sm_100a: {x} as ({rows}, {what}) bytes if its format is {fmts}; else any aligned stand-in "
                      "(never read)"
        for x, rows in (("a", "M"), ("b", "N"))
@@ -98,7 +110,7 @@ def template_env() -> jinja2.Environment:
     return env
 
 
-def _c_plan(kernel: dict, inst: KernelInstance, max_splits: int) -> dict:
+def _c_plan(kernel: dict, inst: KernelInstance) -> dict:
     """Template inputs for one exported kernel: slot assignments, roles, scalars, the wrapper's arguments."""
     for ti, t in enumerate(kernel["tensors"]):
         lines = [f"{t['param']}.data = views[{ti}].data;"]
@@ -118,15 +130,38 @@ def _c_plan(kernel: dict, inst: KernelInstance, max_splits: int) -> dict:
                           f"M, N, K); it has {sorted(idx)} and scalars {sorted(var)}")
     call = [f"&{n}" if k == "tensor" else n for n, k in kernel["params"]]
     formats = _operand_formats(inst) if {"fmt_a", "fmt_b"} <= set(var) else []
+    weight_only = _weight_only_plan(inst, idx)
+    splits = "splits" in var and {"workspace", "counters"} <= set(idx)
+    # Arguments a call may leave empty get a stand-in at d's address, rounded down to the strictest alignment
+    # among them: never read, but checked like any other argument.
+    stand_ins = ((["bias"] if "bias" in idx and inst.bias_dtype is None else [])
+                 + (["w_zeros"] if weight_only and not weight_only["zeros"] else [])
+                 + (["workspace", "counters"] if splits else []))
     return {**kernel, "formats": formats, "formats_text": ", ".join(f"{f['name']} {f['code']}" for f in formats),
             "operand_views": [[idx[f"{x}{bits}"] for bits in (8, 6, 4)] for x in "ab"] if formats else [],
             "idx": idx, "scalars": scalars, "scalar_names": set(var), "call_args": call,
             "k_extent": f"views[{idx['a']}].shape[1]" if "a" in idx else "(int64_t)args->k",
-            "clusters_var": var.get("max_clusters"),
-            "splits": "splits" in var and {"workspace", "counters"} <= set(idx), "max_splits": max_splits,
+            "clusters_var": var.get("max_clusters"), "splits": splits, "max_splits": MAX_SPLITS,
+            "stand_in_align": max((kernel["tensors"][idx[r]]["align"] for r in stand_ins), default=0),
             "has_bias": inst.bias_dtype is not None, "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n,
             "tile_m": inst.tile_m, "tile_n": inst.tile_n, "swap_ab": inst.swap_ab,
-            "split_tail": inst.split_tail, "ctas_per_sm": inst.ctas_per_sm}
+            "split_tail": inst.split_tail, "ctas_per_sm": inst.ctas_per_sm, "weight_only": weight_only}
+
+
+def _weight_only_plan(inst: KernelInstance, idx: dict) -> Optional[dict]:
+    """What a weight-only launch checks beyond the traced signature (whose packed weights and scales have extents of
+    their own): whole atoms over N and K, one scale row per group of K, and zero points only where compiled in."""
+    if inst.op != WEIGHT_ONLY:
+        return None
+    from cutedsl_gemm.selection.instances import weight_only_config
+
+    cfg = weight_only_config(inst)
+    missing = {"packed_w", "w_scales", "w_zeros"} - set(idx)
+    if missing:
+        raise ExportError(f"{inst.name}: the weight-only entry has no {sorted(missing)} argument "
+                          f"(c_export.KNOWN_FIELDS maps its arguments; it has {sorted(idx)})")
+    return {"atom_rows": ATOM_ROWS, "atom_k": ATOM_K, "group": cfg.group, "zeros": cfg.zeros, "recipe": inst.recipe,
+            "w": idx["packed_w"], "s": idx["w_scales"], "z": idx["w_zeros"]}
 
 
 def merged_params(signatures) -> Tuple[Tuple[str, str], ...]:
@@ -171,6 +206,15 @@ def _fields(inst: KernelInstance) -> dict:
     return {k: getattr(inst, k) for k in inst.__dataclass_fields__}
 
 
+def _entry(inst: KernelInstance, kernel: dict) -> dict:
+    """A row of the registry's kernel table. Tile rates are the scaled GEMMs' (``cutedsl_gemm_find``'s wave cost);
+    the weight-only lookup takes none (0)."""
+    gemm = inst.op == "gemm"
+    return {"key": kernel["key"], "fields": _fields(inst), "name": inst.name, "rate": tile_rate(inst) if gemm else 0,
+            "rate_long_k": tile_rate(inst, LONG_K) if gemm else 0, "estimated_rate": gemm and has_estimated_rate(inst),
+            "split_k": kernel["split_k"]}
+
+
 @dataclass
 class ExportResult:
     out_dir: Path
@@ -178,7 +222,7 @@ class ExportResult:
     kernels: Dict[str, dict]  # code key -> export_one's result
     files: List[Path]
     arg_fields: List[dict]  # cutedsl_gemm_args_t, in order: {"field", "ctype", "doc"}
-    skipped: Tuple[KernelInstance, ...] = ()  # selected, but of an op the C export skips (c_export.NOT_EXPORTED)
+    skipped: Tuple[KernelInstance, ...] = ()  # selected, but of an op the C export skips (c_export.skip_reason)
 
 
 RENDERED = (("registry.h.j2", "cutedsl_gemm_registry.h"), ("registry.c.j2", "cutedsl_gemm_registry.c"),
@@ -221,25 +265,28 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
     """Export the selected instances of ``arch`` into ``out_dir``; raise ExportError if any fails.
 
     The selection is ``runner.pick_ahead_of_time``'s (without ``filters``: the default set, or the whole
-    table with ``everything``), less the ops the C export skips (``NOT_EXPORTED``, named on ``stream``). Files of an
-    earlier export into ``out_dir`` are removed first.
+    table with ``everything``), less the instances of ops the C registry has no form for (``c_export.skip_reason``,
+    named on ``stream``). Files of an earlier export into ``out_dir`` are removed first.
     """
     from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
 
     stream = stream if stream is not None else sys.stderr
     selection = pick_ahead_of_time(arch, filters, limit, everything)
-    skipped = tuple(i for i in selection.instances if i.op in NOT_EXPORTED)
-    insts = tuple(i for i in selection.instances if i.op not in NOT_EXPORTED)
+    why = {i: skip_reason(i) for i in selection.instances}
+    skipped = tuple(i for i in selection.instances if why[i])
+    insts = tuple(i for i in selection.instances if not why[i])
     for op in dict.fromkeys(i.op for i in skipped):
         mine = [i for i in skipped if i.op == op]
-        print(f"export: skipping {len(mine)} {op} instance(s) (e.g. {mine[0].name}): {NOT_EXPORTED[op]}", file=stream)
+        print(f"export: skipping {len(mine)} {op} instance(s) (e.g. {mine[0].name}): {why[mine[0]]}", file=stream)
     if not insts:
-        raise ExportError(f"nothing to export: the {len(skipped)} selected instance(s) are {skipped[0].op} kernels, "
-                          f"which the C export skips: {NOT_EXPORTED[skipped[0].op]}")
+        ops = " and ".join(dict.fromkeys(i.op for i in skipped))
+        raise ExportError(f"nothing to export: the {len(skipped)} selected instance(s) are {ops} kernels, which the C "
+                          f"export skips: {why[skipped[0]]}")
     refused = [i for i in insts if not exportable(i)]
     if refused:
+        covered = ", ".join(f"{a} {op}" for a, op in ENTRIES)
         raise ExportError(f"no AOT exporter for {refused[0].arch} {refused[0].op} instances (the C export covers "
-                          f"{' and '.join(EXPORTED_ARCHS)} GEMMs); selected e.g. {refused[0].name}")
+                          f"{covered}); selected e.g. {refused[0].name}")
     out = Path(out_dir).resolve()
     _check_out_dir(out)
     kdir = out / "kernels"
@@ -261,9 +308,6 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
                           "\n".join(f"  {r.item[0].name}: {r.error}" for r in failed))
     kernels = {r.value["key"]: r.value for r in results}
     signatures = {tuple(k["params"]) for k in kernels.values()}
-    from cutedsl_gemm.selection import dispatch
-
-    max_splits = int(getattr(dispatch, "MAX_SPLITS", 1 << 30))
     ctx = {
         "arch": arch,
         "lib": LIB_NAME,
@@ -274,13 +318,14 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         "unhidden_milli": UNHIDDEN_MILLI,
         "estimated_rate_margin": ESTIMATED_RATE_MARGIN,
         "long_k": LONG_K,
+        "max_splits": MAX_SPLITS,
+        "min_k_tiles_per_split": MIN_K_TILES_PER_SPLIT,
+        "weight_only_op": WEIGHT_ONLY,
         "fingerprint": source_fingerprint(),
-        "kernels": [_c_plan(kernels[k], inst, max_splits) for k, inst in first.items()],
+        "kernels": [_c_plan(kernels[k], inst) for k, inst in first.items()],
         "arg_fields": _arg_fields(merged_params(signatures)),
         "max_syms": MAX_SYMS,
-        "entries": [{"key": code_key(i), "fields": _fields(i), "name": i.name, "rate": tile_rate(i),
-                     "rate_long_k": tile_rate(i, LONG_K), "estimated_rate": has_estimated_rate(i),
-                     "split_k": kernels[code_key(i)]["split_k"]} for i in insts],
+        "entries": [_entry(i, kernels[code_key(i)]) for i in insts],
         "dsl_runtime": _dsl_runtime_library(),
     }
     env = template_env()
@@ -292,7 +337,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
     meta = {"arch": arch, "complete": True, "dsl_version": ctx["dsl_version"],
             "source_fingerprint": ctx["fingerprint"], "files": _relative_files(first),
             "instances": [{"name": e["name"], "key": e["key"], **e["fields"]} for e in ctx["entries"]],
-            "skipped": {i.name: NOT_EXPORTED[i.op] for i in skipped}}
+            "skipped": {i.name: why[i] for i in skipped}}
     (out / EXPORT_RECORD).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
     files.append(out / EXPORT_RECORD)
     for k in first:
