@@ -375,19 +375,17 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2),
         )
-        sX = None
-        if cutlass.const_expr(self.quantizes_a):
-            sX = qstorage.sX.get_tensor(x_smem)
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b, 0, cute.make_layout(1), cute.group_modes(sX, 0, 2), cute.group_modes(gB, 0, 2))
-        else:
-            tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                tma_b,
-                cluster_coord[0],
-                cute.make_layout(cm),
-                cute.group_modes(sB, 0, 2),
-                cute.group_modes(gB, 0, 2),
-            )
+        # B's TMA destination: the B stages, multicast along the cluster's rows; or, in a kernel that quantizes its
+        # activations, the unquantized tiles' stages (no clusters)
+        sX = qstorage.sX.get_tensor(x_smem) if cutlass.const_expr(self.quantizes_a) else None
+        b_dst, b_rank, b_ctas = (sX, 0, 1) if cutlass.const_expr(self.quantizes_a) else (sB, cluster_coord[0], cm)
+        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+            tma_b,
+            b_rank,
+            cute.make_layout(b_ctas),
+            cute.group_modes(b_dst, 0, 2),
+            cute.group_modes(gB, 0, 2),
+        )
 
         cluster_id = cute.arch.block_idx()[2]
         num_clusters = cute.arch.grid_dim()[2]
