@@ -1,13 +1,19 @@
 """cutedsl_gemm.nn: converting a tiny transformers Llama (which layers, which skipped and why), the saved format
-(state_dict / load_state_dict, safetensors), bad inputs. `-m gpu`: layers and a converted model against the
-unconverted ones, every Hopper recipe; `-m blackwell`: the MXFP8 / NVFP4 layers."""
+(state_dict / load_state_dict, safetensors), bad inputs; the int4 weight-only recipes' group sizes and zero points
+against the torch reference. `-m gpu`: layers and a converted model against the unconverted ones, every Hopper
+recipe; `-m blackwell`: the MXFP8 / NVFP4 layers."""
+
+import copy
+import types
 
 import pytest
 import torch
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import linear as layer_module
-from cutedsl_gemm.nn.recipes import fp8_operand
+from cutedsl_gemm.nn.recipes import LinearRecipe, fp8_operand, packed_operand
 from cutedsl_gemm.numerics import int_packing as IP
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import RECIPES, ScaleGranularity
@@ -15,6 +21,7 @@ from cutedsl_gemm.ops import library as L
 
 G = ScaleGranularity
 RECIPE_NAMES = list(cnn.LINEAR_RECIPES)
+INT4_RECIPES = [name for name, r in cnn.LINEAR_RECIPES.items() if r.element == "int4"]
 # hidden 128, intermediate 120 (down_proj: K = 120, a multiple of 8 but not 16), vocabulary 100 (lm_head: N = 100)
 TINY = dict(vocab_size=100, hidden_size=128, intermediate_size=120, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=64)
@@ -26,8 +33,11 @@ CONVERTED = [n for n in LINEARS if not n.endswith("down_proj")]
 SKIPPED_K = {"row": "multiple of 16 for the FP8 kernels", "deepseek": "multiple of 16 for the FP8 kernels",
              "tensor": "multiple of 16 for the FP8 kernels", "mxfp8": "multiple of the scale block 32",
              "nvfp4": "multiple of the scale block 16", "int8": "multiple of 16 for the FP8 kernels",
-             "int8_weight": None, "int4_weight": "multiple of the group size: K=120, group=128"}
-SKIPPED_N = {r: "(N % 8 == 0)" for r in SKIPPED_K} | {"int8_weight": "multiple of 8", "int4_weight": "multiple of 8"}
+             "int8_weight": None} | {
+                 name: f"multiple of the group size: K=120, group={cnn.LINEAR_RECIPES[name].group}"
+                 for name in INT4_RECIPES}
+SKIPPED_N = {r: "(N % 8 == 0)" for r in SKIPPED_K} | {"int8_weight": "multiple of 8"} | {
+    name: "multiple of 8" for name in INT4_RECIPES}
 DOWN = ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
 
 
@@ -193,10 +203,14 @@ def test_state_dict_round_trip_through_safetensors(recipe, tmp_path):
     q = state["model.layers.0.self_attn.q_proj.weight"]
     assert bytes(state["model.layers.0.self_attn.q_proj._extra_state"].tolist()).decode() == recipe
     assert (q.dtype, tuple(q.shape)) == {"nvfp4": (torch.float4_e2m1fn_x2, (128, 64)), "int8": (torch.int8, (128, 128)),
-                                         "int8_weight": (torch.int32, (2, 1, 2048)),
-                                         "int4_weight": (torch.int32, (2, 1, 1024))}.get(
-                                             recipe, (torch.float8_e4m3fn, (128, 128)))
+                                         "int8_weight": (torch.int32, (2, 1, 2048))}.get(
+                                             recipe, (torch.int32, (2, 1, 1024)) if recipe in INT4_RECIPES
+                                             else (torch.float8_e4m3fn, (128, 128)))
     assert ("model.layers.0.self_attn.q_proj.weight_global_scale" in state) == (recipe == "nvfp4")
+    r = cnn.LINEAR_RECIPES[recipe]
+    zero = state.get("model.layers.0.self_attn.q_proj.weight_zero")
+    assert (zero is not None) == r.zeros  # K = N = 128: (128 / group, 128) zero points in the activations' dtype
+    assert zero is None or (zero.dtype, tuple(zero.shape)) == (torch.bfloat16, (128 // r.group, 128))
     st.save_file(state, tmp_path / "model.safetensors")  # contiguous tensors, none shared
     fresh = tiny_llama()
     torch.manual_seed(1)
@@ -260,14 +274,234 @@ def test_forward_shapes_and_input_errors_from_metadata():
 
 
 # ------------------------------------------------------------------------------------------------
+# int4 weight-only recipes: every group size, symmetric or with zero points
+# ------------------------------------------------------------------------------------------------
+
+
+def test_int4_recipes_cover_every_group_with_and_without_zero_points():
+    rows = {(cnn.LINEAR_RECIPES[name].group, cnn.LINEAR_RECIPES[name].zeros): name for name in INT4_RECIPES}
+    assert rows == {(128, False): "int4_weight", (64, False): "int4_weight_g64", (32, False): "int4_weight_g32",
+                    (128, True): "int4_weight_zp", (64, True): "int4_weight_g64_zp", (32, True): "int4_weight_g32_zp"}
+    for name in INT4_RECIPES:  # the instance table has Hopper kernels for each (group, zero points) pair
+        r = cnn.LINEAR_RECIPES[name]
+        assert r.weight_only and r.bits == 4 and r.keeps_launch and r.archs == ("sm_90a",), name
+    assert cnn.LINEAR_RECIPES["int4_weight_g64_zp"].describe() == (
+        "'int4_weight_g64_zp' (int4 weights, group-64 scales and zero points; bf16 / fp16 activations)")
+
+
+def test_int4_recipe_archs_are_the_instance_tables_rows_of_its_group_and_zero_points(monkeypatch):
+    from cutedsl_gemm.nn import recipes
+    from cutedsl_gemm.selection.instances import INSTANCES
+
+    monkeypatch.setattr(recipes, "INSTANCES", [i for i in INSTANCES if i.recipe != "group64_zeros"])
+    assert {name: cnn.LINEAR_RECIPES[name].archs for name in INT4_RECIPES} == {
+        name: () if name == "int4_weight_g64_zp" else ("sm_90a",) for name in INT4_RECIPES}
+
+
+def test_a_recipe_outside_the_kernels_formats_is_refused():
+    with pytest.raises(ValueError, match=r"group must be one of \(32, 64, 128\)"):
+        LinearRecipe("int4_weight_g16", None, packed_operand, "int4", 16)
+    with pytest.raises(ValueError, match="zero points come with group-wise int4 scales"):
+        LinearRecipe("int8_weight_zp", None, packed_operand, "int8", 0, True)
+    with pytest.raises(ValueError, match="group and zeros belong to weight-only recipes"):
+        LinearRecipe("row_zp", RECIPES["row"], fp8_operand, zeros=True)
+
+
+@pytest.mark.parametrize("typo", ["int4_weight_g16", "int4_weights_zp", "int4_weight_zp_g64", "int4_weight_g128"])
+def test_a_misspelt_int4_recipe_is_refused_with_the_names(typo):
+    with pytest.raises(ValueError, match=rf"unknown linear recipe '{typo}'; expected one of .*'int4_weight_g64_zp'"):
+        cnn.convert(torch.nn.Sequential(torch.nn.Linear(128, 64)), typo)
+    with pytest.raises(ValueError, match=f"unknown linear recipe '{typo}'"):
+        cnn.Fp8Linear(128, 64, recipe=typo)
+
+
+@pytest.mark.parametrize("recipe,k", [("int4_weight_g64", 96), ("int4_weight_g64_zp", 160), ("int4_weight_g32", 80),
+                                      ("int4_weight_g32_zp", 48), ("int4_weight_zp", 192)])
+def test_k_not_a_multiple_of_the_group_is_refused(recipe, k):
+    group = cnn.LINEAR_RECIPES[recipe].group
+    with pytest.raises(ValueError, match=rf"cannot run recipe '{recipe}' on sm_90a: K={k}, N=64: K must be a "
+                                         rf"multiple of the group size: K={k}, group={group}$"):
+        cnn.Fp8Linear.from_linear(torch.nn.Linear(k, 64).to(torch.bfloat16), recipe)
+
+
+def test_convert_skips_the_layers_whose_k_the_group_does_not_divide():
+    # K = 96, 64, 160, 128: group 32 divides every K, 64 two of them, 128 one
+    model = torch.nn.Sequential(torch.nn.Linear(96, 64), torch.nn.Linear(64, 160), torch.nn.Linear(160, 128),
+                                torch.nn.Linear(128, 96)).to(torch.bfloat16)
+    converts = {32: ["0", "1", "2", "3"], 64: ["1", "3"], 128: ["3"]}
+    for recipe in INT4_RECIPES:
+        r, m = cnn.LINEAR_RECIPES[recipe], copy.deepcopy(model)
+        report = cnn.convert(m, recipe)
+        assert report.converted == converts[r.group], recipe
+        assert report.skipped == {
+            name: f"K={model[int(name)].in_features}, N={model[int(name)].out_features}: K must be a multiple of the "
+                  f"group size: K={model[int(name)].in_features}, group={r.group}"
+            for name in ("0", "1", "2", "3") if name not in converts[r.group]}, recipe
+        for name in converts[r.group]:
+            assert m[int(name)].recipe == recipe and (m[int(name)].weight_zero is not None) == r.zeros
+
+
+@pytest.mark.parametrize("recipe", INT4_RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_weights_are_the_reference_and_dequantize_within_half_a_step(recipe, dtype):
+    r = cnn.LINEAR_RECIPES[recipe]
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(256, 192, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_()  # Gaussian: the groups' ranges differ
+    linear = linear.to(dtype)
+    w = linear.weight.detach()
+    layer = cnn.Fp8Linear.from_linear(linear, recipe)
+    w_int, scales, zeros = IP.quantize_weights(w, 4, r.group, symmetric=not r.zeros)
+    got_int, got_scales, got_zeros = IP.unpack_weights(layer.weight, layer.weight_scale, layer.weight_zero, k=256,
+                                                       group=r.group, bits=4)
+    assert torch.equal(got_int, w_int)
+    assert layer.weight_scale.dtype == dtype and torch.equal(got_scales, scales.to(dtype))
+    if r.zeros:  # unsigned codes and integer zero points in [0, 15], (K / group, N) in the activations' dtype
+        assert (layer.weight_zero.dtype, tuple(layer.weight_zero.shape)) == (dtype, (256 // r.group, 192))
+        assert torch.equal(got_zeros, zeros.to(dtype)) and int(got_int.min()) >= 0
+    else:
+        assert layer.weight_zero is None and got_zeros is None and int(got_int.min()) < 0
+    # the format's error: half a step of the fp32 scale, plus |q - z| times the scale's rounding to the dtype
+    deq = R.dequantize_weights(got_int, got_scales, got_zeros, r.group)
+    step = scales.double().repeat_interleave(r.group, dim=1)
+    stored = got_scales.double().repeat_interleave(r.group, dim=1)
+    bound = 0.5 * step * (1 + 1e-6) + (deq / stored).abs() * (step - stored).abs()
+    assert bool(((deq - w.double()).abs() <= bound).all()), recipe
+
+
+def test_smaller_groups_and_zero_points_quantize_closer():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 256, bias=False)
+    with torch.no_grad():
+        linear.weight.normal_()
+    linear = linear.to(torch.bfloat16)
+    err = {}
+    for recipe in INT4_RECIPES:
+        r, layer = cnn.LINEAR_RECIPES[recipe], cnn.Fp8Linear.from_linear(linear, recipe)
+        unpacked = IP.unpack_weights(layer.weight, layer.weight_scale, layer.weight_zero, k=512, group=r.group, bits=4)
+        err[r.group, r.zeros] = R.rel_error(R.dequantize_weights(*unpacked, r.group), linear.weight.detach().double())
+    for zeros in (False, True):  # (Gaussian weights: 0.118, 0.108, 0.097 symmetric; 0.101, 0.091, 0.081 with zeros)
+        assert err[32, zeros] < err[64, zeros] < err[128, zeros] < 0.125, err
+    assert all(err[g, True] < err[g, False] for g in IP.GROUPS), err  # 16 levels over [min, max] against 15
+
+
+def test_zero_points_are_saved_and_checked_on_load(tmp_path):
+    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_zp")
+    state = layer.state_dict()
+    zero = state["weight_zero"]
+    assert list(state) == ["weight", "weight_scale", "weight_zero", "bias", "_extra_state"]
+    assert (zero.dtype, tuple(zero.shape)) == (torch.bfloat16, (2, 128)) and torch.equal(zero, zero.round())
+    empty = cnn.Fp8Linear(256, 128, recipe="int4_weight_zp")
+    with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "weight_zero"'):
+        empty.load_state_dict({k: v for k, v in state.items() if k != "weight_zero"})
+    fp16 = cnn.Fp8Linear(256, 128, recipe="int4_weight_zp", dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"weight_zero: expected torch.float16 \(recipe 'int4_weight_zp'\), got "
+                                         "torch.bfloat16"):
+        fp16.load_state_dict(state | {"weight_scale": state["weight_scale"].half()})
+    with pytest.raises(ValueError, match="holds recipe 'int4_weight_zp' weights and this layer runs recipe "
+                                         "'int4_weight'"):
+        cnn.Fp8Linear(256, 128, recipe="int4_weight").load_state_dict(state)
+    symmetric = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight")
+    with pytest.raises(ValueError, match="holds recipe 'int4_weight' weights and this layer runs recipe "
+                                         "'int4_weight_zp'"):
+        empty.load_state_dict(symmetric.state_dict())
+    empty.load_state_dict(state)
+    assert _same_state(empty.state_dict(), state)
+    st = pytest.importorskip("safetensors.torch")
+    st.save_file(state, tmp_path / "layer.safetensors")
+    loaded = cnn.Fp8Linear(256, 128, recipe="int4_weight_zp")
+    loaded.load_state_dict(st.load_file(tmp_path / "layer.safetensors"))
+    assert _same_state(loaded.state_dict(), state)
+
+
+def test_reassigned_zero_points_drop_the_kept_operands():
+    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_g32_zp")
+    assert layer._eager_operands()[3] is layer.weight_zero
+    layer.weight_zero = layer.weight_zero.clone()
+    assert "_eager" not in layer.__dict__ and layer._eager_operands()[3] is layer.weight_zero
+
+
+def test_the_layer_hands_its_zero_points_to_every_weight_only_call(monkeypatch):
+    """quantized_matmul (the op's function), kept_launch (the layer's repeated calls) and the plan it keeps pass
+    the zero points on: stand-ins for mm_weight_only record them (the GPU tests check the numbers)."""
+    from cutedsl_gemm.nn import recipes
+
+    seen = []
+
+    def mm_weight_only(x, packed_w, scales, zeros=None, *, group, bits):
+        seen.append((zeros, group, bits))
+        return x.new_zeros(x.shape[0], scales.shape[1])
+
+    class Plan:
+        def run(self, x, packed_w, scales, zeros, out):
+            seen.append((zeros, "kept"))
+            return out.zero_()
+
+    monkeypatch.setattr(recipes.W, "mm_weight_only", mm_weight_only)
+    monkeypatch.setattr(recipes.W, "cached_plan", lambda x, packed_w, scales, zeros, **kw: (Plan(), (x.shape[0], 128)))
+    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_g64_zp")
+    b, scale, global_scale, zero, bias, r = layer._eager_operands()
+    x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
+    ops = types.SimpleNamespace(mm_weight_only=mm_weight_only)
+    outputs = [recipes.quantized_matmul(x, b, scale, global_scale, zero, bias, r, ops)]
+    y, run = recipes.kept_launch(x, b, scale, zero, bias, r)
+    outputs += [y, run(x)]
+    assert [(z is zero, *rest) for z, *rest in seen] == [(True, 64, 4), (True, 64, 4), (True, "kept")]
+    for y in outputs:  # the stand-ins' zeros plus the bias, in x's shape
+        assert torch.equal(y, bias.to(torch.bfloat16).expand(2, 3, 128))
+
+
+def test_fp8_linear_fake_takes_the_zero_points():
+    r = cnn.LINEAR_RECIPES["int4_weight_g64_zp"]
+    with L.fake_target("sm_90a"), FakeTensorMode():
+        qw, sw, gw, zw = r.quantize_weight(torch.empty(384, 256, dtype=torch.float16, device="cuda"), L.OPS)
+        assert (tuple(qw.shape), tuple(sw.shape), tuple(zw.shape), gw) == ((6, 2, 1024), (4, 384), (4, 384), None)
+        assert sw.dtype == zw.dtype == torch.float16
+        for shape in ((3, 5, 256), (256,), (7, 256)):
+            x = torch.empty(shape, dtype=torch.float16, device="cuda")
+            y = L.OPS.fp8_linear(x, qw, sw, None, None, r.name, zw)
+            assert y.shape == (*shape[:-1], 384) and y.dtype == torch.float16
+        with pytest.raises(ValueError, match="'int4_weight_g64_zp' takes zero points: weight_zero must be given"):
+            L.OPS.fp8_linear(x, qw, sw, None, None, r.name)
+        with pytest.raises(ValueError, match="'int4_weight_g64' has no zero points: weight_zero must be None"):
+            L.OPS.fp8_linear(x, qw, sw, None, None, "int4_weight_g64", zw)
+        with pytest.raises(ValueError, match=r"zeros must be zero points \(K / group, N\), x's dtype: "
+                                             r"torch.float16 of shape \(4, 384\), got torch.float16 \(2, 384\)"):
+            L.OPS.fp8_linear(x, qw, sw, None, None, r.name, torch.empty(2, 384, dtype=torch.float16, device="cuda"))
+        with pytest.raises(ValueError, match="zeros must be .* got torch.bfloat16"):
+            L.OPS.fp8_linear(x, qw, sw, None, None, r.name, torch.empty(4, 384, dtype=torch.bfloat16, device="cuda"))
+        with pytest.raises(ValueError, match="K must be a multiple of the group size: K=96, group=64"):
+            w96 = r.quantize_weight(torch.empty(384, 96, dtype=torch.float16, device="cuda"), L.OPS)
+            L.OPS.fp8_linear(torch.empty(2, 96, dtype=torch.float16, device="cuda"), w96[0], w96[1], None, None,
+                             r.name, w96[3])
+
+
+@pytest.mark.parametrize("recipe", ["int4_weight_g32_zp", "int4_weight_g64"])
+def test_compile_int4_layer_records_one_op_with_its_zero_points(recipe):
+    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
+    backend = EagerAndRecordGraphs()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    with L.fake_target("sm_90a"):
+        y = compiled(torch.empty(3, 4, 256, dtype=torch.bfloat16, device="meta"))
+    assert (y.shape, y.dtype) == ((3, 4, 384), torch.bfloat16)
+    calls = [n for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"
+             and str(n.target).startswith("cutedsl_gemm.fp8_linear")]
+    assert len(calls) == 1 and len(calls[0].args) == 7
+    zero = calls[0].args[6]  # the layer's buffer, a graph input; None without zero points
+    assert ("weight_zero" in str(zero)) if cnn.LINEAR_RECIPES[recipe].zeros else zero is None
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU: against the unconverted layers and model
 # ------------------------------------------------------------------------------------------------
 
 # Relative error of a converted 512 -> 384 layer against the bf16 one on Gaussian data: the recipe's quantization
 # error (the reference quantizers give 0.037 for the E4M3 recipes, 0.040 for MXFP8, 0.14 for NVFP4; 0.0085 for int8
-# per token x per channel, 0.004 for int8 weights alone, 0.072 for int4 weights in groups of 128), with margin.
+# per token x per channel, 0.004 for int8 weights alone, 0.072 for int4 weights in groups of 128, 0.061-0.071 for
+# every int4 group and zero-point recipe: nn.Linear's uniform weights gain little from smaller groups), with margin.
 RECIPE_ERROR = {"row": 0.05, "deepseek": 0.05, "tensor": 0.05, "mxfp8": 0.06, "nvfp4": 0.2, "int8": 0.015,
-                "int8_weight": 0.01, "int4_weight": 0.1}
+                "int8_weight": 0.01} | {name: 0.1 for name in INT4_RECIPES}
 INTEGER_RECIPES = ["int8", "int8_weight", "int4_weight"]
 
 
@@ -277,9 +511,9 @@ def _reference_output(layer, linear, x2):
     bias = None if linear.bias is None else linear.bias.detach().float()
     w = linear.weight.detach()
     if r.weight_only:
-        w_int, scales, _ = IP.unpack_weights(layer.weight, layer.weight_scale, k=layer.in_features, group=r.group,
-                                             bits=r.bits)
-        out = R.reference_weight_only_mm(x2, w_int, scales, None, r.group)
+        w_int, scales, zeros = IP.unpack_weights(layer.weight, layer.weight_scale, layer.weight_zero,
+                                                 k=layer.in_features, group=r.group, bits=r.bits)
+        out = R.reference_weight_only_mm(x2, w_int, scales, zeros, r.group)
         return out if bias is None else out + bias.double()
     if r.element == "int8":
         (qa, sa), (qw, sw) = R.quantize_int8_reference(x2, "row"), R.quantize_int8_reference(w, "row")
@@ -322,7 +556,68 @@ def test_hopper_layer_matches_reference_and_unconverted(recipe, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["row", "deepseek", "tensor", *INTEGER_RECIPES])
+@pytest.mark.parametrize("recipe", INT4_RECIPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_int4_layer_matches_its_dequantized_weight(recipe, dtype):
+    """Every int4 group size, symmetric or with zero points: the layer's buffers through mm_weight_only into a
+    NaN-poisoned output, the layer's own output (the same bits plus the bias), both against the float64 product of
+    the dequantized weight."""
+    from cutedsl_gemm.ops.weight_only import mm_weight_only
+
+    r = cnn.LINEAR_RECIPES[recipe]
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 384).to("cuda", dtype)
+    layer = cnn.Fp8Linear.from_linear(linear, recipe)
+    assert (layer.weight_zero is not None) == r.zeros
+    for shape in ((1, 512), (33, 512), (2, 7, 512), (300, 512)):
+        x = torch.randn(shape, dtype=dtype, device="cuda")
+        x2 = x.reshape(-1, 512)
+        out = torch.full((x2.shape[0], 384), float("nan"), dtype=dtype, device="cuda")
+        mm_weight_only(x2, layer.weight, layer.weight_scale, layer.weight_zero, group=r.group, bits=r.bits, out=out)
+        with torch.no_grad():
+            y, want = layer(x), linear(x)
+        torch.cuda.synchronize()
+        assert not torch.isnan(out).any(), "some outputs were never written"
+        assert y.shape == want.shape and y.dtype == dtype
+        assert torch.equal(y.reshape(-1, 384), out.add_(layer.bias))
+        ref = _reference_output(layer, linear, x2)
+        assert R.rel_error(y.reshape(-1, 384), ref) <= 8e-3, (recipe, dtype, shape)
+        assert R.rel_error(y, want.double()) <= RECIPE_ERROR[recipe], (recipe, dtype, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("capture", ["torch.compile", "CUDA graph"])
+def test_zero_point_layer_compiled_and_graph_captured(capture):
+    """A zero-point layer under torch.compile(fullgraph=True, mode="reduce-overhead") (CUDA graph trees), and
+    captured by hand in a CUDA graph after one eager call: the eager layer's bits, for new inputs too."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(512, 384).to("cuda", torch.bfloat16)
+    layer = cnn.Fp8Linear.from_linear(linear, "int4_weight_g64_zp")
+    xs = [torch.randn(4, 8, 512, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+    with torch.no_grad():
+        eager = [layer(x) for x in xs]
+        ref = _reference_output(layer, linear, xs[0].reshape(-1, 512))
+        assert R.rel_error(eager[0].reshape(-1, 384), ref) <= 8e-3
+        if capture == "torch.compile":
+            compiled = torch.compile(layer, fullgraph=True, mode="reduce-overhead")
+            got = [compiled(x).clone() for x in xs]  # warm-up, record, replay
+            torch._dynamo.reset()
+        else:
+            static_x = xs[0].clone()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                static_y = layer(static_x)
+            got = []
+            for x in xs:
+                static_x.copy_(x)
+                graph.replay()
+                got.append(static_y.clone())
+    for g, e in zip(got, eager):
+        assert torch.equal(g, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["row", "deepseek", "tensor", *INTEGER_RECIPES, "int4_weight_g64_zp"])
 def test_repeated_layer_calls_take_the_kept_launch(recipe):
     from cutedsl_gemm.nn.recipes import quantized_matmul
 
@@ -385,7 +680,7 @@ def test_converted_llama_logits_within_the_torch_fp8_error(recipe):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("recipe", ["row", "deepseek", "tensor", *INTEGER_RECIPES])
+@pytest.mark.parametrize("recipe", ["row", "deepseek", "tensor", *INTEGER_RECIPES, "int4_weight_g32_zp"])
 def test_converted_llama_reduce_overhead_matches_eager(recipe, monkeypatch):
     """torch.compile(fullgraph=True, mode="reduce-overhead"): CUDA graph trees warm up, record and replay the
     converted model (the kernels' persistent buffers live outside the graphs' memory pool)."""

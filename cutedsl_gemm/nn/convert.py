@@ -37,14 +37,15 @@ def _holders(model: torch.nn.Module) -> dict:
 def convert(model: torch.nn.Module, recipe: str = "row",
             filter: Optional[Callable[[str, torch.nn.Module], bool]] = None) -> ConversionReport:
     """Replace, in place, every ``nn.Linear`` of ``model`` for which ``filter(name, module)`` (default: all) is
-    true by an :class:`Fp8Linear` of ``recipe`` ("row", "deepseek", "tensor", "int8", "int8_weight", "int4_weight";
-    on Blackwell "tensor", "mxfp8", "nvfp4": ``recipes.LINEAR_RECIPES``), its weight quantized where it lives
-    (the kernels on a GPU, their torch reference, the same bits, elsewhere).
+    true by an :class:`Fp8Linear` of ``recipe`` ("row", "deepseek", "tensor", "int8", "int8_weight", and the int4
+    weight-only "int4_weight[_g32 | _g64][_zp]"; on Blackwell "tensor", "mxfp8", "nvfp4": ``recipes.LINEAR_RECIPES``),
+    its weight quantized where it lives (the kernels on a GPU, their torch reference, the same bits, elsewhere).
 
     Skipped, with the reason in the report: layers whose shapes the kernels cannot take (the ops' own checks:
-    e.g. K or N alignment), subclasses of ``nn.Linear`` (their owners may read ``.weight``), layers whose weight
-    is tied to another module's, and layers ``filter`` excludes. Refused: a recipe the GPU does not run (the
-    current GPU, or the layer's), weights that are not bf16 / fp16 / fp32 or not materialized.
+    e.g. K or N alignment, K not a multiple of an int4 recipe's group), subclasses of ``nn.Linear`` (their owners
+    may read ``.weight``), layers whose weight is tied to another module's, and layers ``filter`` excludes.
+    Refused: a recipe the GPU does not run (the current GPU, or the layer's), weights that are not bf16 / fp16 /
+    fp32 or not materialized.
     ``filter=lambda name, m: name != "lm_head"`` keeps a language model's head in its dtype.
     """
     r = linear_recipe(recipe)

@@ -12,10 +12,9 @@ from cutedsl_gemm.ops import library
 from cutedsl_gemm.ops.library import EAGER, OPS
 from cutedsl_gemm.runtime.device import device_info
 
-from .recipes import LINEAR_RECIPES, LinearRecipe, kept_launch, linear_recipe, quantized_matmul
+from .recipes import LINEAR_RECIPES, QUANTIZED, LinearRecipe, kept_launch, linear_recipe, quantized_matmul
 
 WEIGHT_DTYPES = tuple(f.torch_dtype for f in FLOAT_FORMATS)  # what a layer to convert may hold
-QUANTIZED = ("weight", "weight_scale", "weight_global_scale")  # the buffers whose dtypes the recipe fixes
 OPERANDS = (*QUANTIZED, "bias", "recipe")
 
 
@@ -45,8 +44,8 @@ def unsupported(recipe: LinearRecipe, out_features: int, in_features: int, dtype
         x = torch.empty(2, in_features, dtype=dtype, device="cuda")  # 2 rows: the checks of strided rows apply
         b = torch.empty(out_features, dtype=torch.float32, device="cuda") if bias else None
         try:
-            qw, sw, gw = recipe.quantize(w, "b", recipe, OPS)
-            OPS.fp8_linear(x, qw, sw, gw, b, recipe.name)
+            qw, sw, gw, zw = recipe.quantize_weight(w, OPS)
+            OPS.fp8_linear(x, qw, sw, gw, b, recipe.name, zw)
         except ValueError as e:
             return f"K={in_features}, N={out_features}: {e}"
     return None
@@ -76,12 +75,15 @@ class Fp8Linear(torch.nn.Module):
     ``numerics.int_packing.pack_weights``); ``weight_scale`` its scales in the layout the kernel takes
     (``scaled_mm``'s ``scale_b``, fp32: () per tensor, (1, N) per channel, (ceil(K/128), ceil(N/128)) per
     128x128 block; MX / NVFP4: SWIZZLE_32_4_4 block scales; weight-only: (1, N) fp32 per channel or
-    (K / group, N) in the activations' dtype); ``weight_global_scale`` (NVFP4's fp32 decode scale); ``bias`` (N,)
-    fp32; and ``_extra_state`` the recipe's name (uint8 ASCII), checked on load: weights load only into a layer
-    of the same recipe. Casting the model (``.to(torch.float16)``, ``.half()``) leaves these dtypes alone.
+    (K / group, N) in the activations' dtype); ``weight_global_scale`` (NVFP4's fp32 decode scale);
+    ``weight_zero`` (the "_zp" int4 recipes' integer zero points, (K / group, N) in the activations' dtype, as
+    ``pack_weights`` returns them); ``bias`` (N,) fp32; and ``_extra_state`` the recipe's name (uint8 ASCII),
+    checked on load: weights load only into a layer of the same recipe. Casting the model (``.to(torch.float16)``,
+    ``.half()``) leaves these dtypes alone.
 
     ``Fp8Linear(in_features, out_features, bias, recipe, dtype=...)`` builds an empty layer to load a checkpoint
-    into (``dtype``: the activations', which the group-wise weight-only scales are stored in; default bf16).
+    into (``dtype``: the activations', which the group-wise weight-only scales and zero points are stored in;
+    default bf16). Buffers a recipe has none of are None and absent from the saved format.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "row", device=None,
@@ -91,8 +93,7 @@ class Fp8Linear(torch.nn.Module):
         self.in_features, self.out_features, self.recipe = in_features, out_features, r.name
         # the buffers' shapes and dtypes: the recipe's weight quantizer run on a meta weight (the ops' meta kernels)
         w = torch.empty(out_features, in_features, dtype=dtype or torch.bfloat16, device="meta")
-        quantized = r.quantize(w, "b", r, OPS)
-        for name, t in zip(QUANTIZED, quantized):
+        for name, t in zip(QUANTIZED, r.quantize_weight(w, OPS)):
             self.register_buffer(name, None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device) if bias else None)
 
@@ -116,24 +117,25 @@ class Fp8Linear(torch.nn.Module):
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe.name, device="meta",
                     dtype=linear.weight.dtype)
         with torch.no_grad():
-            quantized = recipe.quantize(linear.weight.detach().contiguous(), "b", recipe, EAGER)
+            quantized = recipe.quantize_weight(linear.weight.detach().contiguous(), EAGER)
             for name, t in zip(QUANTIZED, quantized):
                 setattr(layer, name, t)
             if linear.bias is not None:
                 layer.bias = linear.bias.detach().to(torch.float32, copy=True)
         return layer
 
-    # The eager call's operands (kernel weight, weight_scale, weight_global_scale, bias, recipe), and per input
-    # (shape, dtype, device) the kept launches of a call (recipes.kept_launch), so that a repeated call costs the
-    # kernels' own launches: reading buffers through Module.__getattr__, the ops' argument handling and their plan
-    # lookups cost microseconds per call. Dropped when any operand is reassigned or the layer moves.
+    # The eager call's operands (kernel weight, weight_scale, weight_global_scale, weight_zero, bias, recipe), and
+    # per input (shape, dtype, device) the kept launches of a call (recipes.kept_launch), so that a repeated call
+    # costs the kernels' own launches: reading buffers through Module.__getattr__, the ops' argument handling and
+    # their plan lookups cost microseconds per call. Dropped when any operand is reassigned or the layer moves.
     _eager = None
     _launches = None
     _MAX_LAUNCHES = 64  # distinct input shapes kept per layer (e.g. every prompt length): start over
 
     def _eager_operands(self) -> tuple:
         r = linear_recipe(self.recipe)
-        self._eager = (r.kernel_weight(self.weight), self.weight_scale, self.weight_global_scale, self.bias, r)
+        self._eager = (r.kernel_weight(self.weight), self.weight_scale, self.weight_global_scale, self.weight_zero,
+                       self.bias, r)
         return self._eager
 
     def __setattr__(self, name, value):
@@ -157,16 +159,17 @@ class Fp8Linear(torch.nn.Module):
                         return quantized_matmul(x, *(self._eager or self._eager_operands()))
             return self._first_call(x)
         # traced, fake, meta or CPU tensors: the op (which refuses the CPU)
-        return OPS.fp8_linear(x, self.weight, self.weight_scale, self.weight_global_scale, self.bias, self.recipe)
+        return OPS.fp8_linear(x, self.weight, self.weight_scale, self.weight_global_scale, self.bias, self.recipe,
+                              self.weight_zero)
 
     def _first_call(self, x: torch.Tensor) -> torch.Tensor:
-        b, scale, global_scale, bias, r = self._eager or self._eager_operands()
+        b, scale, global_scale, zero, bias, r = self._eager or self._eager_operands()
         if not x.is_contiguous() or not r.keeps_launch or x.numel() == 0:
-            return quantized_matmul(x, b, scale, global_scale, bias, r)
+            return quantized_matmul(x, b, scale, global_scale, zero, bias, r)
         try:
-            y, run = kept_launch(x, b, scale, bias, r)
+            y, run = kept_launch(x, b, scale, zero, bias, r)
         except (TypeError, ValueError):  # a kept quantizer launch refused x: the ops' full checks say why
-            return quantized_matmul(x, b, scale, global_scale, bias, r)
+            return quantized_matmul(x, b, scale, global_scale, zero, bias, r)
         if run is not None:
             launches = self.__dict__.get("_launches")
             if launches is None or len(launches) >= self._MAX_LAUNCHES:

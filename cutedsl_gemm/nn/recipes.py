@@ -3,6 +3,11 @@ quantized and which kernel multiplies them: ``scaled_mm`` with a scale recipe (F
 ``mm_weight_only`` (bf16 / fp16 activations x packed int8 / int4 weights). ``linear`` is the layer's function and
 ``torch.ops.cutedsl_gemm.fp8_linear`` its operator, for every recipe (one node per layer in a traced graph).
 
+Weight-only recipes: "int8_weight" (int8, per output channel) and the int4 ones, named
+``int4_weight[_g<group>][_zp]`` (``int4_recipe_name``): scales in groups of 128 along K unless ``_g32`` / ``_g64``
+says otherwise, symmetric unless ``_zp`` (integer zero points, as AWQ / HQQ-style checkpoints carry them):
+"int4_weight", "int4_weight_g64", "int4_weight_g32", "int4_weight_zp", "int4_weight_g64_zp", "int4_weight_g32_zp".
+
 The scale granularities and formats are the numerics layer's (``numerics.formats.RECIPES``, ``ScaleGranularity``;
 ``numerics.int_packing`` for the weight-only layouts); which GPU runs which recipe is the instance tables'
 (``selection.instances``). Adding a recipe is one row (and, for a new kind of quantizer, one function of the
@@ -64,37 +69,63 @@ def _has_data(t) -> bool:
 
 
 def packed_operand(w, operand, recipe, ops):
-    """The weight (N, K) of a weight-only recipe, quantized (``int_packing.quantize_weights``, symmetric, round to
-    nearest) and packed (``pack_weights``) in the kernel's layouts: (int32 packed words, scales, None). Group-wise
-    scales are stored in the activations' dtype, w's (bf16 for an fp32 w). A meta or fake w gets empty tensors
-    of those shapes (the kernel's checks run on them)."""
+    """The weight (N, K) of a weight-only recipe, quantized (``int_packing.quantize_weights``, round to nearest,
+    symmetric or with zero points as ``recipe.zeros`` says) and packed (``pack_weights``) in the kernel's layouts:
+    (int32 packed words, scales, zero points or None). Group-wise scales and zero points are stored in the
+    activations' dtype, w's (bf16 for an fp32 w). A meta or fake w gets empty tensors of those shapes (the kernel's
+    checks run on them)."""
     if operand != "b":
         raise ValueError(f"recipe {recipe.name!r} leaves the activations unquantized")
     act = w.dtype if w.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
     if _has_data(w):
-        w_int, scales, _ = IP.quantize_weights(w, recipe.bits, recipe.group)
-        return (*IP.pack_weights(w_int, scales, None, recipe.group, bits=recipe.bits, dtype=act)[:2], None)
+        w_int, scales, zeros = IP.quantize_weights(w, recipe.bits, recipe.group, symmetric=not recipe.zeros)
+        return IP.pack_weights(w_int, scales, zeros, recipe.group, bits=recipe.bits, dtype=act)
     n, k = w.shape
     packed = w.new_empty((ceil_div(n, IP.ATOM_ROWS), ceil_div(k, IP.ATOM_K), IP.words_per_atom(recipe.bits)),
                          dtype=torch.int32)
     if recipe.group == IP.PER_CHANNEL:
         return packed, w.new_empty((1, n), dtype=torch.float32), None
-    return packed, w.new_empty((k // recipe.group, n), dtype=act), None
+    group_wise = (k // recipe.group, n)
+    return packed, w.new_empty(group_wise, dtype=act), w.new_empty(group_wise, dtype=act) if recipe.zeros else None
+
+
+#: The layer's quantized weight, as ``LinearRecipe.quantize_weight`` returns it and ``Fp8Linear`` stores it (the
+#: buffers whose dtypes the recipe fixes).
+QUANTIZED = ("weight", "weight_scale", "weight_global_scale", "weight_zero")
+
+
+INT4_DEFAULT_GROUP = 128  # the group an int4 recipe's name leaves out
+
+
+def int4_recipe_name(group: int, zeros: bool) -> str:
+    """The int4 weight-only recipe of scale ``group`` along K, with integer zero points or symmetric:
+    ``int4_weight[_g<group>][_zp]`` ("int4_weight" is group 128, symmetric)."""
+    return "int4_weight" + ("" if group == INT4_DEFAULT_GROUP else f"_g{group}") + ("_zp" if zeros else "")
 
 
 @dataclass(frozen=True)
 class LinearRecipe:
     """One way to run a linear layer. ``scaling``: the ``numerics.formats.RECIPES`` entry (A = activations, W =
     weights) that ``scaled_mm`` runs, or None for a weight-only recipe (``mm_weight_only``: activations as they
-    are, ``group`` the weights' scale group along K, 0 per output channel); ``quantize(t, operand, recipe, ops)``:
-    quantizes ``t`` (rows, K) as operand "a" or "b" -> (data, scales as the kernel takes them, global scale or
-    None), through ``ops`` (``library.EAGER`` or ``library.OPS``); ``element``: the element format."""
+    are, ``group`` the weights' scale group along K, 0 per output channel, ``zeros`` whether the weights carry
+    integer zero points); ``quantize(t, operand, recipe, ops)``: quantizes ``t`` (rows, K) as operand "a" or "b"
+    -> (data, scales as the kernel takes them, a third tensor or None: NVFP4's global scale, a weight-only
+    recipe's zero points), through ``ops`` (``library.EAGER`` or ``library.OPS``); ``element``: the element
+    format."""
 
     name: str
     scaling: Optional[ScalingRecipe]
     quantize: Callable
     element: str = "e4m3"
     group: int = 0
+    zeros: bool = False
+
+    def __post_init__(self):
+        if self.weight_only:
+            IP.check_format(self.bits, self.group, self.zeros)
+        elif self.zeros or self.group:
+            raise ValueError(f"recipe {self.name!r}: group and zeros belong to weight-only recipes (scaling=None); "
+                             "the scales of scaled_mm recipes are their scaling's")
 
     @property
     def weight_only(self) -> bool:
@@ -108,7 +139,7 @@ class LinearRecipe:
     def archs(self) -> tuple:
         """The GPU archs that run it (the instance table's)."""
         if self.weight_only:
-            want = weight_only_recipe(self.group, False)
+            want = weight_only_recipe(self.group, self.zeros)
             rows = [i.arch for i in INSTANCES if i.op == WEIGHT_ONLY and i.b_dtype == self.element
                     and i.recipe == want]
         elif self.element == "int8":
@@ -129,6 +160,12 @@ class LinearRecipe:
         """Whether ``kept_launch`` runs it: the weight-only and the fp32-scaled Hopper recipes."""
         return self.weight_only or self.quantize is fp8_operand or self.quantize is int8_operand
 
+    def quantize_weight(self, w: torch.Tensor, ops) -> tuple:
+        """The weight W (N, K) quantized once, as the layer's buffers ``QUANTIZED``: (weight, weight_scale,
+        weight_global_scale, weight_zero), None for those the recipe has none of."""
+        data, scales, third = self.quantize(w, "b", self, ops)
+        return (data, scales, None, third) if self.weight_only else (data, scales, third, None)
+
     def kernel_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The stored weight as the kernel takes it: ``scaled_mm``'s B = W.t(), or the packed weight itself."""
         return weight if self.weight_only else weight.t()
@@ -136,6 +173,7 @@ class LinearRecipe:
     def describe(self) -> str:
         if self.weight_only:
             scales = "per-channel scales" if self.group == IP.PER_CHANNEL else f"group-{self.group} scales"
+            scales += " and zero points" if self.zeros else ""
             return f"{self.name!r} ({self.element} weights, {scales}; bf16 / fp16 activations)"
         a, b = self.scaling.a, self.scaling.b
         return f"{self.name!r} ({self.element}, activations {a.label} x weights {b.label} scales)"
@@ -151,7 +189,8 @@ LINEAR_RECIPES = {
         LinearRecipe("nvfp4", RECIPES["nvfp4"], nvfp4_operand, "e2m1"),
         LinearRecipe("int8", RECIPES["row"], int8_operand, "int8"),  # W8A8: per token x per output channel
         LinearRecipe("int8_weight", None, packed_operand, "int8", IP.PER_CHANNEL),
-        LinearRecipe("int4_weight", None, packed_operand, "int4", 128),
+        *(LinearRecipe(int4_recipe_name(group, zeros), None, packed_operand, "int4", group, zeros)
+          for zeros in (False, True) for group in sorted(IP.GROUPS, reverse=True)),
     )
 }
 
@@ -166,22 +205,25 @@ def linear_recipe(name) -> LinearRecipe:
     return r
 
 
-def linear(x, weight, weight_scale, weight_global_scale, bias, recipe: str, ops=EAGER):
+def linear(x, weight, weight_scale, weight_global_scale, bias, recipe: str, weight_zero=None, *, ops=EAGER):
     """``x @ W.T + bias`` for the quantized weight W of ``recipe`` (its name): the op's function."""
     r = LINEAR_RECIPES.get(recipe) or linear_recipe(recipe)
-    return quantized_matmul(x, r.kernel_weight(weight), weight_scale, weight_global_scale, bias, r, ops)
+    return quantized_matmul(x, r.kernel_weight(weight), weight_scale, weight_global_scale, weight_zero, bias, r, ops)
 
 
-def quantized_matmul(x, b, weight_scale, weight_global_scale, bias, recipe: LinearRecipe, ops=EAGER):
-    """``x @ W.T + bias`` for ``b`` = ``recipe.kernel_weight(W)``, W the quantized weight of ``recipe``: x (..., K)
-    quantized by the recipe, then ``scaled_mm`` (out in x's dtype), or ``mm_weight_only`` -> (..., N). ``ops``:
-    EAGER launches, OPS records (traced, fake tensors)."""
+def quantized_matmul(x, b, weight_scale, weight_global_scale, weight_zero, bias, recipe: LinearRecipe, ops=EAGER):
+    """``x @ W.T + bias`` for ``b`` = ``recipe.kernel_weight(W)``, W the quantized weight of ``recipe`` (its
+    ``quantize_weight`` buffers): x (..., K) quantized by the recipe, then ``scaled_mm`` (out in x's dtype), or
+    ``mm_weight_only`` -> (..., N). ``ops``: EAGER launches, OPS records (traced, fake tensors)."""
+    if (weight_zero is not None) != recipe.zeros:  # the kernel would read the codes as the other format
+        raise ValueError(f"recipe {recipe.name!r} " + ("takes zero points: weight_zero must be given" if recipe.zeros
+                                                       else "has no zero points: weight_zero must be None"))
     if x.is_contiguous():
         x2 = x if x.dim() == 2 else x.view(-1, x.shape[-1])
     else:  # the kernels read packed rows
         x2 = x.reshape(-1, x.shape[-1]).contiguous()
     if recipe.scaling is None:
-        y = ops.mm_weight_only(x2, b, weight_scale, None, group=recipe.group, bits=recipe.bits)
+        y = ops.mm_weight_only(x2, b, weight_scale, weight_zero, group=recipe.group, bits=recipe.bits)
         if bias is not None:
             y = y.add_(bias)
     elif recipe.quantizes_in_gemm:
@@ -194,7 +236,7 @@ def quantized_matmul(x, b, weight_scale, weight_global_scale, bias, recipe: Line
     return y if x.dim() == 2 else y.view(*x.shape[:-1], y.shape[1])
 
 
-def kept_launch(x, b, weight_scale, bias, recipe: LinearRecipe):
+def kept_launch(x, b, weight_scale, weight_zero, bias, recipe: LinearRecipe):
     """``quantized_matmul`` on a contiguous CUDA x, and the function that repeats it for inputs of x's shape, dtype
     and device with no checks beyond the compiled kernels' own: ``(y, run)``, ``run(x) -> y`` holding the kept
     quantizer launch and GEMM plan (None where ``scaled_mm`` keeps no plan: sm_100a). ``recipe.keeps_launch``
@@ -205,17 +247,17 @@ def kept_launch(x, b, weight_scale, bias, recipe: LinearRecipe):
     rows, lead = x2.shape[0], tuple(x.shape[:-1])  # (views from plain ints: the cheapest per call)
     if recipe.weight_only:
         opts = dict(group=recipe.group, bits=recipe.bits)
-        y = W.mm_weight_only(x2, b, weight_scale, None, **opts)
+        y = W.mm_weight_only(x2, b, weight_scale, weight_zero, **opts)
         if bias is not None:
             y.add_(bias)
-        hit = W.cached_plan(x2, b, weight_scale, None, **opts)
+        hit = W.cached_plan(x2, b, weight_scale, weight_zero, **opts)
         if hit is None:
             return (y if flat else y.view(*lead, y.shape[1])), None
         launch, out_shape = hit[0].run, hit[1]
         n = out_shape[1]
 
         def run(x):
-            y = launch(x if flat else x.view(rows, k), b, weight_scale, None, x.new_empty(out_shape))
+            y = launch(x if flat else x.view(rows, k), b, weight_scale, weight_zero, x.new_empty(out_shape))
             if bias is not None:
                 y.add_(bias)
             return y if flat else y.view(*lead, n)
@@ -258,17 +300,18 @@ def kept_launch(x, b, weight_scale, bias, recipe: LinearRecipe):
 
 
 FP8_LINEAR_SCHEMA = (
-    "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? weight_global_scale, Tensor? bias, str recipe) -> Tensor"
+    "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? weight_global_scale, Tensor? bias, str recipe, "
+    "Tensor? weight_zero=None) -> Tensor"
 )
 
 
-def _fp8_linear_cpu(x, weight, weight_scale, weight_global_scale, bias, recipe):
+def _fp8_linear_cpu(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None):
     raise ValueError(f"Fp8Linear runs on CUDA tensors (the {' and '.join(map(P.GPU_NAMES.get, P.ARCHS))} kernels); "
                      f"got an input on {x.device}: move the model to the GPU (model.cuda())")
 
 
-def _fp8_linear_fake(x, weight, weight_scale, weight_global_scale, bias, recipe):
-    return linear(x, weight, weight_scale, weight_global_scale, bias, recipe, OPS)
+def _fp8_linear_fake(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None):
+    return linear(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero, ops=OPS)
 
 
 library.define("fp8_linear", FP8_LINEAR_SCHEMA, linear, _fp8_linear_fake, cpu_impl=_fp8_linear_cpu)
