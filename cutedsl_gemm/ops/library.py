@@ -100,6 +100,22 @@ def _meta(t):
     return torch.empty_strided(size, stride, dtype=t.dtype, device="meta")
 
 
+def _checked_on_metas(device: torch.device, tensors, describe) -> bool:
+    """A fake call's validation: ``describe(target, *metas)`` on meta copies of ``tensors`` (None stays None) for
+    the GPU the call is checked against (``_target``). False when there is none (the caller checks what it can
+    without one); True otherwise, also when a size has no hint (nothing to check it against)."""
+    target = _target(device)
+    if target is None:
+        return False
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        metas = [_meta(t) for t in tensors]
+        if not any(m is False for m in metas):
+            describe(target, *metas)
+    return True
+
+
 # ----------------------------------------------------------------------------------------------------
 # scaled_mm
 # ----------------------------------------------------------------------------------------------------
@@ -135,19 +151,15 @@ def _scaled_mm_fake(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_
                     fmt_a=None, fmt_b=None, schedule=None, split_k=None):
     out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
     P.require_out_dtype(out_dtype)
-    target = _target(a.device)
-    if target is not None:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily():
-            metas = [_meta(t) for t in (a, b, scale_a, scale_b, bias, global_scale_a, global_scale_b)]
-            if not any(m is False for m in metas):  # (a size without a hint: nothing to check it against)
-                ma, mb, msa, msb, mbias, mga, mgb = metas
-                msa, ra = _with_global(msa, scale_recipe_a, mga)
-                msb, rb = _with_global(msb, scale_recipe_b, mgb)
-                P.describe_scaled_mm(ma, mb, msa, msb, mbias, out_dtype, None, use_fast_accum, ra, rb, schedule,
-                                     split_k, a.device, fmt_a, fmt_b, swizzle_a, swizzle_b, target=target)
-    elif a.dim() != 2 or b.dim() != 2:
+    def describe(target, ma, mb, msa, msb, mbias, mga, mgb):
+        msa, ra = _with_global(msa, scale_recipe_a, mga)
+        msb, rb = _with_global(msb, scale_recipe_b, mgb)
+        P.describe_scaled_mm(ma, mb, msa, msb, mbias, out_dtype, None, use_fast_accum, ra, rb, schedule, split_k,
+                             a.device, fmt_a, fmt_b, swizzle_a, swizzle_b, target=target)
+
+    if not _checked_on_metas(a.device, (a, b, scale_a, scale_b, bias, global_scale_a, global_scale_b), describe) \
+            and (a.dim() != 2 or b.dim() != 2):
         raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
     return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
 
@@ -168,16 +180,11 @@ def quantize_scaled_mm(x, b, scale_b, bias=None, out_dtype=None, *, scale_recipe
 def _quantize_scaled_mm_fake(x, b, scale_b, bias=None, out_dtype=None, *, scale_recipe_b=None, split_k=None,
                              in_kernel=None):
     out_dtype = x.dtype if out_dtype is None else out_dtype
-    target = _target(x.device)
-    if target is not None:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        with unset_fake_temporarily():
-            metas = [_meta(t) for t in (x, b, scale_b, bias)]
-            if not any(m is False for m in metas):
-                P.describe_quantize_scaled_mm(*metas, out_dtype, None, scale_recipe_b, split_k, x.device,
-                                              target=target)
-    else:
+    def describe(target, *metas):
+        P.describe_quantize_scaled_mm(*metas, out_dtype, None, scale_recipe_b, split_k, x.device, target=target)
+
+    if not _checked_on_metas(x.device, (x, b, scale_b, bias), describe):
         P.require_out_dtype(out_dtype)
         if x.dim() != 2 or b.dim() != 2:
             raise ValueError(f"x and b must be 2-D, got shapes {tuple(x.shape)} and {tuple(b.shape)}")
@@ -247,15 +254,11 @@ def mm_weight_only(x, packed_w, scales, zeros=None, *, group=128, bits=4, split_
 
 
 def _mm_weight_only_fake(x, packed_w, scales, zeros=None, *, group=128, bits=4, split_k=None):
-    target = _target(x.device)
-    if target is not None:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
+    def describe(target, *metas):
+        P.describe_weight_only(*metas, group, bits, None, split_k, x.device, target=target)
 
-        with unset_fake_temporarily():
-            metas = [_meta(t) for t in (x, packed_w, scales, zeros)]
-            if not any(m is False for m in metas):
-                P.describe_weight_only(*metas, group, bits, None, split_k, x.device, target=target)
-    elif x.dim() != 2 or scales.dim() != 2:
+    if not _checked_on_metas(x.device, (x, packed_w, scales, zeros), describe) \
+            and (x.dim() != 2 or scales.dim() != 2):
         raise ValueError(f"x and scales must be 2-D, got shapes {tuple(x.shape)} and {tuple(scales.shape)}")
     return x.new_empty((x.shape[0], scales.shape[1]))
 
