@@ -50,7 +50,7 @@ def w_prefetch_floats() -> int:
     return QUANT_WARPS * W_SCALE_SLOTS
 
 
-def make_registers():
+def make_tag():
     """What a quantizing warp carries from one of its stages to the next: which (K tile, W tile) its W-scale
     buffer holds or is being copied (-1: none)."""
     tag = cute.make_rmem_tensor((2,), cutlass.Int32)
@@ -76,7 +76,7 @@ class ActivationQuantStaging:
     tile_mn: tuple  # (bM, bN)
     warp: object  # 0 .. QUANT_WARPS - 1
     lane: object
-    tag: object  # make_registers
+    tag: object  # make_tag
     k_tiles: object  # K tiles of the problem
 
     def unit_views(self, tm, tn):

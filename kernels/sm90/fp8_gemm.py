@@ -27,7 +27,7 @@ from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .promoted_mainloops import PromotedMainloops
 from .split_k import k_tile_range, reduce_partials
 from .activation_quant import (
-    QUANT_WARPS, W_SCALE_SLOTS, ActivationQuantStaging, make_registers, w_prefetch_floats,
+    QUANT_WARPS, W_SCALE_SLOTS, ActivationQuantStaging, make_tag, w_prefetch_floats,
 )
 from .block_scales import (
     BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
@@ -412,7 +412,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                     w_buf = qstorage.w_prefetch.get_tensor(cute.make_layout((W_SCALE_SLOTS, QUANT_WARPS)))
                     quantizer = ActivationQuantStaging(mainloop, mB, sX, x_full, mSA, w_buf, sB, scale_slots,
                                                        self.scale_gran[0], (bM, bN), warp_idx - 1,
-                                                       cute.arch.lane_idx(), make_registers(), k_tiles)
+                                                       cute.arch.lane_idx(), make_tag(), k_tiles)
                     self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
                                                k_tiles, quantizer)
             elif cutlass.const_expr(self.block_scaled):
