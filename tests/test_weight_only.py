@@ -433,7 +433,7 @@ def test_wgmma_never_serialized(which):
 
 
 @pytest.mark.compile
-def test_cpu_demo_lists_the_weight_only_kernel_and_its_instructions(capsys):
+def test_cpu_demo_lists_the_weight_only_and_activation_quantizing_kernels(capsys):
     from cutedsl_gemm.tools import cli
 
     assert cli._demo_cpu() == 0
@@ -445,3 +445,7 @@ def test_cpu_demo_lists_the_weight_only_kernel_and_its_instructions(capsys):
     assert re.search(r"\n +\d+ x the weights' magic-number conversion, e\.g\. lop3\.b32 ", out)
     assert re.search(r"\n +\d+ x the weights' scale FMA, e\.g\. fma\.rn\.bf16x2 ", out)
     assert re.search(r"weight-only int4 g128 +quantization error", out)
+    # quantize_scaled_mm's one kernel, with the group quantizer's instructions in its producer warps
+    assert "sm_90a_quant_gemm_small_m_1x128_128x128_bf16xe4m3_bf16_t128x16_c1x1_promoted_swapab: " in out
+    assert re.search(r"\n +\d+ x the activations' e4m3 conversion, e\.g\. cvt\.rn\.satfinite\.e4m3x2\.f32 ", out)
+    assert re.search(r"\n +\d+ x the activations' 16-byte shared stores, e\.g\. st\.shared\.v4\.b32 ", out)

@@ -96,10 +96,17 @@ def _demo_cpu() -> int:
     from cutedsl_gemm.numerics import int_packing as IP
     from cutedsl_gemm.numerics import reference as R
     from cutedsl_gemm.selection import dispatch
-    from cutedsl_gemm.tools.ptx_inspect import WEIGHT_CONVERSION, WGMMA_RS, WGMMA_S8, inspect_instance
+    from cutedsl_gemm.selection.instances import QUANT_GEMM
+    from cutedsl_gemm.tools.ptx_inspect import (
+        ACTIVATION_QUANTIZATION,
+        WEIGHT_CONVERSION,
+        WGMMA_RS,
+        WGMMA_S8,
+        inspect_instance,
+    )
 
-    print("No Hopper GPU here: compiling the FP8, INT8 and weight-only GEMM instances for sm_90a and inspecting "
-          "them.\n")
+    print("No Hopper GPU here: compiling the FP8, INT8 and weight-only GEMM instances and the GEMM that quantizes its "
+          "activations for sm_90a and inspecting them.\n")
     expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA",
               "setmaxnreg": "register reallocation"}
     ok = True
@@ -112,11 +119,16 @@ def _demo_cpu() -> int:
     # to WGMMA as its register-sourced A operand.
     decode = P.WeightOnlyProblem(16, 8192, 8192, "bf16", "int4", "group128", "sm_90a", 132, None, split_k=1)
     insts.append(dispatch.select_weight_only(decode)[0])
+    # quantize_scaled_mm's one kernel at M = 1: bf16 activations quantized to e4m3 in 1x128 groups by its producer
+    # warps (the group quantizer's conversion), x DeepSeek-scaled e4m3 weights
+    insts.append(dispatch.select_gemm("sm_90a", "1x128_128x128", "bf16", "e4m3", "bf16", None, 1, op=QUANT_GEMM))
     # (what the PTX must hold, for the instances it is checked in)
     required = (("the s8 x s8 -> s32 WGMMA", WGMMA_S8, lambda i: i.a_dtype == "int8"),
                 ("the register-sourced WGMMA (A: the converted weights)", WGMMA_RS, lambda i: i.op == "weight_only"),
                 *((f"the weights' {step}", p, lambda i: i.op == "weight_only")
-                  for step, p in WEIGHT_CONVERSION.items()))
+                  for step, p in WEIGHT_CONVERSION.items()),
+                *((f"the activations' {step}", p, lambda i: i.op == QUANT_GEMM)
+                  for step, p in ACTIVATION_QUANTIZATION.items()))
     for inst in insts:
         t0 = time.time()
         rep = inspect_instance(inst)
@@ -132,7 +144,7 @@ def _demo_cpu() -> int:
             if not count:
                 print(f"    MISSING {what}")
                 ok = False
-            elif inst.op == "weight_only":  # its instructions, the first of each shown
+            elif inst.op in ("weight_only", QUANT_GEMM):  # its instructions, the first of each shown
                 first = re.search(rf"(?:{pattern})[^\n]*", rep.ptx).group(0)
                 print(f"    {count:4d} x {what}, e.g. {' '.join(first.split())}")
     print("\nReference numerics (CPU, float64 on dequantized operands):")

@@ -37,6 +37,10 @@ WGMMA_RS = r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k16\.f32\.(?:bf16|f16)\.(?:
 #: Their in-register integer-to-float conversion, step -> instruction: lop3 selects the integer bits into floats of
 #: a magic-number exponent, and one packed FMA subtracts that bias (and the zero point) and applies the scale.
 WEIGHT_CONVERSION = {"magic-number conversion": r"lop3\.b32", "scale FMA": r"fma\.rn\.(?:bf16|f16)x2"}
+#: The activation quantization of the GEMMs that quantize their activations (op QUANT_GEMM), step -> instruction: the
+#: group's amax on packed 16-bit pairs, the e4m3 conversion, and the 16-byte stores of the quantized tile.
+ACTIVATION_QUANTIZATION = {"amax": r"max\.(?:bf16|f16)x2", "e4m3 conversion": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+                           "16-byte shared stores": r"st\.shared\.v4\.b32"}
 
 # ELF .nv.info attribute ids (EIATTR_*) we read.
 _EIATTR_REGCOUNT = 0x2F
