@@ -7,6 +7,7 @@ from a fresh interpreter.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -151,6 +152,24 @@ def _ignore_sigint():
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored in this process for the block (where it can be set: the main thread only).
+
+    Workers are started inside it: an ignored signal stays ignored across exec and Python then installs no
+    KeyboardInterrupt handler, so a Ctrl-C while a worker is still importing (before its initializer) is
+    ignored there too instead of printing a traceback."""
+    try:
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # not the main thread: signals cannot be set here
+        previous = None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
 def duration(seconds: float) -> str:
     seconds = int(round(seconds))
     return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else (
@@ -239,7 +258,8 @@ def run_parallel(fn: Callable[[Any], Any], items: Iterable[Any], jobs: Optional[
                                initializer=_ignore_sigint)
     futures = {}
     try:
-        futures = {pool.submit(_timed, fn, item): idx for idx, item in enumerate(items)}
+        with _sigint_ignored():  # submit starts the worker processes
+            futures = {pool.submit(_timed, fn, item): idx for idx, item in enumerate(items)}
         for fut in as_completed(futures):
             idx = futures[fut]
             try:
@@ -249,16 +269,9 @@ def run_parallel(fn: Callable[[Any], Any], items: Iterable[Any], jobs: Optional[
             results[idx] = TaskResult(items[idx], ok, value, err, secs)
             progress.step(describe(items[idx]) + ("" if ok else f": {err}"), ok, secs)
     except KeyboardInterrupt:
-        try:  # a second Ctrl-C while the workers are being stopped must not leave them running
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:  # not the main thread: signals cannot be set here
-            previous = None
-        try:
+        with _sigint_ignored():  # a second Ctrl-C while the workers are being stopped must not leave them running
             _stop_pool(pool, futures)
             progress.end_line()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
         raise Interrupted(finished(), len(items)) from None
     pool.shutdown(wait=True)
     return results  # type: ignore[return-value]

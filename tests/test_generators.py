@@ -359,6 +359,18 @@ def test_ctrl_c_stops_the_worker_processes_and_keeps_what_finished(tmp_path):
     assert not _group_alive(proc.pid)
 
 
+def test_workers_start_with_ctrl_c_ignored_before_their_initializer_runs():
+    # a worker still importing when Ctrl-C comes must not print a traceback: it starts with SIGINT ignored
+    from cutedsl_gemm.generators.runner import _sigint_ignored
+
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) == signal.SIG_IGN)"]
+    with _sigint_ignored():
+        inside = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    after = subprocess.run(probe, capture_output=True, text=True, check=True).stdout.strip()
+    assert (inside, after) == ("True", "False")
+    assert signal.getsignal(signal.SIGINT) is not signal.SIG_IGN
+
+
 def _group_alive(pgid) -> bool:
     """Whether a live (not zombie) process is left in the process group."""
     for stat in Path("/proc").glob("[0-9]*/stat"):
