@@ -3,8 +3,10 @@
 stack runs every linear once on an (M, K) input of its K. Three ways, timed in turns in one process: bf16
 (``torch.matmul`` through ``nn.Linear``), torch FP8 (``anchors.TorchFp8Linear``: torch-side quantization +
 ``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.Fp8Linear``). For the recipes whose layer quantizes its
-activations inside the GEMM at decode sizes (``quantize_scaled_mm``: DeepSeek's 1x128 activations), a fourth
-variant runs the same weights as ``quantize_fp8`` then ``scaled_mm``: what the one-kernel path saves.
+activations inside the GEMM at decode sizes (``quantize_scaled_mm``: DeepSeek's 1x128 activations), a variant runs
+the same weights as ``quantize_fp8`` then ``scaled_mm``: what the one-kernel path saves. For the recipes with
+one-kernel rows (DeepSeek's, per token), a variant forces that kernel at every M it takes
+(``quantize_scaled_mm(..., in_kernel=True)``; refused above its 32-token tiles).
 
     python -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
 
@@ -21,6 +23,7 @@ import argparse
 import torch
 
 from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.anchors import TorchFp8Linear
 from cutedsl_gemm.tools.cli import positive_int
@@ -36,11 +39,13 @@ REFUSALS = (RuntimeError, ValueError, NotImplementedError)  # what torch raises 
 
 #: (N, K) of one Llama-3-8B layer's linears: fused QKV, O, fused gate+up, down
 LLAMA3_8B_LINEARS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-VARIANTS = ("bf16", "torch FP8", "ours", "ours, 2 kernels")
+VARIANTS = ("bf16", "torch FP8", "ours", "ours, 2 kernels", "ours, 1 kernel")
 COLUMNS = ["M", "mode", "bf16 ms", "torch FP8 ms", "ours ms", "ours x bf16", "ours x torch FP8", "floor ms",
            "ours % of floor"]
 #: with the two-kernel variant
 TWO_KERNEL_COLUMNS = ["2 kernels ms", "ours x 2 kernels"]
+#: with the forced one-kernel variant
+ONE_KERNEL_COLUMNS = ["1 kernel ms", "1 kernel x ours"]
 
 
 class TwoKernelLinear(torch.nn.Module):
@@ -58,6 +63,28 @@ class TwoKernelLinear(torch.nn.Module):
         qa, sa = cutedsl_gemm.quantize_fp8(x, "1x128")
         return cutedsl_gemm.scaled_mm(qa, self.layer.weight.t(), sa, self.layer.weight_scale, self.layer.bias, None,
                                       x.dtype, scale_recipe_a="1x128", scale_recipe_b=self.scale_recipe_b)
+
+
+class OneKernelLinear(torch.nn.Module):
+    """An ``Fp8Linear`` run as ``quantize_scaled_mm(..., in_kernel=True)``: its activations quantized inside the GEMM
+    whatever dispatch would choose (a ValueError above the one-kernel rows' 32-token tiles)."""
+
+    def __init__(self, layer: cnn.Fp8Linear):
+        super().__init__()
+        self.in_features, self.layer = layer.in_features, layer
+        self.scale_recipe_b = cnn.linear_recipe(layer.recipe).scaling.b.scaling_type
+
+    def forward(self, x):
+        import cutedsl_gemm
+
+        return cutedsl_gemm.quantize_scaled_mm(x, self.layer.weight.t(), self.layer.weight_scale, self.layer.bias,
+                                               x.dtype, scale_recipe_b=self.scale_recipe_b, in_kernel=True)
+
+
+def has_one_kernel_rows(recipe: str) -> bool:
+    """Whether the instance table has GEMMs that quantize the activations of ``recipe`` (an nn recipe name)."""
+    name = cnn.linear_recipe(recipe).scaling.name
+    return any(i.op == QUANT_GEMM and i.recipe == name for i in INSTANCES)
 
 
 def stack_floor_ms(m: int, layers: int, shapes=LLAMA3_8B_LINEARS, scale_bytes: int = 0) -> float:
@@ -80,6 +107,8 @@ def build_stacks(layers: int, recipe: str, variants, device="cuda", seed: int = 
         stacks["ours"] = [cnn.Fp8Linear.from_linear(lin, recipe=recipe) for lin in bf16]
         if "ours, 2 kernels" in variants and cnn.linear_recipe(recipe).quantizes_in_gemm:
             stacks["ours, 2 kernels"] = [TwoKernelLinear(layer) for layer in stacks["ours"]]
+        if "ours, 1 kernel" in variants and has_one_kernel_rows(recipe):
+            stacks["ours, 1 kernel"] = [OneKernelLinear(layer) for layer in stacks["ours"]]
     return {v: stacks[v] for v in VARIANTS if v in variants and v in stacks}
 
 
@@ -110,8 +139,8 @@ def main(argv=None):
     if not torch.cuda.is_available():
         p.error("needs a GPU")
     stacks = build_stacks(args.layers, args.recipe, VARIANTS)
-    two = "ours, 2 kernels" in stacks
-    columns = COLUMNS + (TWO_KERNEL_COLUMNS if two else [])
+    two, one = "ours, 2 kernels" in stacks, "ours, 1 kernel" in stacks
+    columns = COLUMNS + (TWO_KERNEL_COLUMNS if two else []) + (ONE_KERNEL_COLUMNS if one else [])
     scale_bytes = sum(t.numel() * t.element_size() for lin in stacks["ours"] for name, t in lin.named_buffers()
                       if name != "weight")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -132,13 +161,15 @@ def main(argv=None):
             except REFUSALS as e:  # torch's blockwise path refuses some M
                 failed[f"M={m} {mode}, {name}"] = one_line(e)
         t = common.time_interleaved(runs, args.rounds, args.reps)
-        bf16, theirs, ours, split = (t.get(name) for name in VARIANTS)
+        bf16, theirs, ours, split, fused = (t.get(name) for name in VARIANTS)
         floor = stack_floor_ms(m, args.layers, scale_bytes=scale_bytes)
         rows.append([m, mode, _round(bf16, 4), _round(theirs, 4), _round(ours, 4),
                      _round(ours and bf16 and bf16 / ours, 3), _round(ours and theirs and theirs / ours, 3),
                      round(floor, 4), _round(ours and 100 * floor / ours, 1)])
         if two:
             rows[-1] += [_round(split, 4), _round(ours and split and split / ours, 3)]
+        if one:
+            rows[-1] += [_round(fused, 4), _round(ours and fused and ours / fused, 3)]
         print(" ".join(f"{'-' if x is None else x!s:>{max(len(c), 10)}s}" for x, c in zip(rows[-1], columns)))
         del runs
         torch.cuda.empty_cache()

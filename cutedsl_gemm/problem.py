@@ -415,40 +415,71 @@ def _describe_sm90(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum,
     return problem, operands
 
 
-#: What ``quantize_scaled_mm`` quantizes its activations to, and in which groups (quantize_fp8's recipe name).
-QUANTIZED_ACTIVATIONS = ("e4m3", "1x128")
+def activation_quantization(recipe: str, b_format: str) -> tuple[str, str]:
+    """(format, granularity label) ``quantize_scaled_mm`` quantizes its activations to for a GEMM of ``recipe`` with
+    weights in ``b_format``: int8 for an int8 weight, else e4m3; the recipe's activation scaling (per tensor, per
+    token or 1x128 groups)."""
+    return ("int8" if b_format == INT8.name else "e4m3"), RECIPES[recipe].a.label
 
 
 def describe_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, out, scale_recipe_b, split_k, device: torch.device, *,
                                 target=None):
-    """Validate a ``quantize_scaled_mm`` call -- ``scaled_mm`` of ``quantize_fp8(x, "1x128")`` -- for ``device``'s
-    GPU (or ``target`` = (arch, SMs)): x is bf16 / fp16 / fp32 (M, K) row-major with K % 16 == 0 (the group quantizer's
-    16-element vectors); b, scale_b, bias and out as ``scaled_mm`` takes them with BlockWise1x128 activation scales.
-    Returns (GemmProblem with ``act_format`` set, GemmOperands with x as A and no A scales)."""
+    """Validate a ``quantize_scaled_mm`` call -- ``scaled_mm`` of x quantized to the weight's kind with the scaling
+    that pairs with W's (``scale_layouts.activation_granularity``) -- for ``device``'s GPU (or ``target`` = (arch,
+    SMs)): x is bf16 / fp16 / fp32 (M, K) row-major with K % 16 == 0 (the quantizers' 16-element vectors); b,
+    scale_b, bias and out as ``scaled_mm`` takes them. Returns (GemmProblem with ``act_format`` set, GemmOperands
+    with x as A and no A scales)."""
     arch, sms = device_info(device.index) if target is None else target
     if arch != SM90:
         raise RuntimeError(f"quantize_scaled_mm runs on Hopper (sm_90a) GPUs; this one is {arch} (call quantize_fp8 "
                            "and scaled_mm)")
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         raise ValueError(f"x must be a 2-D (M, K) tensor, got {getattr(x, 'shape', type(x).__name__)}")
+    if not isinstance(b, torch.Tensor) or b.dim() != 2:
+        raise ValueError(f"b must be a 2-D (K, N) tensor, got {getattr(b, 'shape', type(b).__name__)}")
     if x.dtype not in OUT_NAMES:
-        raise TypeError(f"x must be bfloat16, float16 or float32 (what quantize_fp8 takes), got {x.dtype}")
+        raise TypeError(f"x must be bfloat16, float16 or float32 (what the quantizers take), got {x.dtype}")
     m, k = x.shape
     if k % 16:
         raise ValueError(f"K must be a multiple of 16 (the activation quantizer's 16-element vectors), got K={k}")
     if k:
         require_k_major("x", x, 1, "row-major (M, K)")
-    fmt, groups = QUANTIZED_ACTIVATIONS
-    # b, its scales, bias and out are checked as scaled_mm checks them, beside a stand-in for the quantized x and
-    # its (M, Kb) 1x128 scales in torch's layout (meta tensors: shapes and strides only).
-    qa = torch.empty((m, k), dtype=element_format(fmt).torch_dtype, device="meta")
-    kb = ceil_div(k, scale_layouts.SCALE_K)
-    sa = torch.empty_strided((m, kb), (1, max(m, 1)), dtype=torch.float32, device="meta")
-    recipe_a = None if scale_recipe_b is None else G.named(groups)
+    gran = scale_layouts.activation_granularity(scale_b, m, b.shape[1], k, scale_recipe_b)
+    # b, its scales, bias and out are checked as scaled_mm checks them, beside a stand-in for the quantized x and its
+    # scales in the quantizer's layout (meta tensors: shapes and strides only).
+    fmt = INT8 if b.dtype == INT8.torch_dtype else element_format("e4m3")
+    qa = torch.empty((m, k), dtype=fmt.torch_dtype, device="meta")
+    if gran is G.TENSOR:
+        sa = torch.empty((), dtype=torch.float32, device="meta")
+    elif gran is G.ROW:
+        sa = torch.empty((m, 1), dtype=torch.float32, device="meta")
+    else:
+        sa = torch.empty_strided((m, ceil_div(k, scale_layouts.SCALE_K)), (1, max(m, 1)), dtype=torch.float32,
+                                 device="meta")
+    recipe_a = None if scale_recipe_b is None else gran
     problem, ops = _describe_sm90(qa, b, sa, scale_b, bias, out_dtype, out, False, recipe_a, scale_recipe_b, None,
                                   split_k, arch, sms, device.index)
     problem = dataclasses.replace(problem, act_format=OUT_NAMES[x.dtype])
     return problem, dataclasses.replace(ops, a=x, scale_a=None)
+
+
+def check_fp8_output_columns(n: int) -> None:
+    """An output quantized in 1x128 groups along its rows has whole groups: N % 128 == 0."""
+    group = G.GROUP_1x128.cols
+    if n % group:
+        raise ValueError(f"N (b.shape[1]) must be a multiple of {group}: the output is quantized in 1x{group} groups "
+                         f"along its rows; got N={n}")
+
+
+def describe_scaled_mm_fp8_out(a, b, scale_a, scale_b, bias, device: torch.device, *, target=None):
+    """Validate a ``scaled_mm_fp8_out`` call -- ``quantize_fp8(scaled_mm(a, b, scale_a, scale_b, bias,
+    out_dtype=torch.bfloat16), "1x128")`` -- for ``device``'s GPU (or ``target`` = (arch, SMs)): N a multiple of 128
+    (whole 1x128 groups along the output's rows), and ``scaled_mm``'s checks of a bf16-output call, whose
+    (GemmProblem, GemmOperands) it returns."""
+    if isinstance(b, torch.Tensor) and b.dim() == 2:
+        check_fp8_output_columns(b.shape[1])
+    return describe_scaled_mm(a, b, scale_a, scale_b, bias, torch.bfloat16, None, False, None, None, None, None, device,
+                              target=target)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from cutedsl_gemm.generators.runner import Interrupted, SelectionError, code_key
 from cutedsl_gemm.numerics.formats import RECIPES
 from cutedsl_gemm.selection.instances import (
     INSTANCES,
-    QUANT_GEMM,
     SM90,
+    SM90_GEMM_OPS,
     WEIGHT_ONLY,
     WEIGHT_ONLY_RECIPES,
     KernelInstance,
@@ -43,7 +43,7 @@ DISPATCH_ONLY = ("m_min", "m_max")
 def code_config(inst: KernelInstance) -> dict:
     cfg = {k: getattr(inst, k) for k in inst.__dataclass_fields__ if k not in DISPATCH_ONLY}
     # What the table derives for the kernel class (e.g. split_k, the weight-only group) shapes the code too.
-    if inst.arch == SM90 and inst.op in ("gemm", QUANT_GEMM):
+    if inst.arch == SM90 and inst.op in SM90_GEMM_OPS:
         cfg["kernel"] = dataclasses.asdict(inst.sm90_config())
     elif (inst.arch, inst.op) == (SM90, WEIGHT_ONLY):
         cfg["kernel"] = dataclasses.asdict(weight_only_config(inst))
@@ -101,7 +101,8 @@ def sample(insts: Sequence[KernelInstance]) -> tuple[KernelInstance, ...]:
     """One instance per kernel family, families in table order. Each comes from its family's first tile
     configuration, with the recipe and types (``SAMPLE_AXES``) that add the most values not yet in the
     sample (the first such in table order), so the sample also holds every recipe, operand, output and bias
-    type; separately per arch, and for swapped and unswapped kernels (operands and scales on the other sides)."""
+    type; separately per arch and op, and for swapped and unswapped kernels (operands and scales on the other
+    sides)."""
     families: dict[tuple, list[KernelInstance]] = {}
     for inst in dict.fromkeys(insts):
         families.setdefault(family_key(inst), []).append(inst)
@@ -120,7 +121,7 @@ SAMPLE_AXES = ("recipe", "a_dtype", "b_dtype", "out_dtype", "bias_dtype")
 
 
 def _axis_values(inst: KernelInstance) -> set[tuple]:
-    return {(inst.arch, inst.swap_ab, a, getattr(inst, a)) for a in SAMPLE_AXES}
+    return {(inst.arch, inst.op, inst.swap_ab, a, getattr(inst, a)) for a in SAMPLE_AXES}
 
 
 def _without_sample_axes(inst: KernelInstance) -> KernelInstance:

@@ -18,7 +18,14 @@ from dataclasses import dataclass
 from multiprocessing import get_context
 from typing import Any, Callable, Iterable, List, Optional, Sequence, TextIO, Tuple
 
-from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, WEIGHT_ONLY, KernelInstance, operand_dtypes
+from cutedsl_gemm.selection.instances import (
+    GEMM_FP8_OUT,
+    INSTANCES,
+    QUANT_GEMM,
+    WEIGHT_ONLY,
+    KernelInstance,
+    operand_dtypes,
+)
 
 
 class SelectionError(ValueError):
@@ -65,12 +72,15 @@ DEFAULT_WEIGHT_ONLY = (("bf16", "int4", "group128"), ("bf16", "int8", "channel")
 
 def in_default_set(inst: KernelInstance) -> bool:
     """What most callers need ahead of time: the GEMMs that run e4m3 x e4m3 operands (on sm_100a, the f8f6f4
-    kernels) or int8 x int8 (W8A8), bf16 output, no bias or a bf16 one, every tile, schedule and recipe; and the
-    weight-only GEMMs of ``DEFAULT_WEIGHT_ONLY``, every tile."""
+    kernels) or int8 x int8 (W8A8), bf16 output, no bias or a bf16 one, every tile, schedule and recipe; the
+    weight-only GEMMs of ``DEFAULT_WEIGHT_ONLY``, every tile; and those of ``DEFAULT_QUANT_GEMM`` and
+    ``DEFAULT_FP8_OUT_RECIPES``."""
     if inst.op == WEIGHT_ONLY:
         return (inst.a_dtype, inst.b_dtype, inst.recipe) in DEFAULT_WEIGHT_ONLY
     if inst.op == QUANT_GEMM:
         return (inst.a_dtype, inst.b_dtype, inst.bias_dtype) in DEFAULT_QUANT_GEMM
+    if inst.op == GEMM_FP8_OUT:
+        return inst.recipe in DEFAULT_FP8_OUT_RECIPES
     operands = (inst.a_dtype, inst.b_dtype)
     return ((operands == operand_dtypes(inst.arch, inst.recipe, "e4m3", "e4m3") or operands == ("int8", "int8"))
             and inst.out_dtype == "bf16" and inst.bias_dtype in (None, "bf16"))
@@ -79,11 +89,15 @@ def in_default_set(inst: KernelInstance) -> bool:
 #: The GEMMs quantizing their activations of the default set: bf16 activations, e4m3 weights, with the fp32 bias of
 #: cutedsl_gemm.nn's layers or none.
 DEFAULT_QUANT_GEMM = (("bf16", "e4m3", None), ("bf16", "e4m3", "fp32"))
+#: The GEMMs emitting FP8 in 1x128 groups of the default set: the DeepSeek recipe's (whose next layer takes them), every
+#: tile, without bias or with an fp32 one.
+DEFAULT_FP8_OUT_RECIPES = ("1x128_128x128",)
 
 
 DEFAULT_SET = ("e4m3 x e4m3 or int8 x int8 operands, bf16 output, without bias or with a bf16 bias, every tile, "
                "schedule and recipe; weight-only bf16 x int4 group 128 and bf16 x int8 per channel, every tile; "
-               "bf16 activations quantized in the GEMM for e4m3 weights, without bias or with an fp32 one")
+               "bf16 activations quantized in the GEMM for e4m3 weights, without bias or with an fp32 one; the "
+               "DeepSeek recipe's GEMMs emitting FP8 in 1x128 groups")
 
 
 @dataclass(frozen=True)

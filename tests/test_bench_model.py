@@ -67,8 +67,11 @@ def test_the_stack_floor_is_the_issues_figure():
 def test_linear_stacks_share_one_set_of_weights():
     shapes = ((384, 256), (256, 512))
     stacks = bench_linear_stack.build_stacks(2, "row", bench_linear_stack.VARIANTS, "cpu", shapes=shapes)
-    assert list(stacks) == ["bf16", "torch FP8", "ours"] and all(len(s) == 4 for s in stacks.values())
-    bf16, theirs, ours = stacks.values()
+    # (the row recipe's layers call quantize_fp8 and scaled_mm; the one-kernel variant forces quantize_scaled_mm's)
+    assert list(stacks) == ["bf16", "torch FP8", "ours", "ours, 1 kernel"] and all(len(s) == 4 for s in stacks.values())
+    assert [one.layer for one in stacks["ours, 1 kernel"]] == stacks["ours"]
+    assert not bench_linear_stack.has_one_kernel_rows("tensor")
+    bf16, theirs, ours, _ = stacks.values()
     assert [(m.out_features, m.in_features) for m in ours] == [(n, k) for n, k in shapes] * 2
     assert not torch.equal(bf16[0].weight, bf16[2].weight)  # distinct layers
     for lin, t, o in zip(bf16, theirs, ours):  # quantized from the same weights, the same bits

@@ -30,6 +30,7 @@ from cutedsl_gemm.ops import quantize as Q
 from cutedsl_gemm.ops import scaled_mm as S
 from cutedsl_gemm.ops import weight_only as W
 from cutedsl_gemm.ops.library import EAGER, OPS
+from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, weight_only_recipe
 
 
@@ -150,10 +151,10 @@ class LinearRecipe:
 
     @property
     def quantizes_in_gemm(self) -> bool:
-        """Whether its activations are what ``quantize_scaled_mm`` quantizes (e4m3, 1x128 groups): then the layer
-        calls it, one kernel at decode sizes on Hopper."""
-        return (self.quantize is fp8_operand and self.scaling is not None
-                and (self.element, self.scaling.a.label) == P.QUANTIZED_ACTIVATIONS)
+        """Whether the layer calls ``quantize_scaled_mm`` (one kernel at decode sizes on Hopper, where dispatch picks
+        it): the Hopper recipes whose one-kernel path dispatch has timed (``dispatch.QUANT_TIMED_RECIPES``)."""
+        return (self.quantize in (fp8_operand, int8_operand) and self.scaling is not None
+                and self.scaling.name in dispatch.QUANT_TIMED_RECIPES)
 
     @property
     def keeps_launch(self) -> bool:

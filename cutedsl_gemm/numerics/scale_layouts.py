@@ -87,6 +87,32 @@ def _matches(gran: ScaleGranularity, s: torch.Tensor, operand: str, m: int, n: i
     return shape in (((rb, kb), (rb, l4)) if operand == "a" else ((kb, rb), (l4, rb)))
 
 
+#: The activation scale granularities the quantizers produce at run time: per tensor, per token, per 1x128 group.
+ACTIVATION_GRANULARITIES = (G.TENSOR, G.ROW, G.GROUP_1x128)
+
+
+def activation_granularity(scale_b, m: int, n: int, k: int, scale_recipe_b=None) -> ScaleGranularity:
+    """The activations' scale granularity that pairs with the weight's scales ``scale_b`` (or ``scale_recipe_b``) in
+    a supported recipe, tried in the order shapes are: per tensor with a per-tensor W, per token with per-channel W
+    scales, 1x128 groups with block-scaled W. A TypeError / ValueError saying what W's scales may be otherwise."""
+    if scale_recipe_b is not None:
+        want = granularity(scale_recipe_b)
+        found = next((a for a, b in _PAIRS if a in ACTIVATION_GRANULARITIES and b is want), None)
+        if found is None:
+            raise ValueError(f"no activation scaling pairs with weight scale recipe {want.label}; supported W recipes: "
+                             + ", ".join(b.label for a, b in _PAIRS if a in ACTIVATION_GRANULARITIES))
+        return found
+    if not isinstance(scale_b, torch.Tensor):
+        raise TypeError(f"scale_b must be a torch.Tensor, got {type(scale_b).__name__}")
+    kb = ceil_div(k, SCALE_K)
+    found = next((a for a, b in _PAIRS if a in ACTIVATION_GRANULARITIES and _matches(b, scale_b, "b", m, n, kb)), None)
+    if found is None:
+        raise ValueError(f"scale_b shape {tuple(scale_b.shape)} matches no weight scaling for N={n}, K={k}; expected "
+                         + "; ".join(f"{b.label}: {_expected(b, 'b', m, n, kb)}"
+                                     for a, b in _PAIRS if a in ACTIVATION_GRANULARITIES))
+    return found
+
+
 def resolve(
     scale_a: torch.Tensor,
     scale_b: torch.Tensor,

@@ -1,6 +1,6 @@
-"""The public ops as torch operators: ``torch.ops.cutedsl_gemm.scaled_mm``, ``quantize_scaled_mm``, ``mm_weight_only``,
-``quantize_fp8``,
-``quantize_int8``, ``quantize_mx`` and ``quantize_nvfp4`` (``cutedsl_gemm.nn`` adds ``fp8_linear``), so that
+"""The public ops as torch operators: ``torch.ops.cutedsl_gemm.scaled_mm``, ``quantize_scaled_mm``,
+``scaled_mm_fp8_out``, ``mm_weight_only``, ``quantize_fp8``, ``quantize_int8``, ``quantize_mx`` and ``quantize_nvfp4``
+(``cutedsl_gemm.nn`` adds ``fp8_linear``), so that
 ``torch.compile(fullgraph=True)`` traces through them, ``mode="reduce-overhead"`` captures them in CUDA graphs
 and ``torch.library.opcheck`` passes.
 
@@ -364,3 +364,37 @@ def traced_quantize_nvfp4(x, global_scale) -> R.BlockScaledTensor:
     """``cutedsl_gemm.quantize_nvfp4`` under ``torch.compile``: the op's tensors in a BlockScaledTensor."""
     data, scales, g = OPS.quantize_nvfp4(x, global_scale)
     return R.BlockScaledTensor(data, scales, E2M1, R.NVFP4_BLOCK, (x.shape[0], x.shape[1]), g)
+
+
+# ----------------------------------------------------------------------------------------------------
+# scaled_mm_fp8_out
+# ----------------------------------------------------------------------------------------------------
+
+SCALED_MM_FP8_OUT_SCHEMA = "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None) -> (Tensor, Tensor)"
+
+
+def scaled_mm_fp8_out(a, b, scale_a, scale_b, bias=None):
+    """``cutedsl_gemm.scaled_mm_fp8_out`` as the op returns it: (q, scales)."""
+    return S.scaled_mm_fp8_out(a, b, scale_a, scale_b, bias)
+
+
+def _scaled_mm_fp8_out_fake(a, b, scale_a, scale_b, bias=None):
+    def describe(target, *metas):
+        P.describe_scaled_mm_fp8_out(*metas, a.device, target=target)
+
+    if not _checked_on_metas(a.device, (a, b, scale_a, scale_b, bias), describe):
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        if _int(b.shape[1]) is not None:
+            P.check_fp8_output_columns(_int(b.shape[1]))
+    # quantize_fp8's outputs for the bf16 output (its checks of N included)
+    return Q.quantize_fp8_like(a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16), "1x128")
+
+
+define("scaled_mm_fp8_out", SCALED_MM_FP8_OUT_SCHEMA, scaled_mm_fp8_out, _scaled_mm_fp8_out_fake)
+EAGER.scaled_mm_fp8_out = scaled_mm_fp8_out
+
+
+def traced_scaled_mm_fp8_out(a, b, scale_a, scale_b, bias):
+    """``cutedsl_gemm.scaled_mm_fp8_out`` under ``torch.compile``: the op."""
+    return OPS.scaled_mm_fp8_out(a, b, scale_a, scale_b, bias)

@@ -174,15 +174,26 @@ def quantize_scaled_mm(
     split_k: Optional[int] = None,
     in_kernel: Optional[bool] = None,
 ) -> torch.Tensor:
-    """``scaled_mm(*quantize_fp8(x, "1x128"), b, scale_b, bias, out_dtype)`` -- a linear layer of bf16 / fp16
-    activations x (M, K) and an FP8 weight b = W.t() (K, N) with block scales (DeepSeek-V3's 128x128, or 1x128),
-    bit for bit -- in one Hopper kernel where that is faster: the GEMM quantizes each K tile of its token tile
-    itself (``kernels/sm90/activation_quant.py``), so there is no quantizer launch and no FP8 round trip through
-    memory. ``dispatch.quantizes_in_kernel`` decides (today: large layers at M <= 4, where the quantizing warps keep
-    up with the weight stream); elsewhere the two kernels run.
+    """A linear layer of bf16 / fp16 activations x (M, K) and a quantized weight b = W.t() (K, N): ``scaled_mm`` of x
+    quantized the way W's scales pair with, bit for bit --
 
-    ``in_kernel``: True runs the one kernel (an error where the table has none: M above its 32-token tiles, a
-    recipe without 1x128 activation groups, fp32 activations or output), False the two, None lets dispatch choose.
+    ================================  ===============================================
+    W (scale_b)                       x quantized by
+    ================================  ===============================================
+    FP8, 128x128 or 1x128 blocks      ``quantize_fp8(x, "1x128")`` (DeepSeek-V3)
+    FP8, per channel (1, N)           ``quantize_fp8(x, "row")`` (per token)
+    int8, per channel (1, N)          ``quantize_int8(x, "row")`` (W8A8)
+    FP8 / int8, per tensor            ``quantize_fp8(x, "tensor")`` / ``quantize_int8(x, "tensor")``
+    ================================  ===============================================
+
+    -- in one Hopper kernel where that is faster: the GEMM quantizes each K tile of its token tile itself
+    (``kernels/sm90/activation_quant.py``; per token it first finds each token's scale over all of K), so there is
+    no quantizer launch and no round trip of the quantized activations through memory. ``dispatch.quantizes_in_kernel``
+    decides (today: 1x128 groups on large layers at M <= 4, where the quantizing warps keep up with the weight
+    stream); elsewhere the two kernels run.
+
+    ``in_kernel``: True runs the one kernel (an error where the table has none: M above its 32-token tiles, per-tensor
+    scaling, fp32 activations or output), False the two, None lets dispatch choose.
     ``out_dtype``: x's dtype by default; ``scale_recipe_b`` names W's scale recipe (else its shape decides, as in
     ``scaled_mm``); ``out``, ``split_k`` as in ``scaled_mm``.
     """
@@ -210,18 +221,19 @@ def quantize_scaled_mm(
             except (TypeError, ValueError):
                 pass  # refused before launch: the full validation below says why
         elif hit is not None:
-            return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k)
+            return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k, hit[1])
     device = P.require_cuda_tensors(x=x, b=b, scale_b=scale_b, bias=bias, out=out)
     problem, ops = P.describe_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, out, scale_recipe_b, split_k, device)
     if in_kernel and not problem.is_empty and not dispatch.has_quantizing_rows(problem):
         raise ValueError(f"in_kernel=True: no kernel quantizes {problem.act_format} activations for recipe "
-                         f"{problem.recipe!r}, {problem.out_name} output, M={problem.m} (the table's rows: e4m3 "
-                         "weights, 1x128 activation groups, bf16 / fp16 in and out, M <= 32)")
+                         f"{problem.recipe!r}, {problem.b_format} weights, {problem.out_name} output, M={problem.m} "
+                         "(the table's rows: e4m3 weights with 1x128 or per-token activation scales, int8 weights "
+                         "with per-token ones; bf16 / fp16 in and out, M <= 32)")
     one = in_kernel if in_kernel is not None else not problem.is_empty and dispatch.quantizes_in_kernel(problem)
     if problem.is_empty or not one:
         if sig is not None and not problem.is_empty:
-            _keep(_QUANT_PLANS, sig, (None, None, None, None))
-        return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k)
+            _keep(_QUANT_PLANS, sig, (None, problem.recipe, None, None))
+        return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k, problem.recipe)
     dst = torch.empty((problem.m, problem.n), dtype=out_dtype, device=device) if out is None else out
     inst, splits = dispatch.select(problem)
     plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k)
@@ -244,11 +256,82 @@ def _keep(plans: dict, sig, value) -> None:
     plans[sig] = value
 
 
-def _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k):
-    from cutedsl_gemm.ops.quantize import quantize_fp8
+def _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k, recipe):
+    from cutedsl_gemm.ops.quantize import quantize_fp8, quantize_int8
 
-    fmt, groups = P.QUANTIZED_ACTIVATIONS
-    qa, sa = quantize_fp8(x, groups, fmt=fmt)
+    fmt, groups = P.activation_quantization(recipe, "int8" if b.dtype == torch.int8 else "e4m3")
+    qa, sa = quantize_int8(x, groups) if fmt == "int8" else quantize_fp8(x, groups, fmt=fmt)
     recipe_a = None if scale_recipe_b is None else groups
     return scaled_mm(qa, b, sa, scale_b, bias, None, out_dtype, scale_recipe_a=recipe_a, scale_recipe_b=scale_recipe_b,
                      out=out, split_k=split_k)
+
+
+# Call signature (``call_signature`` of the bf16 scaled_mm call) -> (launch plan, recipe, K blocks, allocator of the
+# outputs) of the scaled_mm_fp8_out calls that run one kernel; (None, ...) for those that run scaled_mm and
+# quantize_fp8.
+_FP8_OUT_PLANS: dict = {}
+
+
+def scaled_mm_fp8_out(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, bias: Optional[torch.Tensor] = None):
+    """``quantize_fp8(scaled_mm(a, b, scale_a, scale_b, bias=bias, out_dtype=torch.bfloat16), "1x128")``, bit for bit:
+    the GEMM's output as the next layer's FP8 activations, ``(q, scales)`` -- q (M, N) e4m3 and its fp32 scales per
+    1x128 group in ``quantize_fp8``'s layout ((M, N / 128), strides (1, M): the DeepSeek recipe's ``scale_a``), so
+    they feed the next ``scaled_mm`` directly. Arguments and checks are ``scaled_mm``'s; N must be a multiple of 128.
+
+    On Hopper it runs in one kernel where ``scaled_mm``'s own pick for the bf16 call has a twin whose epilogue
+    quantizes the tile (``dispatch.select_fp8_out``: unswapped 128-wide tiles of the e4m3 per-tensor, row-wise and
+    DeepSeek recipes, no bias or an fp32 one; ``kernels/sm90/epilogue_quant.py``): the same bf16 values, quantized by
+    the quantizer's code, without the bf16 round trip through memory and the quantizer's launch. Elsewhere (decode
+    sizes, 192-wide tiles, other GPUs) it runs the two kernels."""
+    if torch.compiler.is_compiling():  # the op: torch.compile records it instead of tracing into the launch
+        from cutedsl_gemm.ops.library import traced_scaled_mm_fp8_out
+
+        return traced_scaled_mm_fp8_out(a, b, scale_a, scale_b, bias)
+    sig = None
+    if type(a) is torch.Tensor and type(b) is torch.Tensor and type(scale_a) is torch.Tensor \
+            and type(scale_b) is torch.Tensor and (bias is None or type(bias) is torch.Tensor):
+        sig = call_signature(a, b, scale_a, scale_b, bias, torch.bfloat16, False, None, None, None, None)
+        try:
+            hit = _FP8_OUT_PLANS.get(sig)
+        except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
+            sig = hit = None
+        if hit is not None and hit[0] is None:
+            return _scaled_mm_then_quantize(a, b, scale_a, scale_b, bias)
+        if hit is not None:
+            plan, recipe, k_blocks, allocate = hit
+            q, scales = allocate(a)
+            sa, sb = scale_layouts.kernel_views(recipe, k_blocks, scale_a, scale_b)
+            try:
+                return plan.run_fp8_out(a, b, q, scales, sa, sb, bias)
+            except (TypeError, ValueError):
+                pass  # refused before launch: the full validation below says why
+    device = P.require_cuda_tensors(a=a, b=b, scale_a=scale_a, scale_b=scale_b, bias=bias)
+    problem, ops = P.describe_scaled_mm_fp8_out(a, b, scale_a, scale_b, bias, device)
+    picked = None if problem.is_empty else dispatch.select_fp8_out(problem)
+    if picked is None:
+        if sig is not None and not problem.is_empty:
+            _keep(_FP8_OUT_PLANS, sig, (None, None, None, None))
+        return _scaled_mm_then_quantize(a, b, scale_a, scale_b, bias)
+    inst, splits = picked
+    plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k)
+    allocate = fp8_output_allocator(problem.m, problem.n)
+    if sig is not None:
+        _keep(_FP8_OUT_PLANS, sig, (plan, problem.recipe, ops.k_blocks, allocate))
+    q, scales = allocate(a)
+    return plan.run_fp8_out(ops.a, ops.b, q, scales, ops.scale_a, ops.scale_b, ops.bias)
+
+
+def fp8_output_allocator(m: int, n: int):
+    """like -> empty ``(q, scales)`` on ``like``'s device with the shapes, dtypes and strides that
+    ``quantize_fp8(y, "1x128")`` returns for an (M, N) y (``quantize_fp8_like``'s)."""
+    from cutedsl_gemm.ops.quantize import quantize_fp8_like
+
+    q, s = quantize_fp8_like(torch.empty((m, n), dtype=torch.bfloat16, device="meta"), "1x128")
+    return lambda like: (like.new_empty_strided(q.shape, q.stride(), dtype=q.dtype),
+                         like.new_empty_strided(s.shape, s.stride(), dtype=s.dtype))
+
+
+def _scaled_mm_then_quantize(a, b, scale_a, scale_b, bias):
+    from cutedsl_gemm.ops.quantize import quantize_fp8
+
+    return quantize_fp8(scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=torch.bfloat16), "1x128")

@@ -18,7 +18,7 @@ from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES
 from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, cutlass_dtype
 from cutedsl_gemm.numerics.formats import float_format
 from cutedsl_gemm.numerics.scale_layouts import SF_ATOM_BYTES
-from cutedsl_gemm.selection.instances import QUANT_GEMM
+from cutedsl_gemm.selection.instances import SM90_GEMM_OPS
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 #: Base alignment the sm_100a GEMM assumes of its operand views (``problem`` checks it before every call): 16 bytes
@@ -98,10 +98,27 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
             make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
+def fake_fp8_out_args(cfg: Sm90GemmConfig):
+    """Fake arguments of ``Sm90Fp8Gemm.call_fp8_out`` (``d_quant``): ``fake_gemm_args`` with the FP8 output (M, N)
+    row-major in D's place, then its 1x128 scales (M, N / 128) M-major (quantize_fp8's "1x128" layout)."""
+    a, b, d, *rest = fake_gemm_args(cfg)
+    q = make_fake_compact_tensor(cutlass.Float8E4M3FN, d.shape, stride_order=(1, 0), assumed_align=16)
+    scales = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), cute.sym_int()), stride_order=(0, 1),
+                                      assumed_align=4)
+    return (a, b, q, scales, *rest)
+
+
+def gemm_entry(cfg: Sm90GemmConfig):
+    """(entry, fake arguments) of the Hopper GEMM of one configuration: its ``__call__``, or ``call_fp8_out`` for a
+    kernel that emits FP8 (``d_quant``). Call inside ``targeting``: kernel constructors may check the arch."""
+    kernel = Sm90Fp8Gemm(cfg)
+    return (kernel.call_fp8_out, fake_fp8_out_args(cfg)) if cfg.d_quant else (kernel, fake_gemm_args(cfg))
+
+
 def compile_gemm(cfg: Sm90GemmConfig, arch: str = "sm_90a"):
     """The Hopper GEMM of one configuration, compiled for ``arch``."""
     with targeting(arch):
-        return compile_entry(Sm90Fp8Gemm(cfg), fake_gemm_args(cfg), arch)
+        return compile_entry(*gemm_entry(cfg), arch)
 
 
 def fake_sm100_args(inst):
@@ -171,11 +188,11 @@ def fake_weight_only_args(cfg):
 
 def instance_entry(inst):
     """(kernel entry, fake arguments) of an instance of the table, as it is traced: the Hopper GEMM's ``__call__``
-    (op "gemm" or QUANT_GEMM), the weight-only GEMM's, the sm_100a GEMM's ``__call__`` / ``call_block_scaled``.
-    Call inside ``targeting(inst.arch)``: kernel constructors may check the arch."""
-    if inst.arch == "sm_90a" and inst.op in ("gemm", QUANT_GEMM):
-        cfg = inst.sm90_config()
-        return Sm90Fp8Gemm(cfg), fake_gemm_args(cfg)
+    (op "gemm" or QUANT_GEMM) or ``call_fp8_out`` (GEMM_FP8_OUT), the weight-only GEMM's, the sm_100a GEMM's
+    ``__call__`` / ``call_block_scaled``. Call inside ``targeting(inst.arch)``: kernel constructors may check the
+    arch."""
+    if inst.arch == "sm_90a" and inst.op in SM90_GEMM_OPS:
+        return gemm_entry(inst.sm90_config())
     if (inst.arch, inst.op) == ("sm_90a", "weight_only"):
         from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm
         from cutedsl_gemm.selection.instances import weight_only_config

@@ -19,7 +19,7 @@ from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
 from cutedsl_gemm.numerics.formats import element_format, float_format
 from cutedsl_gemm.runtime.device import device_info, max_active_clusters
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
-from cutedsl_gemm.selection.instances import SM100, WEIGHT_ONLY, KernelInstance
+from cutedsl_gemm.selection.instances import GEMM_FP8_OUT, SM100, WEIGHT_ONLY, KernelInstance
 
 
 def compiled(inst: KernelInstance):
@@ -156,6 +156,14 @@ class LaunchPlan(NamedTuple):
                 self.splits, self.max_clusters)
         return out
 
+    def run_fp8_out(self, a, b, q, q_scales, scale_a, scale_b, bias):
+        """Launch an instance that emits FP8 in 1x128 groups (op GEMM_FP8_OUT, ``Sm90Fp8Gemm.call_fp8_out``) on the
+        current stream: ``q`` (M, N) e4m3 and ``q_scales`` (M, N / 128) M-major as ``quantize_fp8`` returns them."""
+        partials, counters = _workspace(self.device_index).get(*self.ws_need) if self.splits > 1 else self.idle_ws
+        self.fn(a, b, q, q_scales, scale_a, scale_b, self.dummy_bias if bias is None else bias, partials, counters,
+                self.splits, self.max_clusters)
+        return q, q_scales
+
 
 class WeightOnlyLaunchPlan(NamedTuple):
     """A launch of one weight-only instance (``kernels/sm90/weight_only_gemm.py``) on one problem size."""
@@ -281,6 +289,8 @@ def bind(inst: KernelInstance, a, b, scale_a, scale_b, out, *, splits: int = 1, 
     (``numerics.scale_layouts.blocked_scale_words``), an fp32 bias, NVFP4's global scales."""
     if splits > 1 and not inst.can_split_k:
         raise ValueError(f"{inst.name} is built without the split-K reduction; got splits={splits}")
+    if inst.op == GEMM_FP8_OUT:
+        raise ValueError(f"{inst.name} writes FP8 and its 1x128 scales: launch it with plan(...).run_fp8_out")
     k = 0
     if inst.arch == SM100:
         if fmt_a is None or fmt_b is None:

@@ -7,7 +7,14 @@ from dataclasses import replace
 
 from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
 from cutedsl_gemm.runtime.launch import launch_clusters
-from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, WEIGHT_ONLY, KernelInstance, operand_dtypes
+from cutedsl_gemm.selection.instances import (
+    GEMM_FP8_OUT,
+    INSTANCES,
+    QUANT_GEMM,
+    WEIGHT_ONLY,
+    KernelInstance,
+    operand_dtypes,
+)
 
 
 class NoKernelError(ValueError):
@@ -315,6 +322,9 @@ def splits_for(inst: KernelInstance, m: int, n: int, k: int, slots: int, want: i
 #: 633; M = 32 on 64 x 32, 1225).
 QUANT_STAGE_NS = 280
 QUANT_PASS_NS = 105
+#: The recipes those costs were measured for. The per-token kernels ("row", FP8 and int8) add an amax pass over
+#: each token tile's rows and have not been timed: quantize_scaled_mm runs them only when asked (``in_kernel``).
+QUANT_TIMED_RECIPES = ("1x128_128x128", "1x128_1x128")
 #: The weight stream the quantizing warps must keep up with: HBM bytes per ns.
 HBM_BYTES_PER_NS = 3000
 
@@ -333,8 +343,8 @@ def quantizes_in_kernel(problem) -> bool:
     with the weight stream -- each CTA's stages at ``QUANT_STAGE_NS`` + ``QUANT_PASS_NS`` per four tokens take no
     longer than the weights take at ``HBM_BYTES_PER_NS``. Then the kernel is about as fast as the GEMM alone and
     saves the quantizer's launch and round trip; otherwise the two kernels are faster (large layers at M <= 4 pass,
-    the rest do not)."""
-    if not has_quantizing_rows(problem):
+    the rest do not). Recipes outside ``QUANT_TIMED_RECIPES``: never (not yet timed)."""
+    if problem.recipe not in QUANT_TIMED_RECIPES or not has_quantizing_rows(problem):
         return False
     inst, splits = select(problem)
     tokens = min(problem.m, inst.tile_n)
@@ -365,6 +375,26 @@ def select(problem):
     clusters = launch_clusters(problem.device_index, inst)
     # A wave is as many CTAs as can be resident at once; a last-wave split variant keeps the tiles and clusters.
     return plan_splits(inst, problem.m, problem.n, problem.k, clusters * inst.cluster_m * inst.cluster_n)
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_out_twin(inst: KernelInstance):
+    """The table's GEMM_FP8_OUT row of ``inst``'s fields (its tile, clusters and main loop, with the epilogue that
+    emits FP8 in 1x128 groups), or None."""
+    want = replace(inst, op=GEMM_FP8_OUT)
+    return next((i for i in INSTANCES if i == want), None)
+
+
+def select_fp8_out(problem):
+    """(instance, K splits) that run a described ``scaled_mm_fp8_out`` call (``problem``: its bf16 ``scaled_mm``) in
+    one kernel, or None. It is the FP8-output twin of what ``select`` picks for the bf16 call, with the same K splits:
+    the same main loop, reduction and rounding to bf16 give the bf16 values ``scaled_mm`` would write, which the
+    epilogue quantizes with ``quantize_fp8``'s code -- so ``scaled_mm_fp8_out`` equals ``quantize_fp8(scaled_mm(...),
+    "1x128")`` bit for bit by construction. Picks without a twin (decode tiles, 192-wide tiles) give None: the call
+    then runs the two kernels."""
+    inst, splits = select(problem)
+    twin = fp8_out_twin(inst)
+    return None if twin is None else (twin, splits)
 
 
 def select_weight_only(problem):

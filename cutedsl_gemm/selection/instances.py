@@ -5,8 +5,9 @@ catalog all read ``INSTANCES``; there is no other list of configurations. A row 
 with the type axes it supports; ``expand()`` turns the table into concrete, hashable instances. An instance is
 its kernel's configuration: ``KernelInstance.sm90_config``, ``KernelInstance.sm100_kernel`` and
 ``weight_only_config`` derive what each kernel family is built from. ``op`` tells the families' rows apart: "gemm"
-(``scaled_mm``), ``QUANT_GEMM`` (``quantize_scaled_mm``: the Hopper GEMM quantizing its activations) or
-``WEIGHT_ONLY`` (``mm_weight_only``); a reader of one family's rows filters by it.
+(``scaled_mm``), ``QUANT_GEMM`` (``quantize_scaled_mm``: the Hopper GEMM quantizing its activations),
+``GEMM_FP8_OUT`` (``scaled_mm_fp8_out``: the Hopper GEMM emitting FP8 in 1x128 groups) or ``WEIGHT_ONLY``
+(``mm_weight_only``); a reader of one family's rows filters by it.
 
 Validity rules (shared-memory budget, TMA alignment, MMA shape limits) are checked by ``validate`` and run
 on every row at import time, so a bad edit to the table fails loudly.
@@ -26,6 +27,11 @@ WEIGHT_ONLY = "weight_only"
 #: The op of the FP8 GEMMs that quantize their bf16 / fp16 activations themselves (1x128 groups, in the decode
 #: schedule): ``quantize_scaled_mm``'s one-kernel path. a_dtype is the activations' dtype.
 QUANT_GEMM = "quant_gemm"
+#: The op of the GEMMs whose epilogue emits the output as e4m3 with 1x128 group scales (``scaled_mm_fp8_out``): twins of
+#: unswapped "gemm" rows. out_dtype is the rounding before quantization (bf16).
+GEMM_FP8_OUT = "gemm_fp8_out"
+#: The ops whose rows the Hopper FP8 / INT8 GEMM class (kernels/sm90/fp8_gemm.py) builds.
+SM90_GEMM_OPS = ("gemm", QUANT_GEMM, GEMM_FP8_OUT)
 #: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
 #: e2m1) as a run-time value.
 F8F6F4 = "f8f6f4"
@@ -42,7 +48,7 @@ class KernelInstance:
     """One compiled kernel: everything that changes generated code, nothing that doesn't (M, N, K)."""
 
     arch: str  # "sm_90a" | "sm_100a"
-    op: str  # "gemm" | QUANT_GEMM | WEIGHT_ONLY
+    op: str  # "gemm" | QUANT_GEMM | GEMM_FP8_OUT | WEIGHT_ONLY
     schedule: str  # sm_90a: "cooperative" | "small_m"; sm_100a: "1sm" | "2sm" (cta_group::1 / ::2)
     recipe: str  # formats.RECIPES key ("gemm"), WEIGHT_ONLY_RECIPES key (WEIGHT_ONLY)
     a_dtype: str  # an element format, or the sm_100a operand class F8F6F4
@@ -107,7 +113,7 @@ class KernelInstance:
     def can_split_k(self) -> bool:
         """Compiled with the split-K reduction (dispatch.choose_splits decides per call). Not the 128x256
         fast-accumulation tiles: their 128-register accumulator leaves no room for it without spilling."""
-        return self.arch == SM90 and (self.op == WEIGHT_ONLY or self.op in ("gemm", QUANT_GEMM) and self.tile_n <= 192)
+        return self.arch == SM90 and (self.op == WEIGHT_ONLY or self.op in SM90_GEMM_OPS and self.tile_n <= 192)
 
     def sm90_config(self):
         """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them."""
@@ -116,8 +122,10 @@ class KernelInstance:
         # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and set-up
         # overlap the previous kernel's tail (programmatic dependent launch).
         fields = _shared_fields(self, Sm90GemmConfig)
-        if self.op == QUANT_GEMM:  # activations in a_dtype, quantized to e4m3 in the kernel
-            fields.update(a_dtype="e4m3", a_input=self.a_dtype)
+        if self.op == QUANT_GEMM:  # activations in a_dtype, quantized in the kernel to the weight's kind
+            fields.update(a_dtype="int8" if self.b_dtype == "int8" else "e4m3", a_input=self.a_dtype)
+        if self.op == GEMM_FP8_OUT:  # the epilogue quantizes the bf16 tile in 1x128 groups
+            fields.update(d_quant="1x128")
         return Sm90GemmConfig(**fields, split_k=self.can_split_k, pdl=self.swap_ab)
 
     @property
@@ -370,12 +378,34 @@ TABLE: Tuple[TileConfig, ...] = (
     # fp16 activations, quantized in 1x128 groups by the producer warps (kernels/sm90/activation_quant.py). One
     # kernel per decode-sized linear layer; from M = 33 the token tiles read too many unquantized bytes
     # (Sm90GemmPlan.max_quantizing_tile_n) and quantize_scaled_mm runs quantize_fp8 and scaled_mm.
+    # Per token ("row": FP8 per token x per channel, promoted like scaled_mm's default; int8 W8A8, exact "fast"), the
+    # warps find each token tile's scales over all of K first. The tiles are scaled_mm's decode tiles of the same
+    # operands (int8 has no 64x32), so both paths pick the same tile.
     *(
-        TileConfig(SM90, QUANT_GEMM, "small_m", ("1x128_128x128", "1x128_1x128"), tm, tn, accum="promoted", m_min=lo,
-                   m_max=hi, swap_ab=True, ab_dtypes=((act, "e4m3"),), out_dtypes=(act,), bias_kinds=(None, "fp32"))
+        TileConfig(SM90, QUANT_GEMM, "small_m", recipes, tm, tn, accum=accum, m_min=lo, m_max=hi, swap_ab=True,
+                   ab_dtypes=((act, weight),), out_dtypes=(act,), bias_kinds=(None, "fp32"))
+        for recipes, weight, accum in ((("1x128_128x128", "1x128_1x128"), "e4m3", "promoted"),
+                                       (("row",), "e4m3", "promoted"), (("row",), "int8", "fast"))
         for act in ("bf16", "fp16")
         for tm in (128, 64)
         for tn, lo, hi in ((16, 1, 16), (32, 17, 32))
+        if not (weight == "int8" and (tm, tn) == (64, 32))
+    ),
+    # Hopper, GEMMs emitting FP8 in 1x128 groups (op GEMM_FP8_OUT, kernels/sm90/epilogue_quant.py): twins of the
+    # unswapped promoted e4m3 rows above whose tiles hold whole 128-column groups, their fields but the op.
+    # scaled_mm_fp8_out runs the twin of scaled_mm's own pick (dispatch.select_fp8_out: same tile, clusters and K
+    # splits, so the same bf16 values before quantization); where that pick has none (decode tiles, 192-wide tiles, a
+    # bf16 bias) it runs scaled_mm and quantize_fp8.
+    *(
+        TileConfig(SM90, GEMM_FP8_OUT, "cooperative", recipes, tm, 128, cluster_m=cm, cluster_n=cn, accum="promoted",
+                   split_tail=tail, ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16",), bias_kinds=(None, "fp32"),
+                   **{"m_min": COOPERATIVE_M_MIN, **m_range})
+        for recipes, tm, cm, cn, tail, m_range in (
+            (("1x128_128x128",), 128, 2, 1, False, {}), (("1x128_128x128",), 64, 1, 1, False, {"m_max": 1024}),
+            (("1x128_128x128",), 128, 4, 1, False, {"m_min": 1025}), (("1x128_128x128",), 128, 2, 1, True, {}),
+            (("tensor", "row"), 128, 2, 1, False, {}), (("tensor", "row"), 64, 1, 1, False, {"m_max": 1024}),
+            (("tensor", "row"), 64, 1, 2, False, {"m_min": 1025}), (("tensor", "row"), 128, 4, 1, False, {}),
+        )
     ),
     # Hopper, weight-only (op WEIGHT_ONLY): bf16 / fp16 activations x packed int4 / int8 weights, output in the
     # activations' dtype. Decode first: the M tokens on WGMMA's N side, as narrow as M allows; the 128-wide row serves
@@ -442,7 +472,7 @@ def validate(inst: KernelInstance) -> None:
     The rules live with the kernel classes (they own their shared-memory plans); this only routes.
     """
     try:
-        if inst.arch == SM90 and inst.op in ("gemm", QUANT_GEMM):
+        if inst.arch == SM90 and inst.op in SM90_GEMM_OPS:
             from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
 
             Sm90GemmPlan.check_config(inst.sm90_config())

@@ -188,9 +188,9 @@ def inspect_compiled(name: str, compiled, smem_bytes: int = -1) -> KernelReport:
 
 def kernel_resources(inst) -> tuple[int, int]:
     """(dynamic shared memory bytes, A/B mainloop stages) of an instance's kernel, as its plan sets them."""
-    from cutedsl_gemm.selection.instances import QUANT_GEMM
+    from cutedsl_gemm.selection.instances import SM90_GEMM_OPS
 
-    if inst.arch == "sm_90a" and inst.op in ("gemm", QUANT_GEMM):
+    if inst.arch == "sm_90a" and inst.op in SM90_GEMM_OPS:
         from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
 
         kernel = Sm90Fp8Gemm(inst.sm90_config())

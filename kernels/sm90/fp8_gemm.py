@@ -25,9 +25,11 @@ from ..common.last_wave_split import LastWaveSplitScheduler
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .promoted_mainloops import PromotedMainloops
+from .epilogue_quant import FP8OutputEpilogue
 from .split_k import k_tile_range, reduce_partials
 from .activation_quant import (
-    QUANT_WARPS, W_SCALE_SLOTS, ActivationQuantStaging, make_tag, w_prefetch_floats,
+    HANDOFF_UNITS, QUANT_BARRIER_ID, QUANT_WARPS, W_SCALE_SLOTS, ActivationQuantStaging, init_row_scale_barriers,
+    make_row_scales, make_tag, release_token_scales, row_scale_floats, w_prefetch_floats, wait_token_scales,
 )
 from .block_scales import (
     BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
@@ -37,7 +39,7 @@ from .block_scales import (
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, is_integer, smem_capacity  # noqa: F401
 
 
-class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
+class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
     """Persistent cooperative WGMMA FP8 GEMM; INT8 (s8 x s8 -> s32) with ``a_dtype = b_dtype = "int8"``.
 
     Warp roles (registers per thread after setmaxnreg):
@@ -50,7 +52,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     * warp group 0, warps 1 .. 3 -- with ``a_input`` (the kernel quantizes its activations) instead: the
       activation quantizers, stage by stage in turn, each filling its stage's FP8 token tile, token scales and W
       scales (``activation_quant.ActivationQuantStaging``); the TMA warp loads the W tiles alone. 96 registers
-      (200 for the consumers).
+      (200 for the consumers). Per token (recipe "row", FP8 or int8), they first find each token tile's scales
+      and hand them to the epilogue through a ring of ``HANDOFF_UNITS`` units (full / empty barriers).
     * warp groups 1 .. tile_m/64 -- MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative
       when two), then the epilogue. 232 registers (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with
       two CTAs per SM (224 block-scaled).
@@ -60,7 +63,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     * mainloop (PipelineTmaAsync): TMA warp (+ scale warp) -> both consumer warp groups; ``stages`` stages
       (>= 4 where shared memory allows).
     * epilogue store (PipelineTmaStore): consumer warp groups -> TMA store engine; ``epi_stages`` output
-      slices (>= 2, up to a tile).
+      slices (>= 2, up to a tile). An FP8 output (``d_quant``) the consumers quantize and store themselves from
+      one 128-column slice (``epilogue_quant.py``).
 
     Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
     compilation serves every M, N, K (all three are run-time values). The epilogue (after converting an int8
@@ -103,6 +107,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         self.integer = is_integer(cfg)
         # The kernel quantizes the activations (kernel B when swapped) itself: they arrive in this dtype.
         self.quantizes_a = cfg.a_input is not None
+        # ... per token (a scale per activation row, over all of K) rather than in 1x128 groups
+        self.per_token_quant = self.quantizes_a and cfg.recipe == "row"
         self.acc_dtype = Int32 if self.integer else Float32
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.num_mma_warp_groups = cfg.tile_m // 64
@@ -175,12 +181,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         if cutlass.const_expr(self.a_scale_tma):
             a_scales_by_tma, sa_view = a_scale_tma_view(mSA)
             tma_sa, tSA = a_scale_tma_atom(sa_view, bM)
-        tma_d, tD = cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(),
-            mD,
-            cute.slice_(d_smem, (None, None, 0)),
-            self.epi_tile,
-        )
+        # (an FP8 output is stored by the epilogue's threads, epilogue_quant.py: no TMA store)
+        tma_d, tD = (None, mD) if cutlass.const_expr(self.cfg.d_quant) else cute.nvgpu.cpasync.make_tiled_tma_atom(
+            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_smem, (None, None, 0)), self.epi_tile)
 
         @cute.struct
         class SharedStorage:
@@ -204,6 +207,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 sX: cute.struct.Align[cute.struct.MemRange[self.x_dtype, cute.cosize(x_smem)], 128]
                 x_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
                 w_prefetch: cute.struct.Align[cute.struct.MemRange[Float32, w_prefetch_floats()], 16]
+                # Per token: the token scales and the epilogue ring's barriers (activation_quant.RowScales).
+                row_scales: cute.struct.Align[cute.struct.MemRange[
+                    Float32, row_scale_floats(bN) if self.per_token_quant else 1], 16]
+                ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * HANDOFF_UNITS if self.per_token_quant else 1]
 
             self.quant_storage = QuantStorage
             smem_bytes += QuantStorage.size_in_bytes() + 128  # (allocated after the rest, 128-byte aligned)
@@ -220,8 +227,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
 
         self.kernel(
             tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, tma_sa, tSA, a_scales_by_tma,
-            mBias, mWorkspace, mCounters,
-            a_smem, b_smem, d_smem, x_smem, tiles_m, tiles_n, splits,
+            mBias, mWorkspace, mCounters, self.q_scales,
+            a_smem, b_smem, d_smem, x_smem, mB if self.per_token_quant else None, tiles_m, tiles_n, splits,
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
@@ -261,7 +268,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         mDt = cute.make_tensor(mD.iterator, cute.select(mD.layout, mode=[1, 0]))
         if cutlass.const_expr(self.cfg.recipe == "row"):
             transpose = lambda t: cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 0]))  # noqa: E731
-            return mW, mA, mDt, transpose(mSB), transpose(mSA)
+            # (a kernel quantizing per token computes A's scales: their argument is a 1-D dummy)
+            return mW, mA, mDt, transpose(mSB), mSA if self.per_token_quant else transpose(mSA)
         return mW, mA, mDt, mSB, mSA
 
     def _make_tma_load(self, tensor, smem_layout_staged, tile, mcast):
@@ -294,10 +302,12 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         mBias: cute.Tensor,
         mWorkspace: cute.Tensor,
         mCounters: cute.Tensor,
+        mQScales,  # d_quant: the FP8 output's 1x128 scales (M, N / 128), M-major (else None)
         a_smem: cute.ComposedLayout,
         b_smem: cute.ComposedLayout,
         d_smem: cute.ComposedLayout,
         x_smem,  # kernels that quantize their activations: the unquantized tiles' stages (else None)
+        mX,  # kernels that quantize per token: the activations in global memory (else None)
         tiles_m: Int32,
         tiles_n: Int32,
         splits: Int32,
@@ -311,7 +321,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
+            if cutlass.const_expr(tma_d is not None):
+                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
         if cutlass.const_expr(self.cfg.pdl):
             # Every CTA of a persistent grid is resident from the start: the next kernel may take the idle SMs.
             if tidx == 0:
@@ -333,7 +344,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         # Every consumer warp releases a stage to each CTA that multicast into it.
         consumer_arrivals = (cm + cn - 1) * self.num_mma_warp_groups * 4
         # Block scales: every scale-warp lane also arrives (after its cp.async copies land).
-        producer_arrivals = 1 + PRODUCER_LANES if self.block_scaled else 1
+        # (and every lane of the quantizing warp that filled the stage)
+        producer_arrivals = 1 + PRODUCER_LANES if self.block_scaled or self.quantizes_a else 1
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mainloop_barriers.data_ptr(),
             num_stages=self.ab_stages,
@@ -350,6 +362,14 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             if tidx == 0:
                 for s in cutlass.range_constexpr(self.ab_stages):
                     cute.arch.mbarrier_init(x_full + s, 1)  # the TMA warp's arrive with the tile's bytes
+                if cutlass.const_expr(self.per_token_quant):
+                    init_row_scale_barriers(qstorage.ring_barriers.data_ptr(), self.num_mma_threads)
+        row_scales = None
+        if cutlass.const_expr(self.per_token_quant):
+            row_scales = make_row_scales(
+                mX, qstorage.row_scales.get_tensor(cute.make_layout(row_scale_floats(bN))),
+                qstorage.ring_barriers.data_ptr(), bN,
+                pipeline.NamedBarrier(barrier_id=QUANT_BARRIER_ID, num_threads=QUANT_WARPS * 32))
         pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, cn), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -410,9 +430,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 assert QUANT_WARPS == self.num_threads_per_warp_group // 32 - 1  # every warp but the TMA warp
                 if warp_idx >= 1:
                     w_buf = qstorage.w_prefetch.get_tensor(cute.make_layout((W_SCALE_SLOTS, QUANT_WARPS)))
-                    quantizer = ActivationQuantStaging(mainloop, mB, sX, x_full, mSA, w_buf, sB, scale_slots,
-                                                       self.scale_gran[0], (bM, bN), warp_idx - 1,
-                                                       cute.arch.lane_idx(), make_tag(), k_tiles)
+                    quantizer = ActivationQuantStaging(
+                        mainloop, mB, sX, x_full, mSA, w_buf, sB, scale_slots,
+                        self.scale_gran[0] if self.block_scaled else None, (bM, bN), warp_idx - 1,
+                        cute.arch.lane_idx(), make_tag(self.per_token_quant), k_tiles, row_scales)
                     self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
                                                k_tiles, quantizer)
             elif cutlass.const_expr(self.block_scaled):
@@ -492,6 +513,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 half_mmas[0].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
                 mmas = half_mmas
             tiles_done = Int32(0)
+            units_done = Int32(0)  # (per-token quantization: the epilogue ring's position)
             alpha = None
             if cutlass.const_expr(self.cfg.recipe == "tensor"):
                 # Read the per-tensor scales once, before the first tile: loaded in each tile's epilogue, their
@@ -542,12 +564,20 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                             acc, mWorkspace, mCounters, tm * tiles_n + tn, split, splits, mma_tidx,
                             self.num_mma_threads, epi_barrier, split_flag,
                         )
+                token_scales = None
+                if cutlass.const_expr(self.per_token_quant):
+                    ring_slot = wait_token_scales(row_scales, units_done)
+                    token_scales = row_scales.ring[(None, ring_slot)]
                 if owns_epilogue:
                     if cutlass.const_expr(self.integer):
                         acc_f32.store(acc.load().to(Float32))
-                    self._apply_scales(acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha)
+                    self._apply_scales(acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales)
+                if cutlass.const_expr(self.per_token_quant):
+                    release_token_scales(row_scales, ring_slot)
+                    units_done += 1
+                if owns_epilogue:
                     self._store_tile(epi, acc_f32, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier,
-                                     warp_idx)
+                                     warp_idx, mD, mQScales)
                     tiles_done += 1
                 unit += num_clusters
             store_pipe.producer_tail()
@@ -623,9 +653,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         cute.nvgpu.warpgroup.commit_group()
 
     @cute.jit
-    def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha):
+    def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales=None):
         """acc <- acc * scale (+ bias) in fp32, with scale from the epilogue-scaled recipe (per-tensor: the
-        product ``alpha`` read before the tile loop)."""
+        product ``alpha`` read before the tile loop; per token, computed in the kernel: ``token_scales``, the
+        tile's columns' scales in shared memory)."""
         bM, bN, _ = self.tile_shape_mnk
         M, N = mD.shape
         cD = cute.local_tile(cute.make_identity_tensor((M, N)), (bM, bN), (tm, tn))
@@ -640,7 +671,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                 m, n = tCcD[i]
                 # Rows/columns past the edge are clipped by the TMA store; clamp so the loads stay in bounds.
                 sa = Float32(mSA[cutlass.min(m, M - 1), 0])
-                sb = Float32(mSB[0, cutlass.min(n, N - 1)])
+                if cutlass.const_expr(token_scales is not None):
+                    sb = token_scales[n - tn * bN]
+                else:
+                    sb = Float32(mSB[0, cutlass.min(n, N - 1)])
                 acc[i] = acc[i] * (sa * sb)
         if cutlass.const_expr(self.bias_dtype is not None):
             for i in cutlass.range(cute.size(acc), unroll_full=True):
@@ -662,8 +696,9 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         return tiled_copy_r2s, thr_copy_r2s.partition_D(sD), cute.shape(thr_copy_r2s.partition_S(sD))
 
     @cute.jit
-    def _store_tile(self, epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx):
-        """Registers -> shared memory (stmatrix) -> global memory (TMA store), one tile_m x 32 slice at a time."""
+    def _store_tile(self, epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx, mQ, mQs):
+        """Registers -> shared memory (stmatrix) -> global memory (TMA store), one tile_m x 32 slice at a time; an FP8
+        output (``d_quant``: ``mQ`` and its scales ``mQs``) one 128-column group at a time (``_quantize_slice``)."""
         tiled_copy_r2s, tRS_sD, rD_shape = epi
         tRS_rAcc = tiled_copy_r2s.retile(acc)
         tRS_rD = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, Float32)
@@ -671,28 +706,31 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         n_per_slice = cute.size(tRS_rD)
 
         gD_tile = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
-        bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-            tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
-        )
         slices = cute.size(gD_tile, mode=[1])
-        slice_shape = gD_tile.shape[1]
-        slice_layout = cute.make_layout(slice_shape, stride=(slice_shape[1], 1))
+        if cutlass.const_expr(tma_d is not None):
+            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
+                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
+            )
+            slice_layout = cute.make_layout(gD_tile.shape[1], stride=(gD_tile.shape[1][1], 1))
         first = tiles_done * slices
         for s in cutlass.range_constexpr(slices):
             for v in cutlass.range_constexpr(n_per_slice):
                 tRS_rD[v] = tRS_rAcc[s * n_per_slice + v]
             tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
-            # A buffer per slice: slice s always uses buffer s (no run-time modulo).
-            buf = s if cutlass.const_expr(self.epi_stages == slices) else (first + s) % self.epi_stages
-            cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-            # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
-            cute.arch.fence_proxy("async.shared", space="cta")
-            epi_barrier.arrive_and_wait()
-            if warp_idx == 4:
-                cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, slice_layout.get_hier_coord(s))])
-                store_pipe.producer_commit()
-                store_pipe.producer_acquire()
-            epi_barrier.arrive_and_wait()
+            if cutlass.const_expr(tma_d is None):
+                self._quantize_slice(tiled_copy_r2s, tRS_rD_out, tRS_sD, sD, mQ, mQs, tm, tn, s, epi_barrier)
+            else:
+                # A buffer per slice: slice s always uses buffer s (no run-time modulo).
+                buf = s if cutlass.const_expr(self.epi_stages == slices) else (first + s) % self.epi_stages
+                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
+                # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
+                cute.arch.fence_proxy("async.shared", space="cta")
+                epi_barrier.arrive_and_wait()
+                if warp_idx == 4:
+                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, slice_layout.get_hier_coord(s))])
+                    store_pipe.producer_commit()
+                    store_pipe.producer_acquire()
+                epi_barrier.arrive_and_wait()
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ from typing import Optional, Tuple
 
 import cutlass
 
-from .activation_quant import w_prefetch_floats
-from .block_scales import BLOCK_RECIPES, is_block_scaled, scale_smem_bytes_per_stage
+from .activation_quant import HANDOFF_UNITS, row_scale_floats, w_prefetch_floats
+from .block_scales import BLOCK_RECIPES, SCALE_BLOCK, is_block_scaled, scale_smem_bytes_per_stage
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
 SM90_SMEM_PER_SM = 233472  # per SM (228 KiB), of which the driver reserves 1 KiB per resident CTA
@@ -69,9 +69,13 @@ class Sm90GemmConfig:
     # MMAs run instead of each slice waiting for the one before it to leave shared memory.
     epi_stages: int = 0
     # The activations' dtype ("bf16" | "fp16") when the kernel quantizes them itself (activation_quant.py): A comes
-    # unquantized and each K tile is quantized to ``a_dtype`` in 1x128 groups on its way into shared memory, with
-    # quantize_fp8's numerics; None: A comes quantized. The decode schedule of the recipes with 1x128 A scales only.
+    # unquantized and each K tile is quantized to ``a_dtype`` on its way into shared memory, in 1x128 groups (the
+    # recipes with 1x128 A scales) or per token (recipe "row", e4m3 or int8), with the quantizers' numerics; None: A
+    # comes quantized. The decode schedule only.
     a_input: Optional[str] = None
+    # "1x128": the epilogue emits the output as e4m3 with 1x128 group scales (epilogue_quant.py), quantize_fp8's
+    # numerics on the tile rounded to ``out_dtype`` (bf16) first; None: the output is ``out_dtype``.
+    d_quant: Optional[str] = None
 
     @property
     def cluster_shape_mn(self):
@@ -214,6 +218,8 @@ class Sm90GemmPlan:
                                  f"got {cfg.recipe!r}")
         if cfg.a_input is not None:
             cls._check_quantizing(cfg)
+        if cfg.d_quant is not None:
+            cls._check_fp8_out(cfg)
         if cfg.recipe not in ("tensor", "row") and not is_block_scaled(cfg.recipe):
             raise ValueError(f"recipe must be 'tensor', 'row' or one of {sorted(BLOCK_RECIPES)}, got {cfg.recipe!r}")
         if is_block_scaled(cfg.recipe) and cfg.accum != "promoted":
@@ -246,13 +252,13 @@ class Sm90GemmPlan:
         """The rules of a kernel that quantizes its activations (``a_input``)."""
         if cfg.a_input not in ("bf16", "fp16"):
             raise ValueError(f"a_input (the activations the kernel quantizes) is 'bf16' or 'fp16', got {cfg.a_input!r}")
-        if cfg.a_dtype != "e4m3" or cfg.b_dtype not in ("e4m3", "e5m2"):
-            raise ValueError(f"activations are quantized to e4m3 for an FP8 weight: a_dtype must be 'e4m3' and "
-                             f"b_dtype FP8, got {cfg.a_dtype} x {cfg.b_dtype}")
+        if (cfg.a_dtype, cfg.b_dtype) not in (("e4m3", "e4m3"), ("e4m3", "e5m2"), ("int8", "int8")):
+            raise ValueError(f"activations are quantized to e4m3 for an FP8 weight or to int8 for an int8 one: got "
+                             f"{cfg.a_dtype} x {cfg.b_dtype}")
         gran = BLOCK_RECIPES.get(cfg.recipe)
-        if gran is None or gran[0] != "group":
-            raise ValueError(f"the kernel quantizes activations in 1x128 groups: the recipe must scale A per 1x128 "
-                             f"group ({', '.join(r for r, g in BLOCK_RECIPES.items() if g[0] == 'group')}), "
+        if cfg.recipe != "row" and (gran is None or gran[0] != "group"):
+            raise ValueError(f"the kernel quantizes activations per token ('row') or in 1x128 groups (recipes "
+                             f"{', '.join(r for r, g in BLOCK_RECIPES.items() if g[0] == 'group')}), "
                              f"got {cfg.recipe!r}")
         if not cfg.swap_ab or cfg.cluster_shape_mn != (1, 1) or cfg.ctas_per_sm != 1:
             raise ValueError("activation quantization runs in the decode schedule (swap_ab) without clusters (each "
@@ -261,6 +267,21 @@ class Sm90GemmPlan:
         if cfg.tile_n > cls.max_quantizing_tile_n:
             raise ValueError(f"token tiles of a kernel that quantizes its activations are at most "
                              f"{cls.max_quantizing_tile_n} wide, got tile_n={cfg.tile_n}")
+
+    @classmethod
+    def _check_fp8_out(cls, cfg: Sm90GemmConfig) -> None:
+        """The rules of a kernel whose epilogue emits FP8 in 1x128 groups (``d_quant``, epilogue_quant.py)."""
+        if cfg.d_quant != "1x128":
+            raise ValueError(f"d_quant (the output's FP8 scale groups) is '1x128' or None, got {cfg.d_quant!r}")
+        if cfg.swap_ab or cfg.a_input is not None:
+            raise ValueError("an FP8 output's 1x128 groups run along the tile's rows: the unswapped schedule with "
+                             f"quantized operands only; got swap_ab={cfg.swap_ab}, a_input={cfg.a_input!r}")
+        if cfg.tile_n % SCALE_BLOCK:
+            raise ValueError(f"an FP8 output's tiles hold whole 1x128 groups: tile_n must be a multiple of "
+                             f"{SCALE_BLOCK}, got tile_n={cfg.tile_n}")
+        if cfg.out_dtype != "bf16" or cfg.epi_stages:
+            raise ValueError("an FP8 output is quantized from the tile rounded to bf16, staged in one buffer: "
+                             f"out_dtype must be 'bf16' and epi_stages 0, got {cfg.out_dtype!r}, {cfg.epi_stages}")
 
     # ---- host-side sizing (also used by the instance table's validity rules) -------------------------------
     @staticmethod
@@ -273,8 +294,9 @@ class Sm90GemmPlan:
 
     @staticmethod
     def epi_n(cfg: Sm90GemmConfig) -> int:
-        # Output slices must tile tile_n exactly (80- and 144-wide tiles store in 16-column slices).
-        return 32 if cfg.tile_n % 32 == 0 else 16
+        # Output slices must tile tile_n exactly (80- and 144-wide tiles store in 16-column slices); an FP8 output's
+        # are its 128-column groups.
+        return 128 if cfg.d_quant else 32 if cfg.tile_n % 32 == 0 else 16
 
     @classmethod
     def slice_bytes(cls, cfg: Sm90GemmConfig) -> int:
@@ -291,7 +313,10 @@ class Sm90GemmPlan:
     def fixed_bytes(cls, cfg: Sm90GemmConfig) -> int:
         """Shared memory outside the stages and the epilogue: barriers and alignment, and the W-scale buffers of
         the quantizing warps (activation_quant.py)."""
-        return cls.reserved_bytes + (w_prefetch_floats() * 4 if cfg.a_input else 0)
+        quantizing = w_prefetch_floats() * 4 if cfg.a_input else 0
+        if cfg.a_input and cfg.recipe == "row":  # per token: the token scales and the epilogue ring's barriers
+            quantizing += row_scale_floats(cfg.tile_n) * 4 + 2 * HANDOFF_UNITS * 8
+        return cls.reserved_bytes + quantizing
 
     @classmethod
     def smem_usage(cls, cfg: Sm90GemmConfig, stages: int, epi_stages: int) -> int:
@@ -299,7 +324,7 @@ class Sm90GemmPlan:
 
     @classmethod
     def max_stages(cls, cfg: Sm90GemmConfig) -> int:
-        epi = cfg.epi_stages or cls.min_epi_stages
+        epi = cfg.epi_stages or (1 if cfg.d_quant else cls.min_epi_stages)
         free = smem_capacity(cfg.ctas_per_sm) - cls.epilogue_bytes(cfg, epi) - cls.fixed_bytes(cfg)
         return min(cls.quantizing_max_stages if cfg.a_input else 8, free // cls.stage_bytes(cfg))
 
@@ -309,6 +334,8 @@ class Sm90GemmPlan:
         most one tile's slices. The A/W stages come first: a stage is never given up for the epilogue."""
         if cfg.epi_stages:
             return cfg.epi_stages
+        if cfg.d_quant:
+            return 1  # read back by the epilogue's threads before the next slice is written: no store in flight
         slices = cfg.tile_n // cls.epi_n(cfg)
         free = smem_capacity(cfg.ctas_per_sm) - stages * cls.stage_bytes(cfg) - cls.fixed_bytes(cfg)
         return max(cls.min_epi_stages, min(slices, free // cls.slice_bytes(cfg)))

@@ -83,7 +83,7 @@ _DIV_FMA_PTX = (
 # ----------------------------------------------------------------------------------------------------
 
 
-def _finite_amax(frag, acc):
+def finite_amax(frag, acc):
     """acc = max(acc, |x|) over the finite elements of a register vector (fp32 accumulator).
 
     ``a + (a - a)`` is ``a`` for finite a and NaN for +-inf/NaN; ``max`` returns its non-NaN operand,
@@ -116,7 +116,7 @@ def _finite_amax(frag, acc):
     return acc
 
 
-def _lane_allreduce_max(val, lanes: int):
+def lane_allreduce_max(val, lanes: int):
     """Butterfly max over aligned groups of ``lanes`` lanes (a power of two <= 32)."""
     off = lanes // 2
     while off >= 1:
@@ -125,13 +125,13 @@ def _lane_allreduce_max(val, lanes: int):
     return val
 
 
-def _scale_of(amax, fmax: float):
+def scale_of(amax, fmax: float):
     # The reference: where(amax > 0, amax / fmax, 1), fp32 IEEE division.
     s = amax / Float32(fmax)
     return cutlass.select_(amax > Float32(0.0), s, Float32(1.0))
 
 
-def _recip(scale):
+def reciprocal(scale):
     return Float32(1.0) / scale  # div.rn.f32: the correctly rounded reciprocal, once per group
 
 
@@ -190,9 +190,9 @@ def _cast_fma(frag, scale, rcp, out_dtype):
 def group_scale(frag, lanes: int, fmax: float):
     """(scale, its reciprocal, whether the reciprocal path applies) of one 1 x (lanes * 16) group whose vectors
     ``lanes`` aligned neighbouring lanes hold, one each (``frag`` is this lane's): the contract's scale."""
-    amax = _lane_allreduce_max(_finite_amax(frag, Float32(0.0)), lanes)
-    scale = _scale_of(amax, fmax)
-    return scale, _recip(scale), scale >= Float32(FAST_MIN_SCALE)
+    amax = lane_allreduce_max(finite_amax(frag, Float32(0.0)), lanes)
+    scale = scale_of(amax, fmax)
+    return scale, reciprocal(scale), scale >= Float32(FAST_MIN_SCALE)
 
 
 def emit_quantized(frag, scale, rcp, fast, dst, ok, out_dtype, div: str):
@@ -210,13 +210,13 @@ def emit_quantized(frag, scale, rcp, fast, dst, ok, out_dtype, div: str):
 
 def _block_allreduce_max(amax, red, tidx, nw: int):
     """CTA-wide max (every thread gets it): warp butterfly, one float per warp in smem, butterfly again."""
-    amax = _lane_allreduce_max(amax, 32)
+    amax = lane_allreduce_max(amax, 32)
     if nw == 1:
         return amax
     lane = tidx % 32
     cutlass.if_generate(lane == 0, lambda: red.__setitem__(tidx // 32, amax))
     cute.arch.barrier()
-    return _lane_allreduce_max(red[lane % nw], nw)
+    return lane_allreduce_max(red[lane % nw], nw)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -358,18 +358,18 @@ class TileQuant:
             if cutlass.const_expr(self.mode == MODE_BLOCK):
                 if cutlass.const_expr(self.hold):
                     for p in cutlass.range_constexpr(self.P):
-                        amax = _finite_amax(frags[p], amax)
+                        amax = finite_amax(frags[p], amax)
                 else:  # first read: a batch of loads in flight, reduce, next batch
                     for b in cutlass.range_constexpr(0, self.P, self.batch):
                         for f in self._read_batch(srcs, b):
-                            amax = _finite_amax(f, amax)
+                            amax = finite_amax(f, amax)
             else:
                 # per-tensor: fold the amax kernel's per-CTA partial maxima
                 for i in range(tidx, mPart.shape[0], self.T):
                     amax = cute.arch.fmax(amax, mPart[i])
             amax = _block_allreduce_max(amax, red, tidx, self.NW)
-            scale = _scale_of(amax, self.fmax)
-            rcp = _recip(scale)
+            scale = scale_of(amax, self.fmax)
+            rcp = reciprocal(scale)
             fast = scale >= Float32(FAST_MIN_SCALE)
             if cutlass.const_expr(self.hold):
                 for p in cutlass.range_constexpr(self.P):
@@ -439,7 +439,7 @@ class TensorAmax:
                 cute.autovec_copy(gX[(None, (cutlass.select_(row < M, row, M - 1), cv))], f)
                 frags.append(f)
             for u in cutlass.range_constexpr(self.U):
-                amax = _finite_amax(frags[u], amax)
+                amax = finite_amax(frags[u], amax)
         red = cutlass.memory.SmemAllocator().allocate_tensor(Float32, cute.make_layout(self.NW), 4)
         amax = _block_allreduce_max(amax, red, tidx, self.NW)
         if tidx == 0:
@@ -490,10 +490,10 @@ class RowQuant:
                 cute.autovec_copy(gX[(None, (rowc, cutlass.select_(cv < nv, cv, nv - 1)))], f)
                 frags.append(f)
             for u in cutlass.range_constexpr(self.U):
-                amax = _finite_amax(frags[u], amax)
-        amax = _lane_allreduce_max(amax, 32)
-        scale = _scale_of(amax, self.fmax)
-        rcp = _recip(scale)
+                amax = finite_amax(frags[u], amax)
+        amax = lane_allreduce_max(amax, 32)
+        scale = scale_of(amax, self.fmax)
+        rcp = reciprocal(scale)
         fast = scale >= Float32(FAST_MIN_SCALE)
         if (lane == 0) & row_ok:
             mS[row, 0] = scale
