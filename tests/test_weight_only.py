@@ -449,3 +449,9 @@ def test_cpu_demo_lists_the_weight_only_and_activation_quantizing_kernels(capsys
     assert "sm_90a_quant_gemm_small_m_1x128_128x128_bf16xe4m3_bf16_t128x16_c1x1_promoted_swapab: " in out
     assert re.search(r"\n +\d+ x the activations' e4m3 conversion, e\.g\. cvt\.rn\.satfinite\.e4m3x2\.f32 ", out)
     assert re.search(r"\n +\d+ x the activations' 16-byte shared stores, e\.g\. st\.shared\.v4\.b32 ", out)
+    # ... per token for an int8 weight, and the epilogue emitting FP8 in 1x128 groups
+    assert "sm_90a_quant_gemm_small_m_row_bf16xint8_bf16_t128x16_c1x1_fast_swapab: " in out
+    assert re.search(r"\n +\d+ x the activations' row reads \(16 bytes\), e\.g\. ld\.global(\.nc)?\.v4\.b32 ", out)
+    assert re.search(r"\n +\d+ x the activations' int8 rounding, e\.g\. cvt\.rni\.s32\.f32 ", out)
+    assert "sm_90a_gemm_fp8_out_cooperative_1x128_128x128_e4m3xe4m3_bf16_t128x128_c2x1_promoted: " in out
+    assert re.search(r"\n +\d+ x the output's 16-byte global stores, e\.g\. st\.global\.v4\.b32 ", out)

@@ -96,17 +96,19 @@ def _demo_cpu() -> int:
     from cutedsl_gemm.numerics import int_packing as IP
     from cutedsl_gemm.numerics import reference as R
     from cutedsl_gemm.selection import dispatch
-    from cutedsl_gemm.selection.instances import QUANT_GEMM
+    from cutedsl_gemm.selection.instances import GEMM_FP8_OUT, QUANT_GEMM
     from cutedsl_gemm.tools.ptx_inspect import (
         ACTIVATION_QUANTIZATION,
+        FP8_OUTPUT,
+        PER_TOKEN_QUANTIZATION,
         WEIGHT_CONVERSION,
         WGMMA_RS,
         WGMMA_S8,
         inspect_instance,
     )
 
-    print("No Hopper GPU here: compiling the FP8, INT8 and weight-only GEMM instances and the GEMM that quantizes its "
-          "activations for sm_90a and inspecting them.\n")
+    print("No Hopper GPU here: compiling the FP8, INT8 and weight-only GEMM instances, the GEMMs that quantize their "
+          "activations and the one that emits FP8 for sm_90a and inspecting them.\n")
     expect = {"wgmma.mma_async": "tensor-core MMA", "cp.async.bulk.tensor": "TMA",
               "setmaxnreg": "register reallocation"}
     ok = True
@@ -122,13 +124,21 @@ def _demo_cpu() -> int:
     # quantize_scaled_mm's one kernel at M = 1: bf16 activations quantized to e4m3 in 1x128 groups by its producer
     # warps (the group quantizer's conversion), x DeepSeek-scaled e4m3 weights
     insts.append(dispatch.select_gemm("sm_90a", "1x128_128x128", "bf16", "e4m3", "bf16", None, 1, op=QUANT_GEMM))
+    # ... per token for an int8 weight (W8A8): each token's scale from a pass over its row, then int8 codes
+    insts.append(dispatch.select_gemm("sm_90a", "row", "bf16", "int8", "bf16", None, 1, "fast", op=QUANT_GEMM))
+    # scaled_mm_fp8_out's epilogue at M = 4096: the bf16 tile quantized to e4m3 in 1x128 groups on its way out
+    insts.append(dispatch.fp8_out_twin(dispatch.select_gemm("sm_90a", "1x128_128x128", "e4m3", "e4m3", "bf16", None,
+                                                            4096, "promoted")))
     # (what the PTX must hold, for the instances it is checked in)
     required = (("the s8 x s8 -> s32 WGMMA", WGMMA_S8, lambda i: i.a_dtype == "int8"),
                 ("the register-sourced WGMMA (A: the converted weights)", WGMMA_RS, lambda i: i.op == "weight_only"),
                 *((f"the weights' {step}", p, lambda i: i.op == "weight_only")
                   for step, p in WEIGHT_CONVERSION.items()),
-                *((f"the activations' {step}", p, lambda i: i.op == QUANT_GEMM)
-                  for step, p in ACTIVATION_QUANTIZATION.items()))
+                *((f"the activations' {step}", p, lambda i: i.op == QUANT_GEMM and i.recipe != "row")
+                  for step, p in ACTIVATION_QUANTIZATION.items()),
+                *((f"the activations' {step}", p, lambda i: i.op == QUANT_GEMM and i.recipe == "row")
+                  for step, p in PER_TOKEN_QUANTIZATION.items()),
+                *((f"the output's {step}", p, lambda i: i.op == GEMM_FP8_OUT) for step, p in FP8_OUTPUT.items()))
     for inst in insts:
         t0 = time.time()
         rep = inspect_instance(inst)
@@ -144,7 +154,7 @@ def _demo_cpu() -> int:
             if not count:
                 print(f"    MISSING {what}")
                 ok = False
-            elif inst.op in ("weight_only", QUANT_GEMM):  # its instructions, the first of each shown
+            elif inst.op in ("weight_only", QUANT_GEMM, GEMM_FP8_OUT):  # its instructions, the first of each shown
                 first = re.search(rf"(?:{pattern})[^\n]*", rep.ptx).group(0)
                 print(f"    {count:4d} x {what}, e.g. {' '.join(first.split())}")
     print("\nReference numerics (CPU, float64 on dequantized operands):")

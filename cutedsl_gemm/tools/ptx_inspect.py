@@ -41,6 +41,12 @@ WEIGHT_CONVERSION = {"magic-number conversion": r"lop3\.b32", "scale FMA": r"fma
 #: group's amax on packed 16-bit pairs, the e4m3 conversion, and the 16-byte stores of the quantized tile.
 ACTIVATION_QUANTIZATION = {"amax": r"max\.(?:bf16|f16)x2", "e4m3 conversion": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
                            "16-byte shared stores": r"st\.shared\.v4\.b32"}
+# ... per token (int8 W8A8): the pass over each token's row for its scale, the integer rounding
+PER_TOKEN_QUANTIZATION = {"row reads (16 bytes)": r"ld\.global(?:\.nc)?\.v4\.b32", "amax": r"max\.(?:bf16|f16)x2",
+                          "int8 rounding": r"cvt\.rni\.s32\.f32", "16-byte shared stores": r"st\.shared\.v4\.b32"}
+# The epilogue emitting FP8 in 1x128 groups: the staged bf16 tile read back, quantized, stored to global memory.
+FP8_OUTPUT = {"16-byte shared reads": r"ld\.shared\.v4\.b32", "e4m3 conversion": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+              "16-byte global stores": r"st\.global\.v4\.b32"}
 
 # ELF .nv.info attribute ids (EIATTR_*) we read.
 _EIATTR_REGCOUNT = 0x2F
