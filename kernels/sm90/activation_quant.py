@@ -243,8 +243,10 @@ def _store_w_scales(buf, slots, gran: cutlass.Constexpr, extent: cutlass.Constex
 
 
 @cute.jit
-def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, tn, stage, lane):
-    """Quantize the stage's unquantized token tile (zero past M and K) into its B tile and token scale slots."""
+def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, tn, stage, lane, tok=None):
+    """Quantize the stage's unquantized token tile (zero past M and K) into its B tile: each token's 1x128 group
+    with the group's scale, stored into the stage's token scale slots ``slots_x``; or, per token (``tok``: each
+    token's scale and reciprocal), with the token's scale (``slots_x`` unused)."""
     fp8 = sB.element_type
     sXv = cute.zipped_divide(sX[(None, None, stage)], (1, VEC))  # ((1, 16), (tile_n, 8))
     sV = cute.zipped_divide(sB[(None, None, stage)], (1, VEC))
@@ -262,10 +264,15 @@ def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, tn, stage, lan
         # columns and scales stay stale and only reach outputs past M, which the TMA store clips.
         if p * TOKENS_PER_PASS < tokens_left:
             r = p * TOKENS_PER_PASS + sub
-            scale, rcp, fast = group_scale(frags[p], LANES_PER_TOKEN, E4M3_MAX)
-            emit_quantized(frags[p], scale, rcp, fast, sV[(None, (r, v))], True, fp8, "fma")
-            if v == 0:
-                slots_x[(r, stage)] = scale
+            if cutlass.const_expr(tok is None):
+                scale, rcp, fast = group_scale(frags[p], LANES_PER_TOKEN, E4M3_MAX)
+                emit_quantized(frags[p], scale, rcp, fast, sV[(None, (r, v))], True, fp8, "fma")
+                if v == 0:
+                    slots_x[(r, stage)] = scale
+            else:
+                scale = tok[(r, 0)]
+                emit_quantized(frags[p], scale, tok[(r, 1)], scale >= Float32(FAST_MIN_SCALE), sV[(None, (r, v))],
+                               True, fp8, "fma")
 
 
 # ---- per-token scales ----------------------------------------------------------------------------------------------
@@ -330,28 +337,7 @@ def _token_amax(x: cute.Tensor, partial: cute.Tensor, tile_n: cutlass.Constexpr,
 def _fill_rows_if_mine(mainloop, x, sX, x_full, sB, tok, tile_n: cutlass.Constexpr, warp, lane, tn, state):
     if state.count % QUANT_WARPS == warp:
         cute.arch.mbarrier_wait(x_full + state.index, state.phase ^ 1)
-        _quantize_tile_rows(x, sX, sB, tok, tile_n, tn, state.index, lane)
+        _quantize_tile(x, sX, sB, None, tile_n, tn, state.index, lane, tok)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(state))
 
-
-@cute.jit
-def _quantize_tile_rows(x, sX, sB, tok, tile_n: cutlass.Constexpr, tn, stage, lane):
-    """``_quantize_tile`` with each token's own scale (``tok``) instead of its group's."""
-    sXv = cute.zipped_divide(sX[(None, None, stage)], (1, VEC))
-    sV = cute.zipped_divide(sB[(None, None, stage)], (1, VEC))
-    sub = lane // LANES_PER_TOKEN
-    v = lane % LANES_PER_TOKEN
-    tokens_left = x.shape[0] - tn * tile_n
-    passes = tile_n // TOKENS_PER_PASS
-    frags = []
-    for p in cutlass.range_constexpr(passes):
-        f = cute.make_rmem_tensor((1, VEC), sX.element_type)
-        cute.autovec_copy(sXv[(None, (p * TOKENS_PER_PASS + sub, v))], f)
-        frags.append(f)
-    for p in cutlass.range_constexpr(passes):
-        if p * TOKENS_PER_PASS < tokens_left:
-            r = p * TOKENS_PER_PASS + sub
-            scale = tok[(r, 0)]
-            emit_quantized(frags[p], scale, tok[(r, 1)], scale >= Float32(FAST_MIN_SCALE), sV[(None, (r, v))], True,
-                           sB.element_type, "fma")
