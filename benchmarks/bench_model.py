@@ -352,14 +352,21 @@ def table_rows(phase, batch, tokens, measured, floors=None):
 
 
 def summarize(rows) -> dict:
-    """Ours against bf16 and torch per phase, and the logit errors at the first decode batch."""
+    """Ours against bf16 and torch per phase, the logit errors at the first decode batch, and per decode batch the
+    ratio ours could reach against bf16 if both streamed their weights at the floor (bf16's weight floor over ours:
+    the bound on "ours x bf16" while the rest of the step costs the same in both)."""
     out = {}
     cells = [dict(zip(COLUMNS, row)) for row in rows]
+    floor = {(c["batch"], c["variant"]): c["ms"] * c["% of weight floor"] / 100 for c in cells
+             if c["phase"] == "decode" and c["ms"] and c["% of weight floor"]}
     for c in cells:
         where = f"decode batch {c['batch']}" if c["phase"] == "decode" else "prefill"
         if c["variant"] == "ours":
             out[f"{where}: ours x bf16"] = c["x bf16"]
             out[f"{where}: ours x torch"] = c["x torch"]
+            if (c["batch"], "bf16") in floor and (c["batch"], "ours") in floor and c["phase"] == "decode":
+                out[f"{where}: x bf16 at the weight floors"] = round(
+                    floor[c["batch"], "bf16"] / floor[c["batch"], "ours"], 3)
         if c["phase"] == "decode" and c["batch"] == cells[0]["batch"] and c["logit rel err"] is not None:
             out[f"{where}: logit rel err {c['variant']}"] = c["logit rel err"]
     return out

@@ -409,3 +409,19 @@ def test_demo_model_section_is_skipped_without_a_hopper_gpu(monkeypatch, capsys)
 def test_render_orders_the_new_results():
     assert {"model_llama8b", "linear_stack"} <= set(render.ORDER)
     assert {"model_llama8b", "linear_stack"} <= {name for _, name in render.PRODUCERS}
+
+
+def test_summary_bounds_the_decode_ratio_by_the_weight_floors():
+    """bf16's weight floor over ours: what "ours x bf16" could reach if both streamed their weights at the floor."""
+    row = dict.fromkeys(bench_model.COLUMNS)
+
+    def cells(phase, batch, variant, ms, pct, x_bf16=None):
+        return [{**row, "phase": phase, "batch": batch, "variant": variant, "ms": ms, "% of weight floor": pct,
+                 "x bf16": x_bf16}[c] for c in bench_model.COLUMNS]
+
+    rows = [cells("decode", 1, "bf16", 2.0, 50.0), cells("decode", 1, "ours", 1.5, 40.0, 1.333),
+            cells("prefill", 1, "bf16", 30.0, None), cells("prefill", 1, "ours", 25.0, None, 1.2)]
+    summary = bench_model.summarize(rows)
+    assert summary["decode batch 1: x bf16 at the weight floors"] == pytest.approx(1.0 / 0.6, abs=1e-3)
+    assert summary["decode batch 1: ours x bf16"] == 1.333 and summary["prefill: ours x bf16"] == 1.2
+    assert "prefill: x bf16 at the weight floors" not in summary
