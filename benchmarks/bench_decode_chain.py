@@ -17,7 +17,6 @@ into decode_chain_sweep.json.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 
 import torch
@@ -26,24 +25,11 @@ import cutedsl_gemm
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.instances import KernelInstance
+from cutedsl_gemm.selection.instances import kernel_variant
 from cutedsl_gemm.tools.anchors import cublas_call, make_operands
 
 from . import bench_sweep, common
 from .common import HBM_TBPS, bench
-
-
-class _NoPdl(KernelInstance):
-    """The same decode kernel built without programmatic dependent launch (for the comparison)."""
-
-    def sm90_config(self):
-        return dataclasses.replace(super().sm90_config(), pdl=False)
-
-
-def _without_pdl(inst: KernelInstance) -> KernelInstance:
-    fields = {f.name: getattr(inst, f.name) for f in dataclasses.fields(inst)}
-    fields["schedule"] = inst.schedule + "_nopdl"  # its own JIT cache entry
-    return _NoPdl(**fields)
 
 
 def chain_one(recipe, m, n, k, layers, sms, without_pdl=True):
@@ -72,7 +58,7 @@ def chain_one(recipe, m, n, k, layers, sms, without_pdl=True):
 
     # the instance scaled_mm dispatches to (it passes K too)
     inst = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=sms, k=k)
-    plain = _without_pdl(inst)
+    plain = kernel_variant(inst, pdl=False)  # the same decode kernel built without PDL
     clusters = launch.launch_clusters(0, plain)
     splits = dispatch.choose_splits(plain, m, n, k, clusters * plain.cluster_m * plain.cluster_n)
     views = [scale_layouts.resolve(sa, sb, m, n, k)[1:] for (_, _, sa, sb, _) in operands]

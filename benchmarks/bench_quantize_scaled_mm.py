@@ -1,8 +1,9 @@
 """One kernel against two: ``quantize_scaled_mm(..., in_kernel=True)`` (bf16 activations quantized inside the GEMM at
 decode sizes) against the library's quantizer followed by ``scaled_mm`` on the same weights, against ``scaled_mm``
-alone on activations quantized beforehand (the GEMM's share of the two), and against the same layer written in torch
-(torch-side quantization, then ``torch._scaled_mm`` / ``F.scaled_mm``, or ``torch._int_mm`` and the scale multiply),
-per activation recipe:
+alone on activations quantized beforehand (the GEMM's share of the two), against the one kernel with 32 quantizing
+lanes a token instead of 8 (``Sm90GemmConfig.quant_lanes``, a kernel variant), and against the same layer written in
+torch (torch-side quantization, then ``torch._scaled_mm`` / ``F.scaled_mm``, or ``torch._int_mm`` and the scale
+multiply), per activation recipe:
 
 =========  =====================================  ==================================
 recipe     weight                                 activations
@@ -29,7 +30,10 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm import problem as P
+from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
+from cutedsl_gemm.selection.instances import kernel_variant
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.anchors import TorchFp8Linear
 
@@ -45,8 +49,8 @@ RECIPES = {
     "row": (cutedsl_gemm.quantize_fp8, "row", "row"),
     "int8": (cutedsl_gemm.quantize_int8, "row", None),
 }
-COLUMNS = ["recipe", "M", "N", "K", "tile", "one kernel us", "two kernels us", "GEMM alone us", "torch us",
-           "two / one", "torch / one", "floor us", "one kernel % of floor"]
+COLUMNS = ["recipe", "M", "N", "K", "tile", "one kernel us", "32 lanes us", "two kernels us", "GEMM alone us",
+           "torch us", "two / one", "one / 32 lanes", "torch / one", "floor us", "one kernel % of floor"]
 
 
 def weight(recipe, n, k):
@@ -68,10 +72,20 @@ def torch_layer(recipe, w):
     return TorchInt8Linear(w) if torch_recipe is None else TorchFp8Linear(w, recipe=torch_recipe)
 
 
-def variants(recipe, x, qa, sa, b, sb, layer):
-    """{variant: function}: one kernel, quantizer + scaled_mm, scaled_mm on ``qa`` alone, the torch layer."""
+def variants(recipe, x, qa, sa, b, sb, layer, pick):
+    """{variant: function}: one kernel, the same with 32 quantizing lanes a token (``pick``: dispatch's (instance,
+    splits), or None where there is no one-kernel row), quantizer + scaled_mm, scaled_mm on ``qa`` alone, the torch
+    layer."""
+    lanes32 = None
+    if pick is not None:
+        inst, splits = pick
+        sb_view = scale_layouts.w_kernel_view(inst.recipe, -(-x.shape[1] // 128), sb)
+        out = torch.empty(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)
+        lanes32 = launch.bind(kernel_variant(inst, quant_lanes=32), x, b, torch.ones(1, device=x.device), sb_view,
+                              out, splits=splits)
     return {
         "one": lambda: cutedsl_gemm.quantize_scaled_mm(x, b, sb, in_kernel=True),
+        "32 lanes": lanes32,
         "two": lambda: cutedsl_gemm.quantize_scaled_mm(x, b, sb, in_kernel=False),
         "gemm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, None, None, torch.bfloat16),
         "torch": lambda: layer(x),
@@ -80,6 +94,8 @@ def variants(recipe, x, qa, sa, b, sb, layer):
 
 def time_graph(fn) -> float:
     """us per replay of ``fn`` captured in a CUDA graph; nan where the call (or its capture) is refused."""
+    if fn is None:
+        return math.nan
     try:
         graph = M.cuda_graph(fn)[0]
     except (RuntimeError, ValueError):
@@ -111,12 +127,14 @@ def main(argv=None):
                 problem = P.describe_quantize_scaled_mm(x, b, sb, None, x.dtype, None, None, None, x.device)[0]
                 fused = dispatch.has_quantizing_rows(problem)
                 inst, splits = dispatch.select(problem) if fused else (None, 0)
-                t = {name: time_graph(fn) for name, fn in variants(recipe, x, qa, sa, b, sb, layer).items()}
+                pick = (inst, splits) if fused else None
+                t = {name: time_graph(fn) for name, fn in variants(recipe, x, qa, sa, b, sb, layer, pick).items()}
                 floor = (n * k * b.element_size() + sb.numel() * 4) / (HBM_TBPS * 1e12) * 1e6
                 tile = f"{inst.tile_m}x{inst.tile_n}/{splits}" if fused else "two kernels"
-                rows.append([recipe, m, n, k, tile, round(t["one"], 2), round(t["two"], 2), round(t["gemm"], 2),
-                             round(t["torch"], 2), round(t["two"] / t["one"], 3), round(t["torch"] / t["one"], 3),
-                             round(floor, 2), round(100 * floor / t["one"], 1)])
+                rows.append([recipe, m, n, k, tile, round(t["one"], 2), round(t["32 lanes"], 2), round(t["two"], 2),
+                             round(t["gemm"], 2), round(t["torch"], 2), round(t["two"] / t["one"], 3),
+                             round(t["one"] / t["32 lanes"], 3), round(t["torch"] / t["one"], 3), round(floor, 2),
+                             round(100 * floor / t["one"], 1)])
                 print(" ".join(f"{v!s:>{max(len(c), 8)}s}" for v, c in zip(rows[-1], COLUMNS)), flush=True)
     notes = ("bf16 in and out, no bias; deepseek: 1x128 activations x 128x128 weights; row: per-token e4m3 x "
              "per-channel e4m3; int8: per-token x per-channel int8 (W8A8); two kernels: "

@@ -17,7 +17,7 @@ from cutedsl_gemm.nn.recipes import LINEAR_RECIPES
 from cutedsl_gemm.numerics.formats import E4M3, INT8
 from cutedsl_gemm.ops import library as L
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, select
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, kernel_variant, select
 from cutedsl_gemm.tools.ptx_inspect import find_ptxas, inspect_instance, ptxas_performance_notes
 
 HOPPER = ("sm_90a", 132)
@@ -76,6 +76,7 @@ def test_activations_are_quantized_to_the_weights_kind_with_the_pairing_scales()
     (dict(swap_ab=False), "decode schedule"),
     (dict(tile_n=64), "at most 32 wide"),
     (dict(a_input="fp32"), "'bf16' or 'fp16'"),
+    (dict(quant_lanes=16), "quant_lanes .* is 8 or 32"),
     (dict(b_dtype="int8"), "int8 operands pair with int8 only"),
     (dict(a_dtype="e5m2"), "quantized to e4m3 for an FP8 weight or to int8 for an int8 one"),
     (dict(a_dtype="int8", b_dtype="int8", accum="fast"), "int8 GEMMs scale in the epilogue"),
@@ -238,3 +239,28 @@ def test_op_fake_gives_the_output_shape_and_dtype():
 def test_layers_of_1x128_activations_call_it():
     assert LINEAR_RECIPES["deepseek"].quantizes_in_gemm
     assert not any(r.quantizes_in_gemm for name, r in LINEAR_RECIPES.items() if name != "deepseek")
+
+
+def test_a_kernel_variant_is_the_row_with_its_configuration_changed():
+    inst = select(op=QUANT_GEMM)[0]
+    variant = kernel_variant(inst, quant_lanes=32)
+    assert variant.sm90_config() == dataclasses.replace(inst.sm90_config(), quant_lanes=32)
+    assert variant.name == inst.name + "_quant_lanes32" and repr(variant) != repr(inst)  # its own JIT cache entry
+    assert (variant.tile_m, variant.tile_n, variant.recipe) == (inst.tile_m, inst.tile_n, inst.recipe)
+    with pytest.raises(ValueError, match="8 or 32"):
+        Sm90GemmPlan.check_config(kernel_variant(inst, quant_lanes=4).sm90_config())
+
+
+@pytest.mark.compile
+def test_32_quantizing_lanes_store_4_bytes_a_lane():
+    """With 32 lanes a token each lane quantizes 4 elements (8-byte shared reads, 4-byte stores) and the group's amax
+    takes five shuffles instead of three."""
+    inst = next(i for i in select(op=QUANT_GEMM, a_dtype="bf16", bias_dtype=None, recipe="1x128_128x128")
+                if (i.tile_m, i.tile_n) == (128, 16))
+    rep = inspect_instance(kernel_variant(inst, quant_lanes=32))
+    assert rep.has(r"st\.shared\.b32") and not rep.has(r"st\.shared\.v4\.b32")
+    assert rep.has(r"ld\.shared\.v2\.b32") and rep.has(r"cvt\.rn\.satfinite\.e4m3x2\.f32")
+    assert rep.frame_bytes == 0
+    ptxas = find_ptxas()
+    if ptxas is not None:
+        assert not ptxas_performance_notes(rep.ptx, inst.arch, ptxas)

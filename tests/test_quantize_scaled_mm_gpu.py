@@ -15,7 +15,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, kernel_variant
 
 pytestmark = pytest.mark.gpu
 
@@ -274,3 +274,24 @@ def test_per_token_graph_replay(kind):
     static_x.copy_(x2)
     graph.replay()
     _same(static_y, _two_kernels_per_token(x2, qw.t(), sb, None, kind)[0])
+
+
+@pytest.mark.parametrize("recipe", ["1x128_128x128", "row"])
+@pytest.mark.parametrize("m", [1, 3, 29])
+def test_32_quantizing_lanes_a_token_give_the_same_bits(recipe, m):
+    """The kernel variant with 32 lanes a token (4 elements a lane) against the table's 8 (16 a lane): the same codes
+    and scales, so the same output."""
+    inst = next(i for i in INSTANCES if i.op == QUANT_GEMM and i.recipe == recipe and i.b_dtype == "e4m3"
+                and i.a_dtype == "bf16" and i.bias_dtype is None and (i.tile_m, i.tile_n) == (64, 32 if m > 16 else 16))
+    n, k = 2048, 1040
+    if recipe == "row":
+        qw, sb = _per_channel_weight(n, k, "e4m3")
+    else:
+        qw, sb, _ = _weight(n, k, recipe)
+    x = _activations(m, k, torch.bfloat16, special=True)
+    vb = scale_layouts.w_kernel_view(recipe, -(-k // 128), sb)
+    stand_in = torch.ones(1, device="cuda")
+    y8, y32 = (torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    launch.launch(inst, x, qw.t(), stand_in, vb, y8, splits=2)
+    launch.launch(kernel_variant(inst, quant_lanes=32), x, qw.t(), stand_in, vb, y32, splits=2)
+    _same(y32, y8)

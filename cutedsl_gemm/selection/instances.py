@@ -144,6 +144,27 @@ class KernelInstance:
                                self.bias_dtype is not None, scaling=None if kind == "f8f6f4" else BlockScaling(kind))
 
 
+@dataclass(frozen=True)
+class KernelVariant(KernelInstance):
+    """A Hopper row built with some fields of its kernel configuration changed (``Sm90GemmConfig``), to time a kernel
+    option against the row (benchmarks) and check that it gives the same bits (tests). Not in the table; its repr,
+    the JIT cache's key, holds the changes, so it compiles and caches apart from the row."""
+
+    changes: Tuple[Tuple[str, object], ...] = ()  # (Sm90GemmConfig field, value), sorted
+
+    def sm90_config(self):
+        return dataclasses.replace(super().sm90_config(), **dict(self.changes))
+
+    @property
+    def name(self) -> str:
+        return super().name + "".join(f"_{field}{value}" for field, value in self.changes)
+
+
+def kernel_variant(inst: KernelInstance, **changes) -> KernelVariant:
+    """``inst`` built with ``changes`` to its Hopper kernel configuration (checked when it is built)."""
+    return KernelVariant(**_shared_fields(inst, KernelInstance), changes=tuple(sorted(changes.items())))
+
+
 def _shared_fields(src, cls) -> dict:
     """The fields of dataclass ``src`` that dataclass ``cls`` also has, by name."""
     names = {f.name for f in dataclasses.fields(cls)}

@@ -61,8 +61,7 @@ from .quantize_fp8 import (
 )
 
 QUANT_WARPS = 3  # warps 1..3 of the producer warp group (warp 0 issues the TMA loads)
-LANES_PER_TOKEN = SCALE_BLOCK // VEC  # 8 lanes x 16 elements: one 1x128 group
-TOKENS_PER_PASS = 32 // LANES_PER_TOKEN
+LANES_PER_TOKEN = SCALE_BLOCK // VEC  # 8 lanes x 16 elements: one 1x128 group (Sm90GemmConfig.quant_lanes: or 32 x 4)
 E4M3_MAX = 448.0  # the quantized activations' format (numerics.formats.E4M3.max_finite; a test checks they agree)
 W_SCALE_SLOTS = 128  # per quantizing warp: a 128-row tile's per-row W scales (or its one or two block scales)
 INT8_MAX = 127.0  # int8 activations' range (quantize_fp8.INT8_MAX)
@@ -164,6 +163,7 @@ class ActivationQuantStaging:
     tag: object  # make_tag
     k_tiles: object  # K tiles of the problem
     rows: object = None  # RowScales when the kernel quantizes per token (then scales_w, w_buf, slots are unused)
+    lanes: int = LANES_PER_TOKEN  # lanes per token and K tile (Sm90GemmConfig.quant_lanes)
 
     def unit_views(self, tm, tn):
         if cutlass.const_expr(self.rows is not None):
@@ -174,16 +174,16 @@ class ActivationQuantStaging:
     def fill_stage(self, views, tm, tn, kt, state):
         if cutlass.const_expr(self.rows is not None):
             _fill_rows_if_mine(self.mainloop, self.x, self.sX, self.x_full, self.sB, self.rows.tok, self.tile_mn[1],
-                               self.warp, self.lane, tn, state)
+                               self.lanes, self.warp, self.lane, tn, state)
         else:
             _fill_if_mine(self.mainloop, self.x, self.sX, self.x_full, self.scales_w, self.w_buf, self.sB,
-                          self.slots[0], self.slots[1], self.w_gran, self.tile_mn, self.warp, self.lane, self.tag,
-                          self.k_tiles, tm, tn, kt, state)
+                          self.slots[0], self.slots[1], self.w_gran, self.tile_mn, self.lanes, self.warp, self.lane,
+                          self.tag, self.k_tiles, tm, tn, kt, state)
 
 
 @cute.jit
 def _fill_if_mine(mainloop, x, sX, x_full, scales_w, w_buf, sB, slots_w, slots_x, w_gran: cutlass.Constexpr,
-                  tile_mn: cutlass.Constexpr, warp, lane, tag, k_tiles, tm, tn, kt, state):
+                  tile_mn: cutlass.Constexpr, lanes: cutlass.Constexpr, warp, lane, tag, k_tiles, tm, tn, kt, state):
     if state.count % QUANT_WARPS == warp:
         mine = w_buf[(None, warp)]
         # The buffer holds this stage's W scales unless it starts a unit (another tile or split).
@@ -193,7 +193,7 @@ def _fill_if_mine(mainloop, x, sX, x_full, scales_w, w_buf, sB, slots_w, slots_x
         cute.arch.mbarrier_wait(x_full + state.index, state.phase ^ 1)
         cute.arch.cp_async_wait_group(0)
         _store_w_scales(mine, slots_w, w_gran, tile_mn[0], state.index, lane)
-        _quantize_tile(x, sX, sB, slots_x, tile_mn[1], tn, state.index, lane)
+        _quantize_tile(x, sX, sB, slots_x, tile_mn[1], lanes, tn, state.index, lane)
         # Generic-proxy stores, read by the WGMMAs through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(state))
@@ -243,29 +243,31 @@ def _store_w_scales(buf, slots, gran: cutlass.Constexpr, extent: cutlass.Constex
 
 
 @cute.jit
-def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, tn, stage, lane, tok=None):
-    """Quantize the stage's unquantized token tile (zero past M and K) into its B tile: each token's 1x128 group
-    with the group's scale, stored into the stage's token scale slots ``slots_x``; or, per token (``tok``: each
-    token's scale and reciprocal), with the token's scale (``slots_x`` unused)."""
+def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, lanes: cutlass.Constexpr, tn, stage, lane, tok=None):
+    """Quantize the stage's unquantized token tile (zero past M and K) into its B tile, ``lanes`` lanes a token: each
+    token's 1x128 group with the group's scale, stored into the stage's token scale slots ``slots_x``; or, per token
+    (``tok``: each token's scale and reciprocal), with the token's scale (``slots_x`` unused)."""
     fp8 = sB.element_type
-    sXv = cute.zipped_divide(sX[(None, None, stage)], (1, VEC))  # ((1, 16), (tile_n, 8))
-    sV = cute.zipped_divide(sB[(None, None, stage)], (1, VEC))
-    sub = lane // LANES_PER_TOKEN
-    v = lane % LANES_PER_TOKEN
+    width = SCALE_BLOCK // lanes  # elements a lane: 16 (8 lanes) or 4 (32 lanes)
+    per_pass = 32 // lanes  # tokens a pass of the warp
+    sXv = cute.zipped_divide(sX[(None, None, stage)], (1, width))  # ((1, width), (tile_n, lanes))
+    sV = cute.zipped_divide(sB[(None, None, stage)], (1, width))
+    sub = lane // lanes
+    v = lane % lanes
     tokens_left = x.shape[0] - tn * tile_n
-    passes = tile_n // TOKENS_PER_PASS
+    passes = tile_n // per_pass
     frags = []
     for p in cutlass.range_constexpr(passes):  # every read before any arithmetic
-        f = cute.make_rmem_tensor((1, VEC), sX.element_type)
-        cute.autovec_copy(sXv[(None, (p * TOKENS_PER_PASS + sub, v))], f)
+        f = cute.make_rmem_tensor((1, width), sX.element_type)
+        cute.autovec_copy(sXv[(None, (p * per_pass + sub, v))], f)
         frags.append(f)
     for p in cutlass.range_constexpr(passes):
         # Passes wholly past the last token are skipped (M = 1 quantizes one of a 16-wide tile's four): their B
         # columns and scales stay stale and only reach outputs past M, which the TMA store clips.
-        if p * TOKENS_PER_PASS < tokens_left:
-            r = p * TOKENS_PER_PASS + sub
+        if p * per_pass < tokens_left:
+            r = p * per_pass + sub
             if cutlass.const_expr(tok is None):
-                scale, rcp, fast = group_scale(frags[p], LANES_PER_TOKEN, E4M3_MAX)
+                scale, rcp, fast = group_scale(frags[p], lanes, E4M3_MAX)
                 emit_quantized(frags[p], scale, rcp, fast, sV[(None, (r, v))], True, fp8, "fma")
                 if v == 0:
                     slots_x[(r, stage)] = scale
@@ -334,10 +336,11 @@ def _token_amax(x: cute.Tensor, partial: cute.Tensor, tile_n: cutlass.Constexpr,
 
 
 @cute.jit
-def _fill_rows_if_mine(mainloop, x, sX, x_full, sB, tok, tile_n: cutlass.Constexpr, warp, lane, tn, state):
+def _fill_rows_if_mine(mainloop, x, sX, x_full, sB, tok, tile_n: cutlass.Constexpr, lanes: cutlass.Constexpr, warp,
+                       lane, tn, state):
     if state.count % QUANT_WARPS == warp:
         cute.arch.mbarrier_wait(x_full + state.index, state.phase ^ 1)
-        _quantize_tile(x, sX, sB, None, tile_n, tn, state.index, lane, tok)
+        _quantize_tile(x, sX, sB, None, tile_n, lanes, tn, state.index, lane, tok)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(state))
 

@@ -98,7 +98,7 @@ def finite_amax(frag, acc):
                f" sub.rn.{kind} t, a, a;\n add.rn.{kind} t, a, t;\n")
         # (word 0 starts the accumulator: a constant 0 operand would become an immediate, which max.bf16x2 rejects)
         acc2 = cute.arch.inline_ptx(fin + " mov.b32 {$w0}, t;\n}", write_only_types=[Int32], read_only_args=[words[0]])
-        for i in range(1, VEC // 2):  # plain Python loop: helpers are traced, not preprocessed
+        for i in range(1, cute.size(frag) // 2):  # plain Python loop: helpers are traced, not preprocessed
             acc2 = cute.arch.inline_ptx(fin + f" max.{kind} {{$w0}}, {{$r1}}, t;\n}}",
                                         write_only_types=[Int32], read_only_args=[words[i], acc2])
         if cutlass.const_expr(kind == "bf16x2"):
@@ -110,7 +110,7 @@ def finite_amax(frag, acc):
                       " cvt.f32.f16 flo, lo;\n cvt.f32.f16 fhi, hi;\n max.f32 {$w0}, flo, fhi;\n}")
         return cute.arch.fmax(acc, cute.arch.inline_ptx(unpack, write_only_types=[Float32], read_only_args=[acc2]))
     v = frag.load().to(Float32)
-    for i in range(VEC):
+    for i in range(cute.size(frag)):
         a = abs(v[i])
         acc = cute.arch.fmax(acc, a + (a - a))
     return acc
@@ -157,39 +157,40 @@ _TO_INT8_PTX = (
 )
 
 
-def _to_int8(y):
-    """Int8 codes of an fp32 vector of quotients (see _TO_INT8_PTX)."""
-    q = cute.make_rmem_tensor((VEC,), Int32)
-    for i in range(VEC):
+def _to_int8(y, n: int):
+    """Int8 codes of an fp32 vector of ``n`` quotients (see _TO_INT8_PTX)."""
+    q = cute.make_rmem_tensor((n,), Int32)
+    for i in range(n):
         q[i] = cute.arch.inline_ptx(_TO_INT8_PTX, write_only_types=[Int32], read_only_args=[y[i]])
     return q.load().to(cutlass.Int8)
 
 
-def _narrow(y, out_dtype):
-    """The quantized vector of fp32 quotients ``y``, in ``out_dtype``."""
-    qf = cute.make_rmem_tensor((1, VEC), out_dtype)
+def _narrow(y, out_dtype, n: int = VEC):
+    """The quantized vector of ``n`` fp32 quotients ``y``, in ``out_dtype``."""
+    qf = cute.make_rmem_tensor((1, n), out_dtype)
     if out_dtype is cutlass.Int8:
-        qf.store(_to_int8(y))
+        qf.store(_to_int8(y, n))
     else:
         qf.store(y.to(out_dtype))  # cvt.rn.satfinite.{e4m3,e5m2}x2.f32: +-inf/overflow -> +-max, NaN -> NaN
     return qf
 
 
 def _cast_div(frag, scale, out_dtype):
-    return _narrow(frag.load().to(Float32) / scale, out_dtype)  # div.rn.f32 per element
+    return _narrow(frag.load().to(Float32) / scale, out_dtype, cute.size(frag))  # div.rn.f32 per element
 
 
 def _cast_fma(frag, scale, rcp, out_dtype):
+    n = cute.size(frag)
     v = frag.load().to(Float32)
-    y = cute.make_rmem_tensor((VEC,), Float32)
-    for i in range(VEC):
+    y = cute.make_rmem_tensor((n,), Float32)
+    for i in range(n):
         y[i] = cute.arch.inline_ptx(_DIV_FMA_PTX, write_only_types=[Float32], read_only_args=[v[i], scale, rcp])
-    return _narrow(y.load(), out_dtype)
+    return _narrow(y.load(), out_dtype, n)
 
 
 def group_scale(frag, lanes: int, fmax: float):
-    """(scale, its reciprocal, whether the reciprocal path applies) of one 1 x (lanes * 16) group whose vectors
-    ``lanes`` aligned neighbouring lanes hold, one each (``frag`` is this lane's): the contract's scale."""
+    """(scale, its reciprocal, whether the reciprocal path applies) of one 1 x (lanes * n) group whose n-element
+    vectors ``lanes`` aligned neighbouring lanes hold, one each (``frag`` is this lane's): the contract's scale."""
     amax = lane_allreduce_max(finite_amax(frag, Float32(0.0)), lanes)
     scale = scale_of(amax, fmax)
     return scale, reciprocal(scale), scale >= Float32(FAST_MIN_SCALE)
