@@ -86,9 +86,9 @@ def in_default_set(inst: KernelInstance) -> bool:
             and inst.out_dtype == "bf16" and inst.bias_dtype in (None, "bf16"))
 
 
-#: The GEMMs quantizing their activations of the default set: bf16 activations, e4m3 weights, with the fp32 bias of
-#: cutedsl_gemm.nn's layers or none.
-DEFAULT_QUANT_GEMM = (("bf16", "e4m3", None), ("bf16", "e4m3", "fp32"))
+#: The GEMMs quantizing their activations of the default set: bf16 activations, e4m3 or int8 weights, with the fp32
+#: bias of cutedsl_gemm.nn's layers or none.
+DEFAULT_QUANT_GEMM = tuple(("bf16", w, bias) for w in ("e4m3", "int8") for bias in (None, "fp32"))
 #: The GEMMs emitting FP8 in 1x128 groups of the default set: the DeepSeek recipe's (whose next layer takes them), every
 #: tile, without bias or with an fp32 one.
 DEFAULT_FP8_OUT_RECIPES = ("1x128_128x128",)
@@ -96,8 +96,8 @@ DEFAULT_FP8_OUT_RECIPES = ("1x128_128x128",)
 
 DEFAULT_SET = ("e4m3 x e4m3 or int8 x int8 operands, bf16 output, without bias or with a bf16 bias, every tile, "
                "schedule and recipe; weight-only bf16 x int4 group 128 and bf16 x int8 per channel, every tile; "
-               "bf16 activations quantized in the GEMM for e4m3 weights, without bias or with an fp32 one; the "
-               "DeepSeek recipe's GEMMs emitting FP8 in 1x128 groups")
+               "bf16 activations quantized in the GEMM for e4m3 and int8 weights, without bias or with an fp32 one; "
+               "the DeepSeek recipe's GEMMs emitting FP8 in 1x128 groups")
 
 
 @dataclass(frozen=True)
