@@ -264,3 +264,24 @@ def test_32_quantizing_lanes_store_4_bytes_a_lane():
     ptxas = find_ptxas()
     if ptxas is not None:
         assert not ptxas_performance_notes(rep.ptx, inst.arch, ptxas)
+
+
+@pytest.mark.parametrize("recipe", ["row", "int8"])
+def test_per_token_layers_call_it_once_its_rows_are_timed(recipe, monkeypatch):
+    """The row and int8 layers keep the two kernels while the per-token rows are untimed; once dispatch counts the
+    "row" recipe as timed they call quantize_scaled_mm (traced here on meta tensors through the ops' fakes)."""
+    from cutedsl_gemm import nn as cnn
+
+    calls = []  # the quantize_scaled_mm calls' weight dtypes, seen where the op's fake describes them
+    real = P.describe_quantize_scaled_mm
+    monkeypatch.setattr(P, "describe_quantize_scaled_mm", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
+    x = torch.empty(2, 3, 256, dtype=torch.bfloat16, device="meta")
+    with L.fake_target("sm_90a"):
+        assert not LINEAR_RECIPES[recipe].quantizes_in_gemm
+        assert layer(x).shape == (2, 3, 384) and calls == []
+        monkeypatch.setattr(dispatch, "QUANT_TIMED_RECIPES", dispatch.QUANT_TIMED_RECIPES + ("row",))
+        assert LINEAR_RECIPES[recipe].quantizes_in_gemm
+        y = layer(x)
+    assert y.shape == (2, 3, 384) and y.dtype == torch.bfloat16
+    assert calls and set(calls) == {torch.int8 if recipe == "int8" else E4M3.torch_dtype}
