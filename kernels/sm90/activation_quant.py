@@ -51,6 +51,7 @@ from cutlass import Float32
 from .block_scales import SCALE_BLOCK, blocks_touched
 from .quantize_fp8 import (
     FAST_MIN_SCALE,
+    INT8_MAX,
     VEC,
     emit_quantized,
     finite_amax,
@@ -64,7 +65,6 @@ QUANT_WARPS = 3  # warps 1..3 of the producer warp group (warp 0 issues the TMA 
 LANES_PER_TOKEN = SCALE_BLOCK // VEC  # 8 lanes x 16 elements: one 1x128 group (Sm90GemmConfig.quant_lanes: or 32 x 4)
 E4M3_MAX = 448.0  # the quantized activations' format (numerics.formats.E4M3.max_finite; a test checks they agree)
 W_SCALE_SLOTS = 128  # per quantizing warp: a 128-row tile's per-row W scales (or its one or two block scales)
-INT8_MAX = 127.0  # int8 activations' range (quantize_fp8.INT8_MAX)
 HANDOFF_UNITS = 4  # per-token scales: work units the quantizing warps may run ahead of the epilogue
 QUANT_BARRIER_ID = 2  # the named barrier of the quantizing warps (1 is the epilogue's)
 ROW_LOADS = 4  # 16-element vectors per thread in flight in the token amax pass
@@ -83,7 +83,7 @@ def row_scale_floats(tile_n: int) -> int:
 
 def activation_max(dtype) -> float:
     """The largest code of the quantized activations (the scale is amax over it)."""
-    return INT8_MAX if dtype is cutlass.Int8 else E4M3_MAX
+    return float(INT8_MAX) if dtype is cutlass.Int8 else E4M3_MAX
 
 
 def make_tag(per_token: bool = False):
