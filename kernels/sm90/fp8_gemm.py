@@ -11,7 +11,6 @@ can be as narrow as 16, instead of zero-filling 128-row A tiles.
 
 from __future__ import annotations  # noqa: I001
 
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
