@@ -2,8 +2,9 @@
 ``<key>.h``, and describe the entry point for the registry templates.
 
 The kernel's entry and fake arguments are the runtime's (``cutedsl_gemm.runtime.compile``: the Hopper GEMM's
-``__call__``, the sm_100a GEMM's ``__call__`` or ``call_block_scaled``, the Hopper weight-only GEMM's ``__call__``:
-``instance_entry``), for the (arch, op) pairs in ``ENTRIES``. The entry's arguments are read from its signature,
+``__call__``, of quantized activations or of bf16 / fp16 ones it quantizes itself, the sm_100a GEMM's ``__call__``
+or ``call_block_scaled``, the Hopper weight-only GEMM's ``__call__``: ``instance_entry``), for the (arch, op) pairs
+in ``ENTRIES``. The entry's arguments are read from its signature,
 so a kernel that gains an argument (e.g. split-K buffers) is exported without editing this file.
 Each tensor argument is described mode by mode from the fake tensor it was traced with: a fixed extent/stride,
 or a run-time value with its divisibility, and for extents which other tensor modes hold the same value (the
@@ -28,14 +29,19 @@ import jinja2
 from cutlass import Int32, Int64
 
 from cutedsl_gemm.generators.runner import code_key
-from cutedsl_gemm.selection.instances import SM90, SM100, WEIGHT_ONLY, KernelInstance
+from cutedsl_gemm.selection.instances import GEMM_FP8_OUT, QUANT_GEMM, SM90, SM100, WEIGHT_ONLY, KernelInstance
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
 MAX_SYMS = 32  # CDG_MAX_SYMS in registry.c.j2: distinct run-time extents per kernel (sm_100a: 19)
 #: Ops of the table that the C registry does not describe, with the reason: an export skips their instances by name
 #: and records them (docs/design.md, section 5). An op with no entry in ``ENTRIES`` is skipped too (``skip_reason``).
-NOT_EXPORTED: Dict[str, str] = {}
+NOT_EXPORTED: Dict[str, str] = {
+    GEMM_FP8_OUT: f"the {GEMM_FP8_OUT} entry (call_fp8_out: the e4m3 output and its 1x128 scales in the output's "
+                  "place) has no form in cutedsl_gemm_args_t, and its choice is the twin of scaled_mm's own pick with "
+                  "its K splits and last-wave variants (dispatch.select_fp8_out), which the registry does not make; "
+                  "scaled_mm_fp8_out runs them through the JIT cache (precompile fills it)",
+}
 
 # Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case. Every
 # family's output is d and its persistent grid size max_clusters; the weight-only GEMM's activations are a (M, K).
@@ -192,7 +198,7 @@ def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
 
 
 #: (arch, op) of the kernel families the C export covers (their entries are ``runtime.compile.instance_entry``'s).
-ENTRIES = ((SM90, "gemm"), (SM100, "gemm"), (SM90, WEIGHT_ONLY))
+ENTRIES = ((SM90, "gemm"), (SM100, "gemm"), (SM90, WEIGHT_ONLY), (SM90, QUANT_GEMM))
 
 
 def traced_entry(inst: KernelInstance):

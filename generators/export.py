@@ -9,15 +9,17 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
   (ranks, static extents, divisibility, shared M/N/K, alignment), lazy per-instance module loading and
   lookups that follow ``cutedsl_gemm.selection.dispatch``: ``cutedsl_gemm_find`` by (op, arch, recipe, dtypes,
   accumulation, M, N, K) as ``select_gemm``, ``cutedsl_gemm_find_weight_only`` by (arch, recipe, activations,
-  weights, M, N, K) with its K splits as ``select_weight_only``;
+  weights, M, N, K) with its K splits as ``select_weight_only``, ``cutedsl_gemm_find_quant_gemm`` by (arch, recipe,
+  activations, weights, output, bias, M, N, K) with its K splits as ``dispatch.select`` for unquantized activations;
 * ``cutedsl_gemm_kernels.cmake`` + ``CMakeLists.txt``: the static library ``cutedsl_gemm_kernels``;
 * ``export.json``: what was exported, from which sources, and the files written (a later export into
   the same directory removes them first).
 
-The scaled GEMMs and the weight-only GEMMs share one argument struct, whose fields follow the selected entries'
-signatures. Instances of an op the registry cannot describe (``c_export.skip_reason``: one without an entry in
-``c_export.ENTRIES``, or listed in ``c_export.NOT_EXPORTED``) are skipped with a line saying so and listed under
-``skipped`` in ``export.json``; a selection of nothing else is an error.
+The scaled GEMMs (those quantizing their activations too) and the weight-only GEMMs share one argument struct,
+whose fields follow the selected entries' signatures. Instances of an op the registry cannot describe
+(``c_export.skip_reason``: one without an entry in ``c_export.ENTRIES``, or listed in ``c_export.NOT_EXPORTED``) are
+skipped with a line saying so and listed under ``skipped`` in ``export.json``; a selection of nothing else is an
+error.
 
 Compiling and describing one instance is ``c_export.export_one``; this module renders and builds.
 """
@@ -46,6 +48,7 @@ from cutedsl_gemm.generators.c_export import (
 )
 from cutedsl_gemm.generators.runner import code_key, pick_ahead_of_time, run_parallel
 from cutedsl_gemm.kernels.sm90.weight_only_gemm import ATOM_K, ATOM_ROWS
+from cutedsl_gemm.numerics.formats import RECIPES
 from cutedsl_gemm.selection.dispatch import (
     EPILOGUE_MILLI_K_BLOCKS,
     ESTIMATED_RATE_MARGIN,
@@ -56,19 +59,20 @@ from cutedsl_gemm.selection.dispatch import (
     STREAM_SHARE_CAP,
     UNHIDDEN_MILLI,
     has_estimated_rate,
+    last_wave_variant,
     tile_rate,
 )
-from cutedsl_gemm.selection.instances import F8F6F4, WEIGHT_ONLY, KernelInstance
+from cutedsl_gemm.selection.instances import F8F6F4, QUANT_GEMM, WEIGHT_ONLY, KernelInstance
 
 LIB_NAME = "cutedsl_gemm_kernels"
 C_TYPES = {"int32": "int32_t", "int64": "int64_t"}
 # What the registry header says about each field of cutedsl_gemm_args_t (others: "kernel argument <name>").
 FIELD_DOCS = {
-    "a": "(M, K) row-major (weight-only: the bf16 / fp16 activations)",
+    "a": "(M, K) row-major (weight-only, quant_gemm: the bf16 / fp16 activations)",
     "b": "(K, N) column-major: w.t() of a row-major (N, K) weight",
-    "d": "(M, N) row-major output (weight-only: in a's dtype)",
+    "d": "(M, N) row-major output (weight-only, quant_gemm: in a's dtype)",
     "scale_a": "fp32: (1,) | (M, 1) | block recipes (M or M/128 blocks, K/128); sm_100a: (1,) (NVFP4's global scale, "
-               "else 1)",
+               "else 1); quant_gemm: empty (data NULL), the kernel computes them",
     "scale_b": "fp32: (1,) | (1, N) | block recipes (N or N/128 blocks, K/128); sm_100a: (1,) (NVFP4's global scale, "
                "else 1)",
     "bias": "(N,); ignored by instances built without bias",
@@ -131,11 +135,13 @@ def _c_plan(kernel: dict, inst: KernelInstance) -> dict:
     call = [f"&{n}" if k == "tensor" else n for n, k in kernel["params"]]
     formats = _operand_formats(inst) if {"fmt_a", "fmt_b"} <= set(var) else []
     weight_only = _weight_only_plan(inst, idx)
+    quant = _quant_gemm_plan(inst, idx)
     splits = "splits" in var and {"workspace", "counters"} <= set(idx)
     # Arguments a call may leave empty get a stand-in at d's address, rounded down to the strictest alignment
     # among them: never read, but checked like any other argument.
     stand_ins = ((["bias"] if "bias" in idx and inst.bias_dtype is None else [])
                  + (["w_zeros"] if weight_only and not weight_only["zeros"] else [])
+                 + (["scale_a"] if quant else [])
                  + (["workspace", "counters"] if splits else []))
     return {**kernel, "formats": formats, "formats_text": ", ".join(f"{f['name']} {f['code']}" for f in formats),
             "operand_views": [[idx[f"{x}{bits}"] for bits in (8, 6, 4)] for x in "ab"] if formats else [],
@@ -145,7 +151,8 @@ def _c_plan(kernel: dict, inst: KernelInstance) -> dict:
             "stand_in_align": max((kernel["tensors"][idx[r]]["align"] for r in stand_ins), default=0),
             "has_bias": inst.bias_dtype is not None, "cluster_m": inst.cluster_m, "cluster_n": inst.cluster_n,
             "tile_m": inst.tile_m, "tile_n": inst.tile_n, "swap_ab": inst.swap_ab,
-            "split_tail": inst.split_tail, "ctas_per_sm": inst.ctas_per_sm, "weight_only": weight_only}
+            "split_tail": inst.split_tail, "ctas_per_sm": inst.ctas_per_sm, "weight_only": weight_only,
+            "quant_gemm": quant}
 
 
 def _weight_only_plan(inst: KernelInstance, idx: dict) -> Optional[dict]:
@@ -162,6 +169,34 @@ def _weight_only_plan(inst: KernelInstance, idx: dict) -> Optional[dict]:
                           f"(c_export.KNOWN_FIELDS maps its arguments; it has {sorted(idx)})")
     return {"atom_rows": ATOM_ROWS, "atom_k": ATOM_K, "group": cfg.group, "zeros": cfg.zeros, "recipe": inst.recipe,
             "w": idx["packed_w"], "s": idx["w_scales"], "z": idx["w_zeros"]}
+
+
+def _quant_gemm_plan(inst: KernelInstance, idx: dict) -> Optional[dict]:
+    """What a launch of a GEMM quantizing its activations checks beyond the traced signature: no A scales (the
+    kernel computes them; its argument is a stand-in) and, for the block recipes, W's scales in the kernel's view:
+    (N blocks, K blocks), as ``scale_layouts.w_kernel_view`` cuts them (the signature leaves both extents free)."""
+    if inst.op != QUANT_GEMM:
+        return None
+    if not inst.swap_ab and last_wave_variant(inst) is not None:
+        raise ExportError(f"{inst.name}: cutedsl_gemm_find_quant_gemm splits K as dispatch.choose_splits does, without "
+                          "dispatch.plan_splits' last-wave split variants, which this instance has")
+    w = RECIPES[inst.recipe].b
+    blocks = w.cols is not None  # the block recipes: (rows, cols) elements of W share a scale
+    return {"scale_a": idx["scale_a"], "scale_b": idx["scale_b"], "blocks": blocks,
+            "w_rows": w.rows if blocks else 0, "w_cols": w.cols if blocks else 0}
+
+
+def _check_quant_gemm_accumulation(insts) -> None:
+    """``cutedsl_gemm_find_quant_gemm`` takes no accumulation: ``quantize_scaled_mm``'s follows from the weights
+    (int8: exact "fast"; FP8: "promoted"), so the exported rows serving one call must not differ in it."""
+    seen: Dict[tuple, KernelInstance] = {}
+    for i in insts:
+        if i.op != QUANT_GEMM:
+            continue
+        other = seen.setdefault((i.arch, i.recipe, i.a_dtype, i.b_dtype, i.out_dtype, i.bias_dtype), i)
+        if other.accum != i.accum:
+            raise ExportError(f"{i.name} and {other.name} serve the same calls with different accumulation, which "
+                              "cutedsl_gemm_find_quant_gemm does not take; export them separately (--filter)")
 
 
 def merged_params(signatures) -> Tuple[Tuple[str, str], ...]:
@@ -207,9 +242,9 @@ def _fields(inst: KernelInstance) -> dict:
 
 
 def _entry(inst: KernelInstance, kernel: dict) -> dict:
-    """A row of the registry's kernel table. Tile rates are the scaled GEMMs' (``cutedsl_gemm_find``'s wave cost);
-    the weight-only lookup takes none (0)."""
-    gemm = inst.op == "gemm"
+    """A row of the registry's kernel table. Tile rates are the scaled GEMMs' (``cutedsl_gemm_find``'s and
+    ``cutedsl_gemm_find_quant_gemm``'s wave cost); the weight-only lookup takes none (0)."""
+    gemm = inst.op in ("gemm", QUANT_GEMM)
     return {"key": kernel["key"], "fields": _fields(inst), "name": inst.name, "rate": tile_rate(inst) if gemm else 0,
             "rate_long_k": tile_rate(inst, LONG_K) if gemm else 0, "estimated_rate": gemm and has_estimated_rate(inst),
             "split_k": kernel["split_k"]}
@@ -287,6 +322,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         covered = ", ".join(f"{a} {op}" for a, op in ENTRIES)
         raise ExportError(f"no AOT exporter for {refused[0].arch} {refused[0].op} instances (the C export covers "
                           f"{covered}); selected e.g. {refused[0].name}")
+    _check_quant_gemm_accumulation(insts)
     out = Path(out_dir).resolve()
     _check_out_dir(out)
     kdir = out / "kernels"
@@ -321,6 +357,7 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         "max_splits": MAX_SPLITS,
         "min_k_tiles_per_split": MIN_K_TILES_PER_SPLIT,
         "weight_only_op": WEIGHT_ONLY,
+        "quant_gemm_op": QUANT_GEMM,
         "fingerprint": source_fingerprint(),
         "kernels": [_c_plan(kernels[k], inst) for k, inst in first.items()],
         "arg_fields": _arg_fields(merged_params(signatures)),

@@ -37,6 +37,13 @@ WEIGHT_ONLY_INT8 = M.select(op=M.WEIGHT_ONLY, recipe="channel", a_dtype="bf16", 
 EXPORTED = tuple(dict.fromkeys([ROW_BF16, TENSOR_BIAS, SMALL, MID, WIDE_DECODE, PAIR, CLUSTER4, BLOCK2D_SHORT_K,
                                  BLOCK2D_LONG_K]))
 WEIGHT_ONLY_EXPORTED = (WEIGHT_ONLY_DECODE, WEIGHT_ONLY_INT8)
+# The GEMMs quantizing their bf16 activations (op QUANT_GEMM), every tile of three calls' rows, so that the C lookup
+# chooses among what dispatch.select does: 1x128 groups x 128x128 W blocks (DeepSeek), per token x per channel FP8,
+# W8A8; bf16 output, no bias
+QUANT_GEMM_CALLS = (("1x128_128x128", "e4m3"), ("row", "e4m3"), ("row", "int8"))
+QUANT_GEMM_EXPORTED = tuple(i.name for recipe, weights in QUANT_GEMM_CALLS
+                            for i in M.select(op=M.QUANT_GEMM, recipe=recipe, a_dtype="bf16", b_dtype=weights,
+                                              out_dtype="bf16", bias_dtype=None))
 
 
 def instance(name):

@@ -1,7 +1,7 @@
 """The AOT export (generators/export.py, generators/c_export.py): C objects and headers per instance, the registry
-(lookups that follow dispatch, argument checks), CMake and linking, for the Hopper and sm_100a GEMMs and the
-weight-only GEMMs; on a GPU, exported kernels run through the registry against the references. Compiling tests keep
-to a few instances."""
+(lookups that follow dispatch, argument checks), CMake and linking, for the Hopper GEMMs, those quantizing their
+activations and the weight-only GEMMs (the sm_100a GEMMs: test_export_sm100.py); on a GPU, exported kernels run
+through the registry against the references. Compiling tests keep to a few instances."""
 
 import ctypes
 import io
@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from table_picks import (
     M_TEST,
     MID,
     PAIR,
+    QUANT_GEMM_EXPORTED,
     ROW_BF16,
     SMALL,
     TENSOR_BIAS,
@@ -31,10 +33,9 @@ from table_picks import (
     instance,
 )
 
-from cutedsl_gemm.generators.runner import code_key
+from cutedsl_gemm.generators.runner import code_key, in_default_set
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection import instances as M
-from cutedsl_gemm.selection.dispatch import select_gemm
 
 
 # ------------------------------------------------------------------------------------------------
@@ -46,7 +47,7 @@ def exported(tmp_path_factory):
 
     out = tmp_path_factory.mktemp("aot")
     t0 = time.perf_counter()
-    names = [*EXPORTED, *WEIGHT_ONLY_EXPORTED]
+    names = [*EXPORTED, *WEIGHT_ONLY_EXPORTED, *QUANT_GEMM_EXPORTED]
     res = E.export("sm_90a", out, names, jobs=0, stream=io.StringIO())  # in-process: the DSL is loaded already
     res.seconds = time.perf_counter() - t0
     return res
@@ -88,6 +89,9 @@ def _open(path, args_type):
     lib.cutedsl_gemm_find_weight_only.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_find_weight_only.argtypes = ([ctypes.c_char_p] * 4 + [ctypes.c_int64] * 3
                                                   + [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)])
+    lib.cutedsl_gemm_find_quant_gemm.restype = ctypes.POINTER(Kernel)
+    lib.cutedsl_gemm_find_quant_gemm.argtypes = ([ctypes.c_char_p] * 6 + [ctypes.c_int64] * 3
+                                                 + [ctypes.c_int32, ctypes.POINTER(ctypes.c_int32)])
     lib.cutedsl_gemm_find_by_name.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_kernel_at.restype = ctypes.POINTER(Kernel)
     lib.cutedsl_gemm_launch.argtypes = [ctypes.POINTER(Kernel), ctypes.POINTER(args_type), ctypes.c_void_p]
@@ -120,14 +124,15 @@ def _check_exported_objects(out, keys):
 @pytest.mark.compile
 def test_export_writes_objects_headers_registry_and_build_files(exported):
     out = exported.out_dir
-    keys = [code_key(instance(n)) for n in (*EXPORTED, *WEIGHT_ONLY_EXPORTED)]
+    keys = [code_key(instance(n)) for n in (*EXPORTED, *WEIGHT_ONLY_EXPORTED, *QUANT_GEMM_EXPORTED)]
     assert sorted(exported.kernels) == sorted(keys)
     assert not exported.skipped and json.loads((out / "export.json").read_text())["skipped"] == {}
     _check_exported_objects(out, keys)
     registry = (out / "cutedsl_gemm_registry.c").read_text()
     assert all(f"cdg_launch_{k}" in registry for k in keys)
     header = (out / "cutedsl_gemm_registry.h").read_text()
-    assert "cutedsl_gemm_find(" in header and "cutedsl_gemm_find_weight_only(" in header
+    assert all(f"{fn}(" in header for fn in ("cutedsl_gemm_find", "cutedsl_gemm_find_weight_only",
+                                               "cutedsl_gemm_find_quant_gemm"))
     # one argument struct: the scaled GEMMs' fields, then the weight-only entry's own (its activations are a)
     fields = [f["field"] for f in exported.arg_fields]
     assert fields[-3:] == ["packed_w", "w_scales", "w_zeros"] and fields.count("a") == 1
@@ -135,24 +140,32 @@ def test_export_writes_objects_headers_registry_and_build_files(exported):
     assert "add_library(cutedsl_gemm_kernels STATIC" in (out / "cutedsl_gemm_kernels.cmake").read_text()
     record = json.loads((out / "export.json").read_text())  # what the next export into `out` removes
     assert record["complete"] and {str(p.relative_to(out)) for p in exported.files} <= set(record["files"])
+    # the GEMMs quantizing their activations are exported, not skipped
+    listed = {e["name"]: e["op"] for e in record["instances"]}
+    assert all(listed[n] == M.QUANT_GEMM for n in QUANT_GEMM_EXPORTED) and record["skipped"] == {}
     print(f"export of {len(keys)} instances: {exported.seconds:.1f} s")
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("library", ["exported_lib", "exported_sm100_lib"])
-def test_exported_library_links_with_every_symbol_resolved(library, request):
-    # build_shared links with -Wl,--no-undefined (and -Werror on the registry), so reaching here proves it.
-    syms = subprocess.run(["nm", "-D", "--defined-only", str(request.getfixturevalue(library))], capture_output=True,
-                          text=True, check=True).stdout
-    for fn in ("cutedsl_gemm_find", "cutedsl_gemm_launch", "cutedsl_gemm_kernel_count", "cutedsl_gemm_last_error"):
+def check_links(library):
+    """The exported library defines the registry's entry points. build_shared links with -Wl,--no-undefined (and
+    -Werror on the registry), so that it was built proves every symbol resolved."""
+    syms = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True,
+                          check=True).stdout
+    for fn in ("cutedsl_gemm_find", "cutedsl_gemm_find_weight_only", "cutedsl_gemm_find_quant_gemm",
+               "cutedsl_gemm_launch", "cutedsl_gemm_kernel_count", "cutedsl_gemm_last_error"):
         assert f" T {fn}\n" in syms
+
+
+@pytest.mark.compile
+def test_exported_library_links_with_every_symbol_resolved(exported_lib):
+    check_links(exported_lib)
 
 
 @pytest.mark.compile
 def test_registry_lookup_and_argument_checks(exported, exported_lib):
     Args = _args_type(exported.arg_fields)
     lib = _open(exported_lib, Args)
-    assert lib.cutedsl_gemm_kernel_count() == len(EXPORTED) + len(WEIGHT_ONLY_EXPORTED)
+    assert lib.cutedsl_gemm_kernel_count() == len(EXPORTED) + len(WEIGHT_ONLY_EXPORTED) + len(QUANT_GEMM_EXPORTED)
     k = lib.cutedsl_gemm_find(b"gemm", b"sm_90a", b"row", b"e4m3", b"e4m3", b"bf16", None, b"promoted", M_TEST, 0, 0, 0)
     assert k and k.contents.name.decode() == ROW_BF16 and k.contents.m_max == 1 << 31 and k.contents.cluster_m == 2
     assert k.contents.bias_dtype is None and k.contents.tile_n == instance(ROW_BF16).tile_n
@@ -254,149 +267,6 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     if not torch.cuda.is_available():
         rc, msg = refused(_fake_args(Args, 256, 512, 1024))  # valid: gets as far as asking CUDA for the SM count
         assert rc == 2 and "querying the SM count failed" in msg
-
-
-# ------------------------------------------------------------------------------------------------
-# AOT export of the sm_100a GEMMs: the same exporter and registry
-# ------------------------------------------------------------------------------------------------
-SM100_1SM = select_gemm("sm_100a", "tensor", M.F8F6F4, M.F8F6F4, "bf16", None, 128, "fast").name
-SM100_2SM = select_gemm("sm_100a", "tensor", M.F8F6F4, M.F8F6F4, "bf16", None, 129, "fast").name
-SM100_NVFP4 = select_gemm("sm_100a", "nvfp4", "e2m1", "e2m1", "bf16", "fp32", 64, "fast").name
-SM100_EXPORTED = (SM100_1SM, SM100_2SM, SM100_NVFP4)
-
-
-@pytest.fixture(scope="module")
-def exported_sm100(tmp_path_factory):
-    from cutedsl_gemm.generators import export as E
-
-    out = tmp_path_factory.mktemp("aot_sm100")
-    return E.export("sm_100a", out, list(SM100_EXPORTED), jobs=0, stream=io.StringIO())
-
-
-@pytest.fixture(scope="module")
-def exported_sm100_lib(exported_sm100):
-    from cutedsl_gemm.generators import export as E
-
-    return E.build_shared(exported_sm100.out_dir, cudart=E.loaded_cudart())
-
-
-def _sm100_args(args_type, m, n, k, a_bytes=None, b_bytes=None, base=1 << 20):
-    """Descriptors of a valid e4m3 x e4m3 (or, with a_bytes / b_bytes, packed e2m1 in the 8-bit views) sm_100a
-    problem at made-up, 256-byte aligned addresses: the unused 6- and 4-bit views are stand-ins."""
-    a_bytes, b_bytes = a_bytes or k, b_bytes or k
-    stand_in = {bits: _view(base + (7 << 24), (128, row), (row, 1)) for bits, row in ((6, 96), (4, 64))}
-    return args_type(a8=_view(base, (m, a_bytes), (a_bytes, 1)), a6=stand_in[6], a4=stand_in[4],
-                     b8=_view(base + (1 << 24), (n, b_bytes), (b_bytes, 1)), b6=stand_in[6], b4=stand_in[4],
-                     d=_view(base + (2 << 24), (m, n), (n, 1)), scale_a=_view(base + (3 << 24), (1,), (1,)),
-                     scale_b=_view(base + (4 << 24), (1,), (1,)), k=k, fmt_a=0, fmt_b=0)
-
-
-def test_merged_params_hold_every_entrys_arguments_once():
-    from cutedsl_gemm.generators.c_export import ExportError
-    from cutedsl_gemm.generators.export import merged_params
-
-    dense = (("a8", "tensor"), ("c", "tensor"), ("k", "int32"), ("stream", "stream"))
-    scaled = (("a8", "tensor"), ("sfa", "tensor"), ("c", "tensor"), ("k", "int32"), ("stream", "stream"))
-    assert merged_params({dense, scaled}) == scaled
-    assert merged_params({dense}) == dense
-    with pytest.raises(ExportError, match="argument k is a int64 in one selected entry"):
-        merged_params({dense, (("a8", "tensor"), ("k", "int64"), ("stream", "stream"))})
-
-
-@pytest.mark.compile
-def test_sm100_export_writes_objects_headers_and_registry(exported_sm100):
-    out = exported_sm100.out_dir
-    insts = [instance(n) for n in SM100_EXPORTED]
-    assert [(i.schedule, i.mma_kind) for i in insts] == [("1sm", "f8f6f4"), ("2sm", "f8f6f4"), ("1sm", "mxf4nvf4")]
-    keys = [code_key(i) for i in insts]
-    assert sorted(exported_sm100.kernels) == sorted(keys)
-    _check_exported_objects(out, keys)
-    # The dense kernels' __call__ and the block-scaled call_block_scaled, in one argument struct.
-    assert [n for n, _ in exported_sm100.kernels[keys[0]]["params"]][6:8] == ["c", "scale_a"]
-    assert [n for n, _ in exported_sm100.kernels[keys[2]]["params"]][6:9] == ["sfa", "sfb", "c"]
-    fields = [f["field"] for f in exported_sm100.arg_fields]
-    assert fields == ["a8", "a6", "a4", "b8", "b6", "b4", "sfa", "sfb", "d", "scale_a", "scale_b", "bias", "k",
-                      "fmt_a", "fmt_b", "max_clusters"]
-    header = (out / "cutedsl_gemm_registry.h").read_text()
-    assert "cutedsl_gemm_tensor_t sfa;  /* sm_100a block-scaled kinds: a's block scales" in header
-    assert "int32_t fmt_a;  /* sm_100a: a's format" in header
-    assert 'cutedsl_gemm_find("gemm", "sm_100a", "tensor", "f8f6f4", "f8f6f4",' in header
-    registry = (out / "cutedsl_gemm_registry.c").read_text()
-    assert all(f"cdg_launch_{k}" in registry for k in keys)
-    record = json.loads((out / "export.json").read_text())
-    assert record["complete"] and [e["name"] for e in record["instances"]] == list(SM100_EXPORTED)
-
-
-@pytest.mark.compile
-def test_sm100_registry_lookup_and_argument_checks(exported_sm100, exported_sm100_lib):
-    Args = _args_type(exported_sm100.arg_fields)
-    lib = _open(exported_sm100_lib, Args)
-    assert lib.cutedsl_gemm_kernel_count() == len(SM100_EXPORTED)
-
-    def find(m, n=0, kdim=0, sms=0, recipe=b"tensor", ab=b"f8f6f4", bias=None):
-        return lib.cutedsl_gemm_find(b"gemm", b"sm_100a", recipe, ab, ab, b"bf16", bias, b"fast", m, n, kdim, sms)
-
-    # dispatch's rule: 1-CTA tiles to M = 128, the 2-CTA MMA above; C picks what select_gemm picks
-    for m in (1, 100, 128, 129, 1000, 1 << 20):
-        for n, kdim, sms in ((0, 0, 0), (7168, 4096, 148)):
-            got = find(m, n, kdim, sms)
-            want = select_gemm("sm_100a", "tensor", M.F8F6F4, M.F8F6F4, "bf16", None, m, "fast", n=n, sms=sms, k=kdim)
-            assert got and got.contents.name.decode() == want.name, (m, n)
-            assert got.contents.schedule.decode() == ("1sm" if m <= 128 else "2sm")
-    k1 = find(128)
-    assert k1.contents.name.decode() == SM100_1SM and (k1.contents.cluster_m, k1.contents.split_k) == (1, 0)
-    assert find(129).contents.cluster_m == 2 and find(129).contents.m_min == 129
-    kb = find(64, recipe=b"nvfp4", ab=b"e2m1", bias=b"fp32")
-    assert kb and kb.contents.name.decode() == SM100_NVFP4 and kb.contents.bias_dtype == b"fp32"
-    assert not find(64, recipe=b"nvfp4", ab=b"e2m1")  # only the bias instance was exported
-    assert b"no exported kernel for op=gemm arch=sm_100a recipe=nvfp4 A=e2m1" in lib.cutedsl_gemm_last_error()
-    assert not find(129, recipe=b"nvfp4", ab=b"e2m1", bias=b"fp32")  # its 2-CTA sibling was not exported
-
-    def refused(args, kernel=k1):
-        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
-        return rc, lib.cutedsl_gemm_last_error().decode()
-
-    bad = _sm100_args(Args, 256, 512, 1024)
-    bad.a6.data += 16  # the sub-byte views are 32-byte aligned (TMA's unpacking formats)
-    assert refused(bad) == (1, f"{SM100_1SM}: a6.data {hex(bad.a6.data)} is not 32-byte aligned")
-    bad = _sm100_args(Args, 256, 512, 1024)
-    bad.a6.shape[1] = 100
-    assert refused(bad) == (1, f"{SM100_1SM}: a6.shape[1]=100 must be a multiple of 96")
-    bad = _sm100_args(Args, 256, 500, 1024)  # bf16 rows of 16 bytes
-    assert "d.shape[1]=500 must be a multiple of 8" in refused(bad)[1]
-    bad = _sm100_args(Args, 256, 512, 1024)
-    bad.fmt_a = 2
-    assert refused(bad) == (1, f"{SM100_1SM}: fmt_a=2 is not a format code of this kernel "
-                               "(e4m3 0, e5m2 1, e2m3 3, e3m2 4, e2m1 5)")
-    bad.fmt_a = 3  # e2m3 is read from the 6-bit view, which holds a stand-in here
-    assert refused(bad) == (1, f"{SM100_1SM}: e2m3 operand a is read from a6, which must be 256 x 768 bytes "
-                               "(M x K=1024 x 6 bits), got 128 x 96")
-    bad = _sm100_args(Args, 256, 512, 1024)
-    bad.k = 2048
-    assert "e4m3 operand a is read from a8, which must be 256 x 2048 bytes" in refused(bad)[1]
-    bad = _sm100_args(Args, 256, 512, 1024)
-    bad.b8.shape[0] = 256
-    assert "e4m3 operand b is read from b8, which must be 512 x 1024 bytes (N x K=1024" in refused(bad)[1]
-    bad.k = -1
-    assert refused(bad) == (1, f"{SM100_1SM}: k=-1 is negative")
-    # The packed FP4 kind takes e2m1 only, two per byte in the 8-bit views, and a bias of N.
-    fp4 = _sm100_args(Args, 64, 512, 1024, a_bytes=512, b_bytes=512)
-    fp4.sfa, fp4.sfb = _view(1 << 20, (1, 128 * 2), (256, 1)), _view(1 << 20, (4, 128 * 2), (256, 1))
-    fp4.bias = _view(1 << 20, (512,), (1,))
-    assert refused(fp4, kb) == (1, f"{SM100_NVFP4}: fmt_a=0 is not a format code of this kernel (e2m1 5)")
-    fp4.fmt_a = fp4.fmt_b = 5
-    bad = _sm100_args(Args, 64, 512, 1024)
-    bad.sfa, bad.sfb, bad.bias, bad.fmt_a, bad.fmt_b = fp4.sfa, fp4.sfb, fp4.bias, 5, 5
-    assert "e2m1 operand a is read from a8, which must be 64 x 512 bytes" in refused(bad, kb)[1]
-    bad = _sm100_args(Args, 64, 512, 1024, a_bytes=512, b_bytes=512)
-    bad.sfa, bad.sfb, bad.bias, bad.fmt_a, bad.fmt_b = _view((1 << 20) + 4, (1, 256), (256, 1)), fp4.sfb, fp4.bias, 5, 5
-    assert "sfa.data" in refused(bad, kb)[1] and "not 16-byte aligned" in refused(bad, kb)[1]
-    # An empty output launches nothing and needs no GPU.
-    assert lib.cutedsl_gemm_launch(k1, ctypes.byref(_sm100_args(Args, 0, 512, 1024)), None) == 0
-    if not torch.cuda.is_available():  # valid: they get as far as asking CUDA for the SM count
-        for kernel, args in ((k1, _sm100_args(Args, 256, 512, 1024)), (kb, fp4)):
-            rc, msg = refused(args, kernel)
-            assert rc == 2 and "querying the SM count failed" in msg, msg
 
 
 @pytest.mark.compile
@@ -556,6 +426,173 @@ def test_weight_only_launch_checks_its_arguments(exported, exported_lib):
             assert rc == 2 and "querying the SM count failed" in msg, msg
 
 
+# ------------------------------------------------------------------------------------------------
+# The GEMMs quantizing their activations (op quant_gemm): quantize_scaled_mm's one-kernel path
+# ------------------------------------------------------------------------------------------------
+def _quant_gemm_python(m, n, k, recipe, weights, monkeypatch):
+    """(instance name, K splits) of dispatch.select for a quantize_scaled_mm call of bf16 activations on 132 SMs
+    (scale_b in scaled_mm's layout), or (None, None) where the table has no row quantizing them."""
+    from cutedsl_gemm import problem as P
+
+    monkeypatch.setattr(dispatch, "launch_clusters",  # the resident clusters the C lookup assumes, without a GPU
+                        lambda index, inst: dispatch.cluster_slots(132, inst.cluster_m * inst.cluster_n)
+                        * inst.ctas_per_sm)
+    kb = -(-k // 128)
+    x = torch.empty(m, k, dtype=torch.bfloat16, device="meta")
+    b = torch.empty(n, k, dtype=torch.int8 if weights == "int8" else torch.float8_e4m3fn, device="meta").t()
+    scale_b = torch.empty({"1x128_128x128": (kb, -(-n // 128)), "row": (1, n), "tensor": ()}[recipe], device="meta")
+    problem, _ = P.describe_quantize_scaled_mm(x, b, scale_b, None, torch.bfloat16, None, None, None,
+                                               torch.device("cuda", 0), target=("sm_90a", 132))
+    if not dispatch.has_quantizing_rows(problem):
+        return None, None
+    inst, splits = dispatch.select(problem)
+    return inst.name, splits
+
+
+@pytest.mark.compile
+def test_quant_gemm_lookup_follows_dispatch_select(exported, exported_lib, monkeypatch):
+    lib = _open(exported_lib, _args_type(exported.arg_fields))
+
+    def find(m, n, kdim, recipe, weights, sms=132, act=b"bf16", bias=None):
+        splits = ctypes.c_int32(-1)
+        got = lib.cutedsl_gemm_find_quant_gemm(b"sm_90a", recipe.encode(), act, weights.encode(), act, bias, m, n,
+                                               kdim, sms, ctypes.byref(splits))
+        return (got.contents.name.decode(), splits.value) if got else (None, None)
+
+    picks = {}
+    for recipe, weights in (("1x128_128x128", "e4m3"), ("row", "e4m3"), ("row", "int8")):
+        for m in (1, 4, 16, 17, 32):
+            for n, kdim in ((1024, 1024), (1040, 1024), (7168, 2048), (576, 7168), (12288, 512), (18432, 7168)):
+                got = find(m, n, kdim, recipe, weights)
+                assert got == _quant_gemm_python(m, n, kdim, recipe, weights, monkeypatch), (recipe, weights, m, n,
+                                                                                             kdim)
+                picks[(recipe, weights, m, n, kdim)] = got
+    # the wave cost decides between token tiles (64-row ones for narrow layers, 128-row ones for wide), and the
+    # K splits fill half a wave: several on narrow layers, none on wide ones
+    tiles = {instance(name).tile_m for name, _ in picks.values()}
+    assert tiles == {64, 128} and {name for name, _ in picks.values()} <= set(QUANT_GEMM_EXPORTED)
+    assert picks[("1x128_128x128", "e4m3", 4, 1040, 1024)][1] == 3 and picks[("row", "int8", 17, 576, 7168)][1] == 12
+    assert picks[("row", "e4m3", 1, 18432, 7168)][1] == 1
+    k = lib.cutedsl_gemm_find_by_name(picks[("row", "int8", 17, 576, 7168)][0].encode()).contents
+    assert (k.op, k.accum, k.tile_m, k.tile_n, k.swap_ab, k.split_k) == (b"quant_gemm", b"fast", 128, 32, 1, 1)
+    assert k.rate == dispatch.tile_rate(instance(k.name.decode())) > 0
+    # without N, K or the SM count: the first row in table order, unsplit
+    assert find(4, 0, 1024, "row", "e4m3") == find(4, 1024, 1024, "row", "e4m3", sms=0)
+    assert find(4, 0, 1024, "row", "e4m3")[1] == 1
+
+    # not found: M above the 32-token tiles and per-tensor weights (no rows: quantize_scaled_mm runs two kernels),
+    # fp16 activations and an fp32 bias (rows of the table, not exported); the message says what was asked
+    for m, recipe in ((33, "1x128_128x128"), (33, "row"), (4, "tensor")):
+        assert _quant_gemm_python(m, 1024, 1024, recipe, "e4m3", monkeypatch) == (None, None)
+        assert find(m, 1024, 1024, recipe, "e4m3") == (None, None)
+    assert lib.cutedsl_gemm_last_error() == (b"no exported kernel quantizing its activations for arch=sm_90a "
+                                             b"recipe=tensor activations=bf16 weights=e4m3 out=bf16 bias=none M=4")
+    assert find(4, 1024, 1024, "row", "e4m3", act=b"fp16") == (None, None)
+    assert find(4, 1024, 1024, "row", "e4m3", bias=b"fp32") == (None, None)
+    # the scaled GEMMs' lookup points at this one
+    assert not lib.cutedsl_gemm_find(b"quant_gemm", b"sm_90a", b"row", b"bf16", b"e4m3", b"bf16", None, b"promoted", 4,
+                                     1024, 1024, 132)
+    assert b"looked up with cutedsl_gemm_find_quant_gemm" in lib.cutedsl_gemm_last_error()
+
+
+QUANT_BLOCK = next(n for n in QUANT_GEMM_EXPORTED if "_1x128_128x128_" in n and "_t64x16_" in n)
+QUANT_ROW = next(n for n in QUANT_GEMM_EXPORTED if "_row_bf16xe4m3_" in n and "_t64x16_" in n)
+
+
+def _quant_gemm_args(args_type, m, n, k, recipe="1x128_128x128", base=1 << 20):
+    """Descriptors of a valid quant_gemm call (bf16 activations, W's scales in the kernel's view: (N / 128, K / 128)
+    blocks or (1, N)) at made-up, aligned addresses (checks only); scale_a stays empty."""
+    nb, kb = -(-n // 128), -(-k // 128)
+    scale_b = _view(base + (3 << 24), (nb, kb), (1, nb)) if recipe != "row" else _view(base + (3 << 24), (1, n), (n, 1))
+    return args_type(a=_view(base, (m, k), (k, 1)), b=_view(base + (1 << 24), (k, n), (1, k)),
+                     d=_view(base + (2 << 24), (m, n), (n, 1)), scale_b=scale_b)
+
+
+@pytest.mark.compile
+def test_quant_gemm_launch_checks_its_arguments(exported, exported_lib):
+    Args = _args_type(exported.arg_fields)
+    lib = _open(exported_lib, Args)
+    block = lib.cutedsl_gemm_find_by_name(QUANT_BLOCK.encode())
+    row = lib.cutedsl_gemm_find_by_name(QUANT_ROW.encode())
+
+    def refused(args, kernel=block):
+        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
+        return rc, lib.cutedsl_gemm_last_error().decode()
+
+    bad = _quant_gemm_args(Args, 4, 1040, 1024)
+    bad.scale_a = _view(5 << 24, (4, 8), (8, 1))  # the kernel computes the activations' scales itself
+    assert refused(bad) == (1, f"{QUANT_BLOCK}: scale_a given, but this kernel quantizes a itself and computes its "
+                               "scales (scale_a.data must be NULL)")
+    bad = _quant_gemm_args(Args, 4, 1040, 1024)
+    bad.scale_b.shape[1] = 9  # scaled_mm's padded K blocks: the kernel's view is cut to K's
+    assert refused(bad) == (1, f"{QUANT_BLOCK}: scale_b must hold (9, 8) scales for N=1040, K=1024 (one per 128 x 128 "
+                               "block of W: N blocks x K blocks), got (9, 9)")
+    bad = _quant_gemm_args(Args, 4, 1040, 1024)
+    bad.scale_b.shape[0] = 1040  # per-channel scales handed to the block kernel
+    assert "scale_b must hold (9, 8) scales" in refused(bad)[1]
+    assert refused(_quant_gemm_args(Args, 4, 1040, 1000)) == (1, f"{QUANT_BLOCK}: a.shape[1]=1000 must be a multiple "
+                                                                 "of 16")
+    bad = _quant_gemm_args(Args, 4, 1040, 1024)
+    bad.a.data += 8
+    assert refused(bad) == (1, f"{QUANT_BLOCK}: a.data {hex(bad.a.data)} is not 16-byte aligned")
+    bad = _quant_gemm_args(Args, 4, 1040, 1024)
+    bad.b.shape[0] = 2048
+    assert "b.shape[0]=2048 must equal a.shape[1]=1024" in refused(bad)[1]
+    bad = _quant_gemm_args(Args, 4, 1040, 1024, recipe="row")
+    bad.scale_b.shape[0] = 2
+    assert refused(bad, row) == (1, f"{QUANT_ROW}: scale_b.shape[0] must be 1 (compiled in), got 2")
+    # split K needs the workspace and counters the chosen splits take
+    args = _quant_gemm_args(Args, 4, 1040, 1024)
+    args.splits, args.max_clusters = 3, 132
+    tiles = instance(QUANT_BLOCK).output_tiles(4, 1040)
+    assert tiles == 17 and refused(args)[1].endswith(f"splits=3 needs a workspace of >= {tiles * 3 * 64 * 16} fp32 "
+                                                     "(split tiles x splits x 64 x 16)")
+    # an empty output launches nothing; a valid call gets as far as asking CUDA for the SM count
+    assert lib.cutedsl_gemm_launch(block, ctypes.byref(_quant_gemm_args(Args, 0, 1040, 1024)), None) == 0
+    if not torch.cuda.is_available():
+        for kernel, args in ((block, _quant_gemm_args(Args, 4, 1040, 1024)),
+                             (row, _quant_gemm_args(Args, 16, 1040, 1024, recipe="row"))):
+            rc, msg = refused(args, kernel)
+            assert rc == 2 and "querying the SM count failed" in msg, msg
+
+
+def test_default_export_takes_the_quant_gemm_rows_and_skips_the_fp8_output_ones(tmp_path, monkeypatch):
+    from cutedsl_gemm.generators import export as E
+    from cutedsl_gemm.generators.c_export import NOT_EXPORTED
+    from cutedsl_gemm.generators.runner import TaskResult
+
+    # compiling nothing: the selection, the skipped ops' lines and the record written before compiling are the test
+    monkeypatch.setattr(E, "run_parallel", lambda fn, jobs, *a, **k: [TaskResult(j, False, error="not compiled")
+                                                                      for j in jobs])
+    stream = io.StringIO()
+    with pytest.raises(E.ExportError, match="instances failed to export"):
+        E.export("sm_90a", tmp_path, stream=stream)
+    skips = [ln for ln in stream.getvalue().splitlines() if ln.startswith("export: skipping")]
+    assert len(skips) == 1 and skips[0].endswith(NOT_EXPORTED[M.GEMM_FP8_OUT]) and " gemm_fp8_out " in skips[0]
+    listed = json.loads((tmp_path / "export.json").read_text())["files"]
+    quant = [i for i in M.select(op=M.QUANT_GEMM, arch="sm_90a") if in_default_set(i)]
+    assert quant and all(f"kernels/{code_key(i)}.o" in listed for i in quant)
+
+
+def test_quant_gemm_export_refuses_rows_its_lookup_cannot_tell_apart(monkeypatch):
+    from cutedsl_gemm.generators import export as E
+
+    row, block = instance(QUANT_ROW), instance(QUANT_BLOCK)
+    E._check_quant_gemm_accumulation([row, block, instance(ROW_BF16)])
+    with pytest.raises(E.ExportError, match="serve the same calls with different accumulation, which "
+                                            "cutedsl_gemm_find_quant_gemm does not take"):
+        E._check_quant_gemm_accumulation([row, replace(row, accum="fast", tile_m=128)])
+    idx = {"scale_a": 3, "scale_b": 4}
+    assert E._quant_gemm_plan(block, idx) == {"scale_a": 3, "scale_b": 4, "blocks": True, "w_rows": 128,
+                                              "w_cols": 128}
+    assert E._quant_gemm_plan(row, idx)["blocks"] is False
+    # an unswapped row with a last-wave split variant would need dispatch.last_wave_splits, which the lookup lacks
+    monkeypatch.setattr(E, "last_wave_variant", lambda inst: replace(inst, split_tail=True))
+    with pytest.raises(E.ExportError, match="without dispatch.plan_splits' last-wave split variants"):
+        E._quant_gemm_plan(replace(row, swap_ab=False), idx)
+    assert E._quant_gemm_plan(row, idx)  # swapped rows never take one
+
+
 @pytest.mark.compile
 @pytest.mark.skipif(shutil.which("cmake") is None, reason="needs cmake")
 def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
@@ -576,7 +613,7 @@ def test_cmake_fragment_builds_a_consumer(exported, tmp_path):
         proc = subprocess.run(cmd, capture_output=True, text=True)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = subprocess.run([str(build / "consumer")], capture_output=True, text=True, check=True)
-    assert sorted(run.stdout.split()) == sorted((*EXPORTED, *WEIGHT_ONLY_EXPORTED))
+    assert sorted(run.stdout.split()) == sorted((*EXPORTED, *WEIGHT_ONLY_EXPORTED, *QUANT_GEMM_EXPORTED))
 
 
 @pytest.mark.gpu
@@ -672,3 +709,57 @@ def test_exported_weight_only_runs_and_matches_reference(exported, exported_lib,
         assert int(counters.abs().sum()) == 0  # the kernel hands the counters back zeroed
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["deepseek_split_k", "row_e4m3", "int8_128x32"])
+def test_exported_quant_gemm_equals_quantize_scaled_mm(exported, exported_lib, which):
+    """An exported kernel quantizing its activations, found and launched through the registry, writes what
+    quantize_scaled_mm(..., in_kernel=True) writes, bit for bit: the same kernel, K splits and grid."""
+    import cutedsl_gemm
+    from cutedsl_gemm import problem as P
+    from cutedsl_gemm.numerics import scale_layouts
+
+    # M = 4 and 16: 64x16 tiles, 2 and 3 K splits on 132 SMs; M = 20: int8's 128x32 tile, 4 splits
+    m, n, k, recipe, weights = {"deepseek_split_k": (4, 2048, 4096, "1x128_128x128", "e4m3"),
+                                "row_e4m3": (16, 1040, 1024, "row", "e4m3"),
+                                "int8_128x32": (20, 1040, 1024, "row", "int8")}[which]
+    Args = _args_type(exported.arg_fields)
+    lib = _open(exported_lib, Args)
+    torch.manual_seed(11)
+    w = torch.randn(n, k, device="cuda")
+    if recipe == "row":
+        qw, sw = (cutedsl_gemm.quantize_int8 if weights == "int8" else cutedsl_gemm.quantize_fp8)(w, "row")
+        scale_b = sw.t().contiguous()  # (1, N), row-major (its one row's stride is compiled as a multiple of 16)
+    else:
+        qw, sw = cutedsl_gemm.quantize_fp8(w, "128x128")
+        scale_b = sw.t().contiguous()  # scaled_mm's layout: (K blocks, N blocks)
+    b = qw.t()
+    x = (torch.randn(m, k, device="cuda") * 4).to(torch.bfloat16)
+    x[0, :128] = 0.0  # an all-zero group
+    ref = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")  # unwritten tiles stay NaN
+    assert cutedsl_gemm.quantize_scaled_mm(x, b, scale_b, out=ref, in_kernel=True) is ref
+    problem, _ = P.describe_quantize_scaled_mm(x, b, scale_b, None, x.dtype, None, None, None, x.device)
+    inst, want_splits = dispatch.select(problem)
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = ctypes.c_int32(0)
+    kern = lib.cutedsl_gemm_find_quant_gemm(b"sm_90a", recipe.encode(), b"bf16", weights.encode(), b"bf16", None, m, n,
+                                            k, sms, ctypes.byref(splits))
+    assert kern, lib.cutedsl_gemm_last_error()
+    assert (kern.contents.name.decode(), splits.value) == (inst.name, want_splits)
+
+    def view(t):
+        return _view(t.data_ptr(), tuple(t.shape), tuple(t.stride()))
+
+    sb = scale_layouts.w_kernel_view(recipe, -(-k // 128), scale_b)  # W's scales as the kernel reads them
+    out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+    tiles = inst.output_tiles(m, n)
+    workspace = torch.empty(tiles * splits.value * inst.tile_m * inst.tile_n, dtype=torch.float32, device="cuda")
+    counters = torch.zeros(tiles, dtype=torch.int32, device="cuda")
+    # scale_a (computed in the kernel), bias (none) and max_clusters (0: the device's SM count) stay empty
+    args = Args(a=view(x), b=view(b), d=view(out), scale_b=view(sb), workspace=view(workspace),
+                counters=view(counters), splits=splits.value)
+    rc = lib.cutedsl_gemm_launch(kern, ctypes.byref(args), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    assert rc == 0, lib.cutedsl_gemm_last_error()
+    torch.cuda.synchronize()
+    assert not torch.isnan(ref).any() and int(counters.abs().sum()) == 0  # every tile written; counters handed back
+    torch.testing.assert_close(out, ref, rtol=0, atol=0, equal_nan=True)

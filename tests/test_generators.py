@@ -424,7 +424,7 @@ def test_export_skips_ops_the_registry_has_no_form_for(tmp_path, capsys, monkeyp
     monkeypatch.setattr(E, "pick_ahead_of_time", lambda *a, **k: Selection(tuple(new_op), "a test selection"))
     assert main(["export", "--out", str(tmp_path)]) == 2
     lines = capsys.readouterr().err.splitlines()
-    why = "the C registry has no form for op 'fused_quant' (it describes gemm, weight_only kernels)"
+    why = "the C registry has no form for op 'fused_quant' (it describes gemm, weight_only, quant_gemm kernels)"
     assert lines == [f"export: skipping 2 fused_quant instance(s) (e.g. {new_op[0].name}): {why}",
                      f"cutedsl-gemm export: nothing to export: the 2 selected instance(s) are fused_quant kernels, "
                      f"which the C export skips: {why}"]
