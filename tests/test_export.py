@@ -99,6 +99,12 @@ def _open(path, args_type):
     return lib
 
 
+def launch_refusal(lib, kernel, args):
+    """(return code, last error) of a registry launch of ``kernel`` with ``args`` (refused ones launch nothing)."""
+    rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
+    return rc, lib.cutedsl_gemm_last_error().decode()
+
+
 def _view(data, shape, stride):
     return Tensor(data, len(shape), (ctypes.c_int64 * 4)(*shape), (ctypes.c_int64 * 4)(*stride))
 
@@ -239,8 +245,7 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     assert b"no exported kernel for op=gemm arch=sm_90a recipe=row A=e5m2" in lib.cutedsl_gemm_last_error()
 
     def refused(args, kernel=k):
-        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
-        return rc, lib.cutedsl_gemm_last_error().decode()
+        return launch_refusal(lib, kernel, args)
 
     bad = _fake_args(Args, 256, 512, 1024)
     bad.b.shape[0] = 512  # K of b differs from K of a
@@ -383,8 +388,7 @@ def test_weight_only_launch_checks_its_arguments(exported, exported_lib):
     int8 = lib.cutedsl_gemm_find_by_name(WEIGHT_ONLY_INT8.encode())
 
     def refused(args, kernel=int4):
-        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
-        return rc, lib.cutedsl_gemm_last_error().decode()
+        return launch_refusal(lib, kernel, args)
 
     bad = _weight_only_args(Args, 3, 1040, 1024)
     bad.packed_w.shape[0] = 16  # 1040 rows are 17 atoms
@@ -516,8 +520,7 @@ def test_quant_gemm_launch_checks_its_arguments(exported, exported_lib):
     row = lib.cutedsl_gemm_find_by_name(QUANT_ROW.encode())
 
     def refused(args, kernel=block):
-        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
-        return rc, lib.cutedsl_gemm_last_error().decode()
+        return launch_refusal(lib, kernel, args)
 
     bad = _quant_gemm_args(Args, 4, 1040, 1024)
     bad.scale_a = _view(5 << 24, (4, 8), (8, 1))  # the kernel computes the activations' scales itself

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from table_picks import instance
-from test_export import _args_type, _check_exported_objects, _open, _view, check_links
+from test_export import _args_type, _check_exported_objects, _open, _view, check_links, launch_refusal
 
 from cutedsl_gemm.generators.runner import code_key
 from cutedsl_gemm.selection import instances as M
@@ -109,8 +109,7 @@ def test_sm100_registry_lookup_and_argument_checks(exported_sm100, exported_sm10
     assert not find(129, recipe=b"nvfp4", ab=b"e2m1", bias=b"fp32")  # its 2-CTA sibling was not exported
 
     def refused(args, kernel=k1):
-        rc = lib.cutedsl_gemm_launch(kernel, ctypes.byref(args), None)
-        return rc, lib.cutedsl_gemm_last_error().decode()
+        return launch_refusal(lib, kernel, args)
 
     bad = _sm100_args(Args, 256, 512, 1024)
     bad.a6.data += 16  # the sub-byte views are 32-byte aligned (TMA's unpacking formats)
