@@ -88,7 +88,42 @@ def _demo_gpu() -> int:
                   f"{flops / t_ref / 1e9:13.0f} {t_ref / t_ours:6.3f}")
     ok = worst <= 2e-3
     print(f"\n{'PASS' if ok else 'FAIL'}: worst relative error {worst:.2e} (limit 2e-3)")
-    return 0 if ok else 1
+    fused = _demo_fused_quantization()
+    return 0 if ok and fused else 1
+
+
+def _demo_fused_quantization() -> bool:
+    """quantize_scaled_mm with the activations quantized in the GEMM (decode sizes) and scaled_mm_fp8_out (prefill),
+    each against its two-kernel form: the bits must agree."""
+    import cutedsl_gemm
+    from cutedsl_gemm.tools.anchors import make_operands
+
+    def same(a, b):
+        def raw(t):
+            return t.contiguous().view(torch.uint8)
+
+        return all(torch.equal(raw(x), raw(y)) for x, y in zip(a, b))
+
+    print("\nFused quantization (one kernel against the quantizer and the GEMM, bit for bit):")
+    ok = True
+    for label, recipe, fmt in (("DeepSeek 1x128", "1x128_128x128", "e4m3"), ("row", "row", "e4m3"),
+                               ("int8 row", "row", "int8")):
+        for m in (1, 4, 32):
+            _, qw, _, scale_b, _ = make_operands(m, 7168, 2048, recipe, fmt_a=fmt, fmt_b=fmt)
+            x = torch.randn(m, 2048, device="cuda", dtype=torch.bfloat16)
+            one = cutedsl_gemm.quantize_scaled_mm(x, qw.t(), scale_b, in_kernel=True)
+            agree = same([one], [cutedsl_gemm.quantize_scaled_mm(x, qw.t(), scale_b, in_kernel=False)])
+            ok &= agree
+            print(f"    quantize_scaled_mm {label:15s} M={m:<4d} N=7168 K=2048: {'same bits' if agree else 'DIFFER'}")
+    for m in (1024, 4096):
+        qa, qw, scale_a, scale_b, _ = make_operands(m, 7168, 2048, "1x128_128x128")
+        got = cutedsl_gemm.scaled_mm_fp8_out(qa, qw.t(), scale_a, scale_b)
+        want = cutedsl_gemm.quantize_fp8(cutedsl_gemm.scaled_mm(qa, qw.t(), scale_a, scale_b), "1x128")
+        agree = same(got, want)
+        ok &= agree
+        print(f"    scaled_mm_fp8_out  DeepSeek        M={m:<4d} N=7168 K=2048: {'same bits' if agree else 'DIFFER'}")
+    print(f"\n{'PASS' if ok else 'FAIL'}: fused quantization")
+    return ok
 
 
 def _demo_cpu() -> int:
