@@ -5,6 +5,7 @@ and the bf16 product (``torch.matmul``), same shapes, bf16 activations.
     python -m benchmarks.bench_weight_only                        (int4 group 128, -> results/weight_only.json)
     python -m benchmarks.bench_weight_only --bits 8 --group 0 --name weight_only_int8
     python -m benchmarks.bench_weight_only --nk 8192x8192,28672x8192 --ms 1,16,128 --zeros --group 64
+    python -m benchmarks.bench_weight_only --ms 1,16 --tile-m 64 --split-k 1 --name weight_only_t64
 
 Each product runs on its own copies of the weights, taken in turn, enough of them that every call reads its weights
 from HBM (past the 50 MB L2); the calls are timed back to back (``common.time_interleaved``). Per row: the three
@@ -16,14 +17,18 @@ float64 product of the dequantized weights (M <= 128).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import math
 
 import torch
 
+from cutedsl_gemm import problem as P
 from cutedsl_gemm.numerics import int_packing as IP
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.ops.weight_only import mm_weight_only
+from cutedsl_gemm.runtime import launch
+from cutedsl_gemm.selection import dispatch
 
 from . import common
 from .common import HBM_TBPS
@@ -89,13 +94,27 @@ def _int8_mm(x, *, w, s):
     return torch._weight_int8pack_mm(x, w, s)
 
 
-def timed_calls(x, ours, theirs, bf16, group, bits, split_k=None):
-    """{name: no-argument call} of the three products of ``x``, each on the next copy of its weights (ours with
-    ``split_k`` K splits; None: dispatch's choice)."""
+def our_call(x, ours, group, bits, split_k=None, tile_m=None):
+    """fn(i, out): ours on copy i of the weights -- ``mm_weight_only`` with ``split_k`` K splits (None: dispatch's
+    choice), or with ``tile_m`` the launch plan of dispatch's pick built with that many weight rows a tile (64: one
+    consumer warp group, twice the tiles), a kernel option timed against the table's."""
+    if tile_m is None:
+        return lambda i, out: mm_weight_only(x, ours[i][0], ours[i][1], ours[i][2], group=group, bits=bits, out=out,
+                                             split_k=split_k)
+    packed, scales, zeros = ours[0][:3]
+    problem = P.describe_weight_only(x, packed, scales, zeros, group, bits, None, split_k, x.device)
+    inst, splits = dispatch.select_weight_only(problem)
+    plan = launch.plan(dataclasses.replace(inst, tile_m=tile_m), problem.m, problem.n, splits, x.device.index)
+    return lambda i, out: plan.run(x, ours[i][0], ours[i][1], ours[i][2], out)
+
+
+def timed_calls(x, ours, theirs, bf16, group, bits, split_k=None, tile_m=None):
+    """{name: no-argument call} of the three products of ``x``, each on the next copy of its weights (ours as
+    ``our_call`` makes it)."""
     outs = [torch.empty(x.shape[0], o[1].shape[1], dtype=x.dtype, device=x.device) for o in ours]
+    ours_fn = our_call(x, ours, group, bits, split_k, tile_m)
     fns = {
-        "ours": Rotation(lambda i: mm_weight_only(x, ours[i][0], ours[i][1], ours[i][2], group=group, bits=bits,
-                                                  out=outs[i], split_k=split_k), len(ours)),
+        "ours": Rotation(lambda i: ours_fn(i, outs[i]), len(ours)),
         "bf16": Rotation(lambda i: torch.matmul(x, bf16[i].t()), len(bf16)),
     }
     if theirs:
@@ -108,7 +127,7 @@ def weight_bytes(n, k, bits, group, zeros):
     return n * k * bits // 8 + scale_count * (4 if group == 0 else 2) * (2 if zeros else 1)
 
 
-def run_shape(n, k, ms, bits, group, zeros, gen, split_k=None):
+def run_shape(n, k, ms, bits, group, zeros, gen, split_k=None, tile_m=None):
     nbytes = weight_bytes(n, k, bits, group, zeros)
     ours = [our_weights(n, k, bits, group, zeros, gen) for _ in range(copies_past_l2(nbytes))]
     theirs = [torch_weights(n, k, bits, group or 128, gen) for _ in range(copies_past_l2(nbytes))] \
@@ -120,12 +139,12 @@ def run_shape(n, k, ms, bits, group, zeros, gen, split_k=None):
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
-        fns = timed_calls(x, ours, theirs, bf16, group, bits, split_k)
+        fns = timed_calls(x, ours, theirs, bf16, group, bits, split_k, tile_m)
         times = {name: ms_ * 1e3 for name, ms_ in common.time_interleaved(fns).items()}
         err = float("nan")
         if m <= CHECK_MAX_M:
-            packed, ks, kz, q, s, z = ours[0]
-            out = mm_weight_only(x, packed, ks, kz, group=group, bits=bits)
+            q, s, z = ours[0][3:]
+            out = our_call(x, ours, group, bits, split_k, tile_m)(0, torch.empty(m, n, dtype=x.dtype, device=x.device))
             err = R.rel_error(out, R.reference_weight_only_mm(x, q, s, z, group))
         ours_us, torch_us, bf16_us = times["ours"], times.get("torch", float("nan")), times["bf16"]
         rows.append([m, n, k, ours_us, torch_us, bf16_us, floor_us, 100 * floor_us / ours_us, torch_us / ours_us,
@@ -142,6 +161,8 @@ def main(argv=None):
     p.add_argument("--group", type=int, default=128, help="32, 64, 128, or 0 (per channel)")
     p.add_argument("--zeros", action="store_true", help="int4 with integer zero points")
     p.add_argument("--split-k", type=int, default=None, help="force this many K splits (default: dispatch's)")
+    p.add_argument("--tile-m", type=int, default=None, choices=(64, 128),
+                   help="weight rows a tile of dispatch's pick (a kernel option; default: the table's)")
     common.add_result_options(p, "weight_only")
     args = p.parse_args(argv)
     IP.check_format(args.bits, args.group, args.zeros)
@@ -151,7 +172,7 @@ def main(argv=None):
     rows = []
     for shape in args.nk.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
-        rows += run_shape(n, k, ms, args.bits, args.group, args.zeros, gen, args.split_k)
+        rows += run_shape(n, k, ms, args.bits, args.group, args.zeros, gen, args.split_k, args.tile_m)
     fmt = f"int{args.bits} " + (f"group {args.group}" if args.group else "per channel") + \
         (" with zero points" if args.zeros else "")
     torch_kernel = "torch._weight_int4pack_mm (group 128 where ours is per channel)" if args.bits == 4 \

@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks import bench_decode_chain, bench_sweep, common, measure_floor, render
 from cutedsl_gemm.selection import dispatch
@@ -117,3 +118,21 @@ def test_help(module, capsys):
     assert done.value.code == 0
     out = capsys.readouterr().out
     assert module.__doc__.splitlines()[0] in out and "--no-save" in out
+
+
+def test_decode_options_cover_the_large_layers_and_the_unfused_projections():
+    from benchmarks import bench_decode_options as O
+
+    shapes = O.shapes()
+    assert (1024, 4096) in shapes and (14336, 4096) in shapes and (28672, 4096) in shapes
+    assert all(n * k >= O.MIN_WEIGHT_BYTES for n, k in shapes if (n, k) not in O.UNFUSED)
+    assert len(shapes) == len(set(shapes))
+    pick = dispatch.select_gemm("sm_90a", "row", "e4m3", "e4m3", "bf16", None, 1)
+    rows = O.swapped_rows(pick, "row", 1)
+    assert {(i.tile_m, i.tile_n) for i in rows} == {(128, pick.tile_n), (64, pick.tile_n)}
+    assert all(i.swap_ab and i.accum == pick.accum and i.bias_dtype is None for i in rows)
+    unswapped = next(i for i in O.INSTANCES if i.op == "gemm" and i.arch == "sm_90a" and i.recipe == "row"
+                     and not i.swap_ab and i.accum == "promoted")
+    assert {i.tile_n for i in O.swapped_rows(unswapped, "row", 128)} == {64}  # the width M needs
+    with pytest.raises(SystemExit):  # (no GPU here, or a missing --what)
+        O.main(["--what", "splits"] if not torch.cuda.is_available() else [])
