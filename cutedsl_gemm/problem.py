@@ -26,6 +26,7 @@ from cutedsl_gemm.numerics.formats import (
     INT8,
     RECIPES,
     ScaleGranularity,
+    activation_format,
     ceil_div,
     element_format,
 )
@@ -415,11 +416,11 @@ def _describe_sm90(a, b, scale_a, scale_b, bias, out_dtype, out, use_fast_accum,
     return problem, operands
 
 
-def activation_quantization(recipe: str, b_format: str) -> tuple[str, str]:
-    """(format, granularity label) ``quantize_scaled_mm`` quantizes its activations to for a GEMM of ``recipe`` with
-    weights in ``b_format``: int8 for an int8 weight, else e4m3; the recipe's activation scaling (per tensor, per
-    token or 1x128 groups)."""
-    return ("int8" if b_format == INT8.name else "e4m3"), RECIPES[recipe].a.label
+def activation_quantization(recipe: str, weight) -> tuple[str, str]:
+    """(format name, granularity label) ``quantize_scaled_mm`` quantizes its activations to for a GEMM of ``recipe``
+    with weights of ``weight`` (format name or torch dtype; ``formats.activation_format``) and the recipe's activation
+    scaling (per tensor, per token or 1x128 groups)."""
+    return activation_format(weight).name, RECIPES[recipe].a.label
 
 
 def describe_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, out, scale_recipe_b, split_k, device: torch.device, *,
@@ -447,8 +448,7 @@ def describe_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, out, scale_recip
     gran = scale_layouts.activation_granularity(scale_b, m, b.shape[1], k, scale_recipe_b)
     # b, its scales, bias and out are checked as scaled_mm checks them, beside a stand-in for the quantized x and its
     # scales in the quantizer's layout (meta tensors: shapes and strides only).
-    fmt = INT8 if b.dtype == INT8.torch_dtype else element_format("e4m3")
-    qa = torch.empty((m, k), dtype=fmt.torch_dtype, device="meta")
+    qa = torch.empty((m, k), dtype=activation_format(b.dtype).torch_dtype, device="meta")
     if gran is G.TENSOR:
         sa = torch.empty((), dtype=torch.float32, device="meta")
     elif gran is G.ROW:

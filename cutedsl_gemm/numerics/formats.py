@@ -136,6 +136,12 @@ def element_format(x) -> ElementFormat:
     raise TypeError(f"cannot interpret {x!r} as an element format")
 
 
+def activation_format(weight) -> ElementFormat:
+    """What activations are quantized to for a GEMM with weights of ``weight`` (a format, its name or torch dtype):
+    int8 for int8 weights (the s8 x s8 MMA), e4m3 otherwise (the GEMM's own checks refuse weights it cannot take)."""
+    return INT8 if weight in (INT8, INT8.name, INT8.torch_dtype) else E4M3
+
+
 def float_format(x) -> ElementFormat:
     """bf16 / fp16 / fp32 by torch dtype, short name or ElementFormat."""
     if isinstance(x, torch.dtype):

@@ -259,7 +259,7 @@ def _keep(plans: dict, sig, value) -> None:
 def _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k, recipe):
     from cutedsl_gemm.ops.quantize import quantize_fp8, quantize_int8
 
-    fmt, groups = P.activation_quantization(recipe, "int8" if b.dtype == torch.int8 else "e4m3")
+    fmt, groups = P.activation_quantization(recipe, b.dtype)
     qa, sa = quantize_int8(x, groups) if fmt == "int8" else quantize_fp8(x, groups, fmt=fmt)
     recipe_a = None if scale_recipe_b is None else groups
     return scaled_mm(qa, b, sa, scale_b, bias, None, out_dtype, scale_recipe_a=recipe_a, scale_recipe_b=scale_recipe_b,

@@ -118,12 +118,13 @@ class KernelInstance:
     def sm90_config(self):
         """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them."""
         from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
+        from cutedsl_gemm.numerics.formats import activation_format
 
         # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and set-up
         # overlap the previous kernel's tail (programmatic dependent launch).
         fields = _shared_fields(self, Sm90GemmConfig)
         if self.op == QUANT_GEMM:  # activations in a_dtype, quantized in the kernel to the weight's kind
-            fields.update(a_dtype="int8" if self.b_dtype == "int8" else "e4m3", a_input=self.a_dtype)
+            fields.update(a_dtype=activation_format(self.b_dtype).name, a_input=self.a_dtype)
         if self.op == GEMM_FP8_OUT:  # the epilogue quantizes the bf16 tile in 1x128 groups
             fields.update(d_quant="1x128")
         return Sm90GemmConfig(**fields, split_k=self.can_split_k, pdl=self.swap_ab)
