@@ -137,6 +137,13 @@ def workspace_need(inst: KernelInstance, m: int, n: int, splits: int, max_cluste
     return tiles * splits * inst.tile_m * inst.tile_n, tiles
 
 
+def split_k_buffers(plan):
+    """(fp32 partials, counters) a Hopper launch plan (``LaunchPlan``, ``WeightOnlyLaunchPlan``) passes: the device's
+    split-K workspace, fetched per call since it grows on demand (a later call may have replaced it), or the plan's
+    never-read stand-ins when it does not split."""
+    return _workspace(plan.device_index).get(*plan.ws_need) if plan.splits > 1 else plan.idle_ws
+
+
 class LaunchPlan(NamedTuple):
     """Everything a launch of one Hopper instance on one problem size needs besides the tensors."""
 
@@ -150,8 +157,7 @@ class LaunchPlan(NamedTuple):
 
     def run(self, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:
         """Launch on the current stream; ``scale_a``/``scale_b`` are the kernel's scale views (no global scales)."""
-        # The split-K buffers grow on demand (a later call may have replaced them): fetch them per call.
-        partials, counters = _workspace(self.device_index).get(*self.ws_need) if self.splits > 1 else self.idle_ws
+        partials, counters = split_k_buffers(self)
         self.fn(a, b, out, scale_a, scale_b, self.dummy_bias if bias is None else bias, partials, counters,
                 self.splits, self.max_clusters)
         return out
@@ -159,7 +165,7 @@ class LaunchPlan(NamedTuple):
     def run_fp8_out(self, a, b, q, q_scales, scale_a, scale_b, bias):
         """Launch an instance that emits FP8 in 1x128 groups (op GEMM_FP8_OUT, ``Sm90Fp8Gemm.call_fp8_out``) on the
         current stream: ``q`` (M, N) e4m3 and ``q_scales`` (M, N / 128) M-major as ``quantize_fp8`` returns them."""
-        partials, counters = _workspace(self.device_index).get(*self.ws_need) if self.splits > 1 else self.idle_ws
+        partials, counters = split_k_buffers(self)
         self.fn(a, b, q, q_scales, scale_a, scale_b, self.dummy_bias if bias is None else bias, partials, counters,
                 self.splits, self.max_clusters)
         return q, q_scales
@@ -179,7 +185,7 @@ class WeightOnlyLaunchPlan(NamedTuple):
     def run(self, x, w, scales, zeros, out) -> torch.Tensor:
         """Launch on the current stream: activations, packed weights, scales and zero points in the kernel's
         layouts (``numerics.int_packing``), ``out`` (M, N)."""
-        partials, counters = _workspace(self.device_index).get(*self.ws_need) if self.splits > 1 else self.idle_ws
+        partials, counters = split_k_buffers(self)
         self.fn(x, w, scales, self.no_zeros if zeros is None else zeros, out, partials, counters, self.splits,
                 self.max_clusters)
         return out
