@@ -272,6 +272,11 @@ def test_registry_lookup_and_argument_checks(exported, exported_lib):
     if not torch.cuda.is_available():
         rc, msg = refused(_fake_args(Args, 256, 512, 1024))  # valid: gets as far as asking CUDA for the SM count
         assert rc == 2 and "querying the SM count failed" in msg
+        # torch strides a (1, N) tensor (1, 1): the stride of a mode of extent 1 is never applied, so it passes
+        args = _fake_args(Args, 256, 512, 1024)
+        args.scale_b = _view(4 << 24, (1, 512), (1, 1))
+        rc, msg = refused(args)
+        assert rc == 2 and "querying the SM count failed" in msg, msg
 
 
 @pytest.mark.compile
@@ -731,7 +736,7 @@ def test_exported_quant_gemm_equals_quantize_scaled_mm(exported, exported_lib, w
     w = torch.randn(n, k, device="cuda")
     if recipe == "row":
         qw, sw = (cutedsl_gemm.quantize_int8 if weights == "int8" else cutedsl_gemm.quantize_fp8)(w, "row")
-        scale_b = sw.t().contiguous()  # (1, N), row-major (its one row's stride is compiled as a multiple of 16)
+        scale_b = sw.t()  # (1, N), strides (1, 1): the stride of its one row is never applied
     else:
         qw, sw = cutedsl_gemm.quantize_fp8(w, "128x128")
         scale_b = sw.t().contiguous()  # scaled_mm's layout: (K blocks, N blocks)
