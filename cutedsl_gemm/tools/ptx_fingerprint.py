@@ -1,0 +1,259 @@
+"""PTX fingerprints: the md5 of the PTX of a fixed sample of kernels, for sm_90a and sm_100a, compiled without a GPU.
+
+``python -m cutedsl_gemm.tools.ptx_fingerprint [--write FILE] [--check FILE] [--jobs N] [--filter SUBSTR]``
+
+The sample (``SAMPLE``) holds one instance of the table per kernel family (``generators.catalog.family_key``: every
+op, schedule, scaling, integer format, swapped and two-CTA-per-SM form, last-wave split and accumulation of both
+architectures, with every recipe and operand, output and bias type among them) and the quantizer kernels
+(``QUANTIZERS``: FP8 and INT8 for sm_90a, MX and NVFP4 for sm_100a). Each compiles the runtime's way
+(``runtime.compile``) and its PTX is read as ``ptx_inspect`` keeps it.
+
+The PTX of a configuration is the same from run to run; the only lines left out are the compiler's banner at the
+top (column-0 ``//`` comments: its build id and version), which change with the toolchain, not with the code.
+
+``--write FILE`` records the fingerprints; ``--check FILE`` compares against a recorded file and exits 1 naming
+each kernel whose PTX changed, that no longer compiles, or that either side lacks. A change that moves PTX on
+purpose rewrites the reference (``tests/data/ptx_fingerprints.json``) and says why in its commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Sequence
+
+from cutedsl_gemm.selection.instances import INSTANCES, SM90, SM100
+
+#: Instances of the table, one per kernel family (``generators.catalog.sample`` picked them; held fixed by name so
+#: that the sample compared stays the same while the table grows).
+SAMPLE = (
+    "sm_90a_gemm_small_m_tensor_e4m3xe4m3_bf16_t128x16_c1x1_promoted_swapab",
+    "sm_90a_gemm_small_m_row_e5m2xe5m2_fp16_biasfp16_t128x16_c1x1_fast_swapab",
+    "sm_90a_gemm_small_m_1x128_128x128_e4m3xe4m3_fp32_biasfp32_t128x16_c1x1_promoted_swapab",
+    "sm_90a_gemm_cooperative_tensor_e4m3xe4m3_bf16_t128x192_c2x1_promoted",
+    "sm_90a_gemm_cooperative_row_e5m2xe5m2_fp16_biasfp16_t128x192_c2x1_fast",
+    "sm_90a_gemm_cooperative_tensor_e4m3xe4m3_fp32_biasfp32_t64x192_c2x1_promoted_2persm",
+    "sm_90a_gemm_cooperative_tensor_e4m3xe4m3_bf16_biasbf16_t64x192_c2x1_promoted_swapab_2persm",
+    "sm_90a_gemm_cooperative_1x128_128x128_e4m3xe4m3_bf16_biasbf16_t128x128_c2x1_promoted",
+    "sm_90a_gemm_cooperative_128x128_128x128_e4m3xe4m3_bf16_t64x192_c2x1_promoted_2persm",
+    "sm_90a_gemm_cooperative_tensor_e4m3xe4m3_bf16_lastwave_t128x192_c2x1_promoted",
+    "sm_90a_gemm_cooperative_1x128_1x128_e4m3xe4m3_bf16_lastwave_t128x128_c2x1_promoted",
+    "sm_90a_gemm_small_m_tensor_int8xint8_bf16_t128x16_c1x1_fast_swapab",
+    "sm_90a_gemm_cooperative_tensor_int8xint8_bf16_t128x256_c2x1_fast",
+    "sm_90a_gemm_cooperative_tensor_int8xint8_bf16_t64x192_c2x1_fast_2persm",
+    "sm_90a_gemm_cooperative_tensor_int8xint8_bf16_lastwave_t128x192_c2x1_fast",
+    "sm_90a_quant_gemm_small_m_1x128_128x128_bf16xe4m3_bf16_t128x16_c1x1_promoted_swapab",
+    "sm_90a_quant_gemm_small_m_row_fp16xe4m3_fp16_biasfp32_t128x16_c1x1_promoted_swapab",
+    "sm_90a_quant_gemm_small_m_row_bf16xint8_bf16_t128x16_c1x1_fast_swapab",
+    "sm_90a_gemm_fp8_out_cooperative_1x128_128x128_e4m3xe4m3_bf16_t128x128_c2x1_promoted",
+    "sm_90a_gemm_fp8_out_cooperative_1x128_128x128_e4m3xe4m3_bf16_biasfp32_lastwave_t128x128_c2x1_promoted",
+    "sm_90a_gemm_fp8_out_cooperative_tensor_e4m3xe4m3_bf16_t128x128_c2x1_promoted",
+    "sm_90a_weight_only_small_m_group32_bf16xint4_bf16_t128x16_c1x1_fast_swapab",
+    "sm_90a_weight_only_small_m_group32_zeros_fp16xint4_fp16_t128x16_c1x1_fast_swapab",
+    "sm_90a_weight_only_small_m_channel_bf16xint4_bf16_t128x16_c1x1_fast_swapab",
+    "sm_90a_weight_only_small_m_channel_bf16xint8_bf16_t128x16_c1x1_fast_swapab",
+    "sm_100a_gemm_1sm_tensor_f8f6f4xf8f6f4_bf16_t128x128_c1x1_fast",
+    "sm_100a_gemm_1sm_mx_f8f6f4xf8f6f4_fp16_biasfp32_t128x128_c1x1_fast",
+    "sm_100a_gemm_2sm_tensor_f8f6f4xf8f6f4_fp32_t128x128_c2x1_fast",
+    "sm_100a_gemm_2sm_mx_f8f6f4xf8f6f4_bf16_t128x128_c2x1_fast",
+    "sm_100a_gemm_1sm_mx_e2m1xe2m1_bf16_t128x128_c1x1_fast_k256",
+    "sm_100a_gemm_1sm_nvfp4_e2m1xe2m1_bf16_t128x128_c1x1_fast_k256",
+    "sm_100a_gemm_2sm_mx_e2m1xe2m1_bf16_t128x128_c2x1_fast_k256",
+    "sm_100a_gemm_2sm_nvfp4_e2m1xe2m1_bf16_t128x128_c2x1_fast_k256",
+)
+
+#: The quantizer kernels, name -> (arch, kind, arguments): "fp8" kinds are ``ops.quantize``'s FP8 / INT8 kernels
+#: (kind, input, output, then the kind's configuration as ``ops.quantize`` passes it), "block" the MX / NVFP4
+#: quantizer (recipe, element format, input dtype, whether it computes the global scale).
+QUANTIZERS = {
+    "sm_90a_quantize_group_bf16_e4m3_mn_major": (SM90, "fp8", ("group", "bf16", "e4m3", 128, "mn_major")),
+    "sm_90a_quantize_group_fp32_e4m3_row_major": (SM90, "fp8", ("group", "fp32", "e4m3", 128, "row_major")),
+    "sm_90a_quantize_block128_bf16_e4m3": (SM90, "fp8", ("block", "bf16", "e4m3", 128)),
+    "sm_90a_quantize_block256_fp16_e5m2": (SM90, "fp8", ("block", "fp16", "e5m2", 256)),
+    "sm_90a_quantize_row_block_bf16_e4m3_8192": (SM90, "fp8", ("row_block", "bf16", "e4m3", 256, 8192)),
+    "sm_90a_quantize_row_fp32_e4m3": (SM90, "fp8", ("row", "fp32", "e4m3")),
+    "sm_90a_quantize_tensor_amax_bf16": (SM90, "fp8", ("tensor_amax", "bf16", "e4m3")),
+    "sm_90a_quantize_tensor_cast_bf16_e4m3": (SM90, "fp8", ("tensor_cast", "bf16", "e4m3")),
+    "sm_90a_quantize_row_block_bf16_int8_4096": (SM90, "fp8", ("row_block", "bf16", "int8", 128, 4096)),
+    "sm_90a_quantize_tensor_cast_fp16_int8": (SM90, "fp8", ("tensor_cast", "fp16", "int8")),
+    "sm_100a_quantize_mx_bf16_e4m3": (SM100, "block", ("mx", "e4m3", "bf16", False)),
+    "sm_100a_quantize_mx_fp32_e2m1": (SM100, "block", ("mx", "e2m1", "fp32", False)),
+    "sm_100a_quantize_nvfp4_bf16_global": (SM100, "block", ("nvfp4", "e2m1", "bf16", True)),
+}
+
+REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "data" / "ptx_fingerprints.json"
+
+
+def kernel_names() -> tuple[str, ...]:
+    return (*SAMPLE, *QUANTIZERS)
+
+
+def normalized(ptx: str) -> str:
+    """The PTX without the compiler's banner (the column-0 ``//`` comment lines: build id, toolchain version)."""
+    return "".join(line for line in ptx.splitlines(keepends=True) if not line.startswith("//"))
+
+
+def fingerprint(ptx: str) -> str:
+    return hashlib.md5(normalized(ptx).encode()).hexdigest()
+
+
+def _instance(name: str):
+    for inst in INSTANCES:
+        if inst.name == name and not inst.stages:
+            return inst
+    raise LookupError(f"{name} is no longer in the instance table: pick its family's replacement in SAMPLE")
+
+
+def _quantizer_ptx(arch: str, kind: str, args: tuple) -> str:
+    import tempfile
+
+    import torch
+
+    from cutedsl_gemm.numerics.formats import element_format, float_format
+
+    if kind == "block":
+        from cutedsl_gemm.ops.quantize import compile_quantizer
+
+        recipe, fmt, src, compute_global = args
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[src]
+        return compile_quantizer(recipe, fmt, dtype, compute_global, keep_ptx=True, arch=arch).__ptx__
+    from cutedsl_gemm.kernels.sm90 import quantize_fp8 as K
+    from cutedsl_gemm.runtime.compile import compile_entry
+
+    which, src, dst, *cfg = args
+    ti, fmt = float_format(src).cutlass_dtype(), element_format(dst)
+    to = fmt.cutlass_dtype()
+    entry = {
+        "group": lambda: K.group_entry(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major"),
+        "block": lambda: K.block_entry(ti, to, fmt.max_finite, cfg[0]),
+        "row_block": lambda: K.row_block_entry(ti, to, fmt.max_finite, cfg[1], threads=cfg[0]),
+        "row": lambda: K.row_entry(ti, to, fmt.max_finite),
+        "tensor_amax": lambda: K.tensor_amax_entry(ti),
+        "tensor_cast": lambda: K.tensor_cast_entry(ti, to, fmt.max_finite),
+    }[which]()
+    with tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_") as tmp:
+        return compile_entry(*entry, arch=arch, ptx_dump_dir=tmp).__ptx__
+
+
+def kernel_ptx(name: str) -> str:
+    """Compile the kernel ``name`` of the sample (no GPU) and return its PTX."""
+    if name in QUANTIZERS:
+        return _quantizer_ptx(*QUANTIZERS[name])
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    return inspect_instance(_instance(name)).ptx
+
+
+def _fingerprint_of(name: str) -> str:  # (module level: the runner's workers take it by reference)
+    ptx = kernel_ptx(name)
+    if not ptx:
+        raise RuntimeError("the compiler kept no PTX")
+    return fingerprint(ptx)
+
+
+@dataclass
+class Fingerprints:
+    dsl: str
+    kernels: Dict[str, str]  # name -> md5 of the normalized PTX
+    failed: Dict[str, str]  # name -> why it did not compile
+
+
+def compute(names: Sequence[str] | None = None, jobs: int | None = None, stream=None) -> Fingerprints:
+    """Fingerprints of ``names`` (default: the whole sample), compiled in ``jobs`` worker processes."""
+    from cutedsl_gemm.generators.runner import run_parallel
+    from cutedsl_gemm.runtime.jit import dsl_version
+
+    names = list(kernel_names() if names is None else names)
+    results = run_parallel(_fingerprint_of, names, jobs, "ptx", stream=stream)
+    return Fingerprints(dsl_version(), {r.item: r.value for r in results if r.ok},
+                        {r.item: r.error for r in results if not r.ok})
+
+
+def write(path: Path, fps: Fingerprints) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"dsl": fps.dsl, "kernels": dict(sorted(fps.kernels.items()))}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+
+
+def load(path: Path) -> tuple[str, Dict[str, str]]:
+    data = json.loads(Path(path).read_text())
+    return data.get("dsl", "?"), dict(data["kernels"])
+
+
+def compare(recorded: Dict[str, str], fps: Fingerprints, names: Sequence[str]) -> List[str]:
+    """One line per kernel of ``names`` that differs from ``recorded``: changed PTX, failed to compile, or absent
+    from either side; [] when all agree."""
+    lines = []
+    for name in names:
+        if name in fps.failed:
+            lines.append(f"FAILED   {name}: {fps.failed[name]}")
+        elif name not in recorded:
+            lines.append(f"NEW      {name}: {fps.kernels[name]} (not in the reference)")
+        elif fps.kernels[name] != recorded[name]:
+            lines.append(f"CHANGED  {name}: {recorded[name]} -> {fps.kernels[name]}")
+    lines += [f"MISSING  {name}: in the reference, not in the sample" for name in recorded if name not in names]
+    return lines
+
+
+def uncovered_families() -> List[tuple]:
+    """Kernel families of the table that no instance of ``SAMPLE`` belongs to."""
+    from cutedsl_gemm.generators.catalog import family_key
+
+    have = {family_key(_instance(n)) for n in SAMPLE}
+    return sorted({family_key(i) for i in INSTANCES} - have, key=str)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cutedsl_gemm.tools.ptx_fingerprint", description=(
+        "Compile a fixed sample of kernels (one instance per kernel family of sm_90a and sm_100a, and the "
+        "quantizers; no GPU) and print the md5 of each kernel's PTX."))
+    p.add_argument("--write", metavar="FILE", type=Path, help="record the fingerprints in FILE (JSON)")
+    p.add_argument("--check", metavar="FILE", type=Path, nargs="?", const=REFERENCE,
+                   help=f"compare against FILE (default {REFERENCE.relative_to(REFERENCE.parents[2])}); exit 1 "
+                        "naming each kernel that differs")
+    p.add_argument("--filter", action="append", metavar="SUBSTR",
+                   help="only kernels whose name contains SUBSTR (repeatable: any of them)")
+    p.add_argument("--jobs", type=int, metavar="N", help="parallel compile processes (default: CPU count)")
+    args = p.parse_args(argv)
+    names = [n for n in kernel_names() if not args.filter or any(f in n for f in args.filter)]
+    if not names:
+        p.error(f"no kernel name contains any of {args.filter}")
+    recorded = None
+    if args.check is not None:
+        try:
+            ref_dsl, recorded = load(args.check)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"ptx_fingerprint: cannot read {args.check}: {e}", file=sys.stderr)
+            return 2
+    fps = compute(names, args.jobs)
+    for name in names:
+        print(f"{fps.kernels.get(name, 'FAILED' + ' ' * 26)}  {name}")
+    for family in uncovered_families():
+        print(f"note: no kernel of the sample is of the table's family {family}", file=sys.stderr)
+    if args.write is not None:
+        if fps.failed:
+            print(f"ptx_fingerprint: {len(fps.failed)} kernel(s) failed to compile; {args.write} not written",
+                  file=sys.stderr)
+            return 1
+        write(args.write, fps)
+        print(f"wrote {len(fps.kernels)} fingerprints to {args.write}", file=sys.stderr)
+    if recorded is None:
+        return 1 if fps.failed else 0
+    if args.filter:
+        recorded = {k: v for k, v in recorded.items() if k in names}
+    diff = compare(recorded, fps, names)
+    if ref_dsl != fps.dsl:
+        print(f"note: the reference was recorded with CuTe DSL {ref_dsl}, this is {fps.dsl}", file=sys.stderr)
+    if diff:
+        print(f"PTX differs from {args.check} for {len(diff)} kernel(s):\n  " + "\n  ".join(diff))
+        return 1
+    print(f"PTX of all {len(names)} kernels matches {args.check}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
