@@ -11,7 +11,7 @@ same kernels built without it, and cuBLAS (torch._scaled_mm), run the same seque
 The table goes to benchmarks/results/decode_chain.json (``--name``, ``--no-save``: common.write_result).
 ``--sweep`` runs the layer shapes of ``benchmarks.bench_sweep`` at its M values up to 128 instead, without the
 no-PDL comparison, and reports each layer's fraction of the weight-streaming floor (``bench_sweep.floor_us``)
-into decode_chain_sweep.json.
+into decode_chain_sweep.json. Bandwidths and floors are against the measured floor (benchmarks.measure_floor).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from cutedsl_gemm.selection.instances import kernel_variant
 from cutedsl_gemm.tools.anchors import cublas_call, make_operands
 
 from . import bench_sweep, common
-from .common import HBM_TBPS, bench
+from .common import bench
 
 
 def chain_one(recipe, m, n, k, layers, sms, without_pdl=True):
@@ -82,8 +82,10 @@ def main(argv=None):
                    help="bench_sweep's layer shapes at M <= 128, with the fraction of the weight-streaming floor")
     common.add_result_options(p)
     args = p.parse_args(argv)
+    common.require_gpu("bench_decode_chain")
+    floors = common.measured_floors()
     if args.sweep:
-        return run_sweep(args)
+        return run_sweep(args, floors)
     rows = []
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{'recipe':7s} {'M':>4s} {'N':>6s} {'K':>6s} | per GEMM us: ours (PDL) | ours, no PDL | cuBLAS | "
@@ -95,27 +97,26 @@ def main(argv=None):
                 t_pdl, t_plain, t_cub = chain_one(recipe, m, n, k, args.layers, sms)
                 gbs = (n * k + m * k + 2 * m * n) / t_pdl / 1e3
                 print(f"{recipe:7s} {m:4d} {n:6d} {k:6d} | {t_pdl:24.1f} | {t_plain:12.1f} | {t_cub:6.1f} | "
-                      f"{gbs:6.0f} ({common.pct_of_hbm(gbs):.0f}%) | {t_cub / t_pdl:5.2f}")
+                      f"{gbs:6.0f} ({common.pct_of_hbm(gbs, floors):.0f}%) | {t_cub / t_pdl:5.2f}")
                 rows.append([recipe, m, n, k, round(t_pdl, 2), round(t_plain, 2), round(t_cub, 2),
-                             round(t_cub / t_pdl, 3), round(gbs), round(common.pct_of_hbm(gbs), 1)])
+                             round(t_cub / t_pdl, 3), round(gbs), round(common.pct_of_hbm(gbs, floors), 1)])
     columns = ["recipe", "M", "N", "K", "ours us", "ours without PDL us", "cuBLAS us", "ratio", "GB/s",
-               f"% of {HBM_TBPS:g} TB/s"]
+               f"% of {floors.hbm}"]
     common.save_result(args, "decode_chain", f"Decode GEMMs back to back ({args.layers} per sequence), time per GEMM",
                        columns, rows, notes=f"{common.timing_notes()}, once per sequence of {args.layers} GEMMs with "
-                       "distinct weights; cuBLAS timed in the same run; ratio = cuBLAS us / ours us")
+                       f"distinct weights; cuBLAS timed in the same run; ratio = cuBLAS us / ours us; {floors.note()}")
 
 
-
-# The issue's decode target counts the layers whose FP8 weights stream for long enough to reach the floor.
+# The decode summary's least fraction of the floor counts the layers whose FP8 weights stream for long enough to
+# reach it.
 TARGET_MAX_M, TARGET_MIN_WEIGHT_MB = 64, 32
 
 
-def run_sweep(args):
+def run_sweep(args, floors):
     """``--sweep``: per recipe, layer and M <= 128 of ``bench_sweep``, the time per GEMM of a sequence, ours
     and cuBLAS's, and the fraction of the floor (W, A and the output streamed once per GEMM) ours reaches."""
     nks = bench_sweep.parse_nk(args.nk) if args.nk else [(n, k) for _, n, k in bench_sweep.LAYERS]
     ms = [int(m) for m in args.ms.split(",")] if args.ms else [m for m in bench_sweep.MS if m <= 128]
-    tc_rate, _ = bench_sweep.default_tc_rate()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     print(f"{'recipe':14s} {'layer':12s} {'M':>4s} {'N':>6s} {'K':>6s} {'W MB':>6s} | ours us | cuBLAS us | ratio | "
@@ -124,7 +125,7 @@ def run_sweep(args):
         for n, k in nks:
             for m in ms:
                 t_ours, _, t_cub = chain_one(recipe, m, n, k, args.layers, sms, without_pdl=False)
-                floor, _ = bench_sweep.floor_us(m, n, k, tc_rate)
+                floor, _ = bench_sweep.floor_us(m, n, k, floors.fp8_tflops, floors.hbm_tbps)
                 weight_mb = n * k / 1e6
                 print(f"{recipe:14s} {bench_sweep.layer_name(n, k):12s} {m:4d} {n:6d} {k:6d} {weight_mb:6.1f} | "
                       f"{t_ours:7.1f} | {t_cub:9.1f} | {t_cub / t_ours:5.2f} | {floor / t_ours:5.2f}", flush=True)
@@ -147,7 +148,8 @@ def run_sweep(args):
                        columns, rows, summary=summary,
                        notes=f"{common.timing_notes()}, once per sequence of {args.layers} GEMMs with distinct "
                              f"weights; cuBLAS timed in the same run; ratio = cuBLAS us / ours us; of floor: A, W and "
-                             f"the output streamed once per GEMM at {HBM_TBPS:g} TB/s, over ours")
+                             f"the output streamed once per GEMM at {floors.hbm}, or the MMAs at {floors.fp8}, "
+                             f"over ours; {floors.note()}")
     return rows
 
 

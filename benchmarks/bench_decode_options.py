@@ -10,7 +10,8 @@
     python -m benchmarks.bench_decode_options --what pdl --ms 48,64,96,128
 
 Each cell is the time per GEMM of a sequence of ``--layers`` GEMMs with distinct weights (``bench_decode_chain``'s
-method: the L2 emptied before each sequence), and its fraction of the weight-streaming floor. Shapes: the sweep's
+method: the L2 emptied before each sequence), and its fraction of the floor (``bench_sweep.floor_us`` at the
+measured floor, benchmarks.measure_floor). Shapes: the sweep's
 layers of >= 16 MB (``bench_sweep.LAYERS``) and Llama-3-8B's unfused k/v (1024 x 4096) and gate/up (14336 x 4096)
 projections, as transformers runs them. Results go to benchmarks/results/decode_options_<what>.json.
 """
@@ -87,8 +88,8 @@ def main(argv=None):
     p.add_argument("--layers", type=int, default=8)
     common.add_result_options(p)
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
+    common.require_gpu("bench_decode_options")
+    floors = common.measured_floors()
     ms = args.ms or ([1, 4, 16, 64] if args.what == "splits" else [48, 64, 96, 128])
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
@@ -101,7 +102,7 @@ def main(argv=None):
                 slots = launch.launch_clusters(0, pick) * pick.cluster_m * pick.cluster_n
                 inst, splits = dispatch.plan_splits(pick, m, n, k, slots)
                 chain = Chain(recipe, m, n, k, args.layers)
-                floor = bench_sweep.floor_us(m, n, k, common.FP8_TFLOPS)[0]
+                floor = bench_sweep.floor_us(m, n, k, floors.fp8_tflops, floors.hbm_tbps)[0]
                 t_pick = chain.time(inst, splits)
                 label = f"{inst.tile_m}x{inst.tile_n}{'s' if inst.swap_ab else ''}/{splits}"
                 if args.what == "pdl":
@@ -120,7 +121,8 @@ def main(argv=None):
     common.save_result(args, f"decode_options_{args.what}", f"Decode options ({args.what}) against dispatch's pick, "
                        f"{args.layers} GEMMs per sequence", COLUMNS[args.what], rows,
                        notes=f"{common.timing_notes()}, once per sequence of {args.layers} GEMMs with distinct "
-                       "weights; floor: weights, activations and output at the HBM rate, or the MMAs at the FP8 peak")
+                       f"weights; floor: weights, activations and output at {floors.hbm}, or the MMAs at "
+                       f"{floors.fp8}, whichever is longer")
     return rows
 
 

@@ -7,7 +7,7 @@
     python -m benchmarks.bench_gemm --sets square,dsv3 --recipes int8 --name gemm_int8   (W8A8, see below)
 
 Prints one row per shape: our time, cuBLAS's in the same run, their ratio (cuBLAS / ours: above 1 is faster
-than cuBLAS), TFLOPS and % of the 1979 TFLOPS FP8 peak, GB/s and % of 3.0 TB/s, the time of the same
+than cuBLAS), TFLOPS and GB/s, each as % of the measured floor (benchmarks.measure_floor), the time of the same
 product in BF16 (torch.matmul), and the relative error of both FP8 results against the float64 reference;
 then geomeans per set and recipe. The run's table goes to benchmarks/results/<name>.json (see common.write_result):
 decode shapes (M <= 128) report bandwidth, the others TFLOPS.
@@ -30,7 +30,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.tools.anchors import cublas_call, int_mm_call, make_operands
 
 from . import common
-from .common import FP8_TFLOPS, HBM_TBPS, SET_TITLES, SETS, bench, gbps, geomean, tflops
+from .common import SET_TITLES, SETS, bench, gbps, geomean, tflops
 
 DECODE_MAX_M = 128  # up to here a GEMM is bound by streaming W: its table reports bandwidth
 INT8 = "int8"  # the W8A8 rows: int8 operands with row-wise scales, against torch._int_mm + the scale multiply
@@ -38,7 +38,8 @@ INT8 = "int8"  # the W8A8 rows: int8 operands with row-wise scales, against torc
 
 def measure_one(set_name, m, n, k, recipe, check=True, fast_accum=False):
     """Ours, cuBLAS and BF16 on the same data for one shape and recipe, with both low-precision results' errors
-    (and for ``int8``, our per-tensor FP8 GEMM's time)."""
+    (and for ``int8``, our per-tensor FP8 GEMM's time); rates as % of this GPU's ``common.measured_floors()``."""
+    floors = common.measured_floors()
     int8 = recipe == INT8
     scales = "row" if int8 else recipe
     qa, qw, sa, sb, plain = make_operands(m, n, k, scales, fmt_a="int8" if int8 else "e4m3",
@@ -64,8 +65,9 @@ def measure_one(set_name, m, n, k, recipe, check=True, fast_accum=False):
     t_bf = bench(lambda: torch.matmul(abf, wbf.t())) * 1e3
     tf = tflops(m, n, k, t_o / 1e3)
     row = dict(set=set_name, recipe=recipe, fast_accum=fast_accum, m=m, n=n, k=k, ours_us=t_o, cublas_us=t_c,
-               bf16_us=t_bf, ratio=t_c / t_o, tflops=tf, pct_peak=100 * tf / FP8_TFLOPS,
+               bf16_us=t_bf, ratio=t_c / t_o, tflops=tf, pct_peak=common.pct_of_fp8_peak(tf, floors),
                gbps=gbps(m, n, k, t_o / 1e3), err=err, cublas_err=c_err)
+    row["pct_hbm"] = common.pct_of_hbm(row["gbps"], floors)
     if int8:
         row["fp8_us"] = fp8_tensor_us(m, n, k)
     return row
@@ -112,16 +114,21 @@ def geomeans(rows, sets, recipes):
     return out
 
 
-def result_table(rows, sets):
-    """(columns, rows) of the result file: bandwidth columns where every shape is a decode shape, else TFLOPS."""
+def result_table(rows, sets, floors=None):
+    """(columns, rows) of the result file: bandwidth columns where every shape is a decode shape, else TFLOPS, each
+    with its % of the floor the rows were measured against (``floors``, a ``common.Floors``, names it in the
+    header; without it the header says "floor")."""
     memory_bound = all(r["m"] <= DECODE_MAX_M for r in rows)
     head = ["set"] if len(sets) > 1 else []
-    rate = ["GB/s", f"% of {HBM_TBPS:g} TB/s"] if memory_bound else ["TFLOPS", f"% of {FP8_TFLOPS:g}"]
+    if memory_bound:
+        rate = ["GB/s", f"% of {floors.hbm if floors else 'HBM floor'}"]
+    else:
+        rate = ["TFLOPS", f"% of {floors.fp8 if floors else 'FP8 floor'}"]
     fp8 = any("fp8_us" in r for r in rows)  # int8 rows: our per-tensor FP8 GEMM on the same shape
     columns = head + ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", *rate, "BF16 us"] + ["FP8 us"] * fp8
     table = []
     for r in rows:
-        rates = ([round(r["gbps"]), round(common.pct_of_hbm(r["gbps"]), 1)] if memory_bound
+        rates = ([round(r["gbps"]), round(r["pct_hbm"], 1)] if memory_bound
                  else [round(r["tflops"], 1), round(r["pct_peak"], 1)])
         table.append(([r["set"]] if head else []) + [r["recipe"], r["m"], r["n"], r["k"], round(r["ours_us"], 2),
                                                      round(r["cublas_us"], 2), round(r["ratio"], 3), *rates,
@@ -144,10 +151,11 @@ def run(sets, recipes, args=None, check=True, fast_accum=False):
     rows = measure(sets, recipes, check, fast_accum)
     means = geomeans(rows, sets, recipes)
     if args is not None:
-        columns, table = result_table(rows, sets)
+        floors = common.measured_floors()
+        columns, table = result_table(rows, sets, floors)
         summary = {f"geomean ratio {s + ' ' if len(sets) > 1 else ''}{rec}": round(g[0], 3)
                    for (s, rec), g in means.items()}
-        notes = f"{common.timing_notes()}; cuBLAS timed in the same run; ratio = cuBLAS us / ours us"
+        notes = f"{common.timing_notes()}; cuBLAS timed in the same run; ratio = cuBLAS us / ours us; {floors.note()}"
         if INT8 in recipes:
             notes += "; int8: cuBLAS column = torch._int_mm + the scale multiply in torch; FP8 us = our per-tensor " \
                      "FP8 GEMM with use_fast_accum=True"
@@ -224,6 +232,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     common.FLUSH = args.flush
     if args.e2e:
+        common.require_gpu("bench_gemm")
         run_e2e([(m, n, k) for (m, n, k) in SETS["dsv3"] if k % 128 == 0] + [(8192, 8192, 8192)], args)
         return
     sets = args.sets.split(",")

@@ -11,9 +11,9 @@ one-kernel rows (DeepSeek's, per token), a variant forces that kernel at every M
     python -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
 
 Each M runs as one captured CUDA graph per forward; ``--eager-ms`` also runs those M eagerly (host cost included).
-The floor is the FP8 stack's: max(bytes / 3.0 TB/s, FLOPs / 1979 TFLOPS), bytes = FP8 weights + their scales + the
-bf16 inputs read and outputs written. The table goes to benchmarks/results/linear_stack.json (``--name``,
-``--no-save``).
+The floor is the FP8 stack's: max(bytes / HBM rate, FLOPs / FP8 rate) at the measured floor
+(benchmarks.measure_floor), bytes = FP8 weights + their scales + the bf16 inputs read and outputs written. The
+table goes to benchmarks/results/linear_stack.json (``--name``, ``--no-save``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ from cutedsl_gemm.tools.cli import positive_int
 
 from . import common
 from .bench_model import one_line, positive_ints
-from .common import FP8_TFLOPS, HBM_TBPS
 
 #: the recipes of cutedsl_gemm.nn that torch's FP8 path runs too
 RECIPES = tuple(name for name, r in cnn.LINEAR_RECIPES.items()
@@ -87,11 +86,14 @@ def has_one_kernel_rows(recipe: str) -> bool:
     return any(i.op == QUANT_GEMM and i.recipe == name for i in INSTANCES)
 
 
-def stack_floor_ms(m: int, layers: int, shapes=LLAMA3_8B_LINEARS, scale_bytes: int = 0) -> float:
-    """The FP8 stack's floor at M rows: max(bytes / HBM, FLOPs / FP8 peak), ``scale_bytes`` the weight scales'."""
+def stack_floor_ms(m: int, layers: int, shapes=LLAMA3_8B_LINEARS, scale_bytes: int = 0,
+                   floors: common.Floors | None = None) -> float:
+    """The FP8 stack's floor at M rows: max(bytes / HBM rate, FLOPs / FP8 rate) at ``floors`` (default this GPU's
+    ``common.measured_floors()``), ``scale_bytes`` the weight scales'."""
+    floors = floors or common.measured_floors()
     nbytes = layers * sum(n * k + 2 * m * k + 2 * m * n for n, k in shapes) + scale_bytes
     flops = layers * sum(2 * m * n * k for n, k in shapes)
-    return max(nbytes / (HBM_TBPS * 1e12), flops / (FP8_TFLOPS * 1e12)) * 1e3
+    return max(floors.stream_us(nbytes), floors.mma_us(flops)) / 1e3
 
 
 def build_stacks(layers: int, recipe: str, variants, device="cuda", seed: int = 0, shapes=LLAMA3_8B_LINEARS):
@@ -136,8 +138,8 @@ def main(argv=None):
     p.add_argument("--reps", type=positive_int, default=10, help="forwards back to back per round (default 10)")
     common.add_result_options(p, "linear_stack")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
+    common.require_gpu("bench_linear_stack")
+    floors = common.measured_floors()
     stacks = build_stacks(args.layers, args.recipe, VARIANTS)
     two, one = "ours, 2 kernels" in stacks, "ours, 1 kernel" in stacks
     columns = COLUMNS + (TWO_KERNEL_COLUMNS if two else []) + (ONE_KERNEL_COLUMNS if one else [])
@@ -162,7 +164,7 @@ def main(argv=None):
                 failed[f"M={m} {mode}, {name}"] = one_line(e)
         t = common.time_interleaved(runs, args.rounds, args.reps)
         bf16, theirs, ours, split, fused = (t.get(name) for name in VARIANTS)
-        floor = stack_floor_ms(m, args.layers, scale_bytes=scale_bytes)
+        floor = stack_floor_ms(m, args.layers, scale_bytes=scale_bytes, floors=floors)
         rows.append([m, mode, _round(bf16, 4), _round(theirs, 4), _round(ours, 4),
                      _round(ours and bf16 and bf16 / ours, 3), _round(ours and theirs and theirs / ours, 3),
                      round(floor, 4), _round(ours and 100 * floor / ours, 1)])
@@ -178,7 +180,7 @@ def main(argv=None):
     notes = (f"{args.layers} layers x (4096->6144, 4096->4096, 4096->28672, 14336->4096), distinct weights, bf16 in "
              f"and out, recipe {args.recipe}; ms per forward of the stack, median of {args.rounds} rounds of "
              f"{args.reps} forwards, variants in turns, no L2 flush (the weights exceed it); floor: FP8 weights + "
-             f"scales + activations at {HBM_TBPS:g} TB/s or FLOPs at {FP8_TFLOPS:g} TFLOPS, whichever is longer")
+             f"scales + activations at {floors.hbm} or FLOPs at {floors.fp8}, whichever is longer")
     notes += "".join(f"; not measured: {what} ({why})" for what, why in failed.items())
     common.save_result(args, "linear_stack", f"Llama-3-8B linear stack ({args.layers} layers): bf16 vs torch FP8 vs "
                        f"ours ({args.recipe})", columns, rows, notes=notes)

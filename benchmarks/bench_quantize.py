@@ -3,11 +3,12 @@
     python -m benchmarks.bench_quantize [--shape 8192x8192[,MxK...]] [--dtype bf16] [--fmt e4m3] [--check cpu|gpu]
 
 One row per recipe: our time, the torch reference's (``quantize_fp8(..., backend="reference")`` on the GPU,
-same output layout) and the speed-up, effective bandwidth (bytes read + written, scales included) and % of
-3.0 TB/s, plus whether our output equals the reference bit for bit (NaN codes compared as NaN; ``--check
-cpu``, the default, runs that reference on the CPU). A last row times torch's plain ``x.to(float8)`` (no
-scaling, same bytes moved) as a bandwidth yardstick. The 1x128 and 128x128 rows aim at >= 80% of 3.0 TB/s.
-The table goes to benchmarks/results/quantize.json (``--name``, ``--no-save``: common.write_result).
+same output layout) and the speed-up, effective bandwidth (bytes read + written, scales included) and its % of
+the measured floor (benchmarks.measure_floor), plus whether our output equals the reference bit for bit (NaN
+codes compared as NaN; ``--check cpu``, the default, runs that reference on the CPU). A last row times torch's
+plain ``x.to(float8)`` (no scaling, same bytes moved) as a bandwidth yardstick. The 1x128 and 128x128 rows aim at
+>= 80% of that floor. The table goes to benchmarks/results/quantize.json (``--name``, ``--no-save``:
+common.write_result).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from cutedsl_gemm import quantize_fp8
 from cutedsl_gemm.numerics.formats import element_format
 
 from . import common
-from .common import HBM_TBPS, bench
+from .common import bench
 
 # (label, recipe, block, scale_layout)
 CASES = [
@@ -46,14 +47,15 @@ def _equal(q, s, qr, sr, fmt):
 
 
 def run(m, k, dtype, fmt_name, check="cpu"):
-    """Rows [case, rows, K, ours us, torch us, speed-up, GB/s, % of HBM, bit-exact], printed as measured."""
+    """Rows [case, rows, K, ours us, torch us, speed-up, GB/s, % of HBM floor, bit-exact], printed as measured."""
+    floors = common.measured_floors()
     fmt = element_format(fmt_name)
     x = torch.randn(m, k, device="cuda", dtype=dtype)
     # the reference for the bit-exact column: on the CPU (IEEE fp32 division for sure) or on the GPU
     xc = x.cpu() if check == "cpu" else x
     in_bytes = x.element_size() * m * k
     rows = []
-    hdr = (f"{'recipe':16s} | {'ours us':>8s} {'torch us':>9s} {'speedup':>7s} | {'GB/s':>7s} {'%3.0TB/s':>8s} | "
+    hdr = (f"{'recipe':16s} | {'ours us':>8s} {'torch us':>9s} {'speedup':>7s} | {'GB/s':>7s} {'% floor':>8s} | "
            f"{'bit-exact':>9s}")
     print(f"quantize {m}x{k} {str(dtype).replace('torch.', '')} -> {fmt.name}")
     print(hdr)
@@ -75,7 +77,7 @@ def run(m, k, dtype, fmt_name, check="cpu"):
             t_ref = float("nan")
         moved = in_bytes + q.numel() + s.numel() * 4
         gbs = moved / (t_ours * 1e-6) / 1e9
-        pct = common.pct_of_hbm(gbs)
+        pct = common.pct_of_hbm(gbs, floors)
         flag = f" <- target {TARGET_PCT:.0f}%" if label in TARGETS else ""
         print(f"{label:16s} | {t_ours:8.1f} {t_ref:9.1f} {t_ref / t_ours:7.2f} | {gbs:7.0f} {pct:7.1f}% | "
               f"{str(exact):>9s}{flag}")
@@ -83,7 +85,7 @@ def run(m, k, dtype, fmt_name, check="cpu"):
                      round(pct, 1), exact])
     t_cast = bench(lambda: x.to(fmt.torch_dtype)) * 1e3
     gbs = (in_bytes + x.numel()) / (t_cast * 1e-6) / 1e9
-    pct = common.pct_of_hbm(gbs)
+    pct = common.pct_of_hbm(gbs, floors)
     print(f"{'torch x.to(fp8)':16s} | {t_cast:8.1f} {'':>9s} {'':>7s} | {gbs:7.0f} {pct:7.1f}% | "
           f"{'n/a':>9s}  (no scaling: bandwidth yardstick)")
     rows.append(["torch x.to(fp8), no scaling", m, k, round(t_cast, 2), None, None, round(gbs), round(pct, 1), None])
@@ -99,17 +101,17 @@ def main(argv=None):
     common.add_result_options(p)
     a = p.parse_args(argv)
     shapes = [tuple(int(v) for v in sh.lower().split("x")) for sh in a.shape.split(",")]
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_quantize needs a CUDA GPU")
+    common.require_gpu("bench_quantize")
+    floors = common.measured_floors()
     rows = []
     for m, k in shapes:
         rows += run(m, k, DTYPES[a.dtype], a.fmt, check=a.check)
         print()
     default = "quantize" if (a.dtype, a.fmt) == ("bf16", "e4m3") else f"quantize_{a.dtype}_{a.fmt}"
-    columns = ["recipe", "rows", "K", "ours us", "torch us", "speed-up", "GB/s", f"% of {HBM_TBPS:g} TB/s", "bit-exact"]
+    columns = ["recipe", "rows", "K", "ours us", "torch us", "speed-up", "GB/s", f"% of {floors.hbm}", "bit-exact"]
     common.save_result(a, default, f"FP8 quantization ({a.dtype} -> {a.fmt})", columns, rows,
                        notes=f"{common.timing_notes()}; torch: the reference quantizer on the GPU, same output "
-                             "layout; GB/s counts input, FP8 output and scales")
+                             f"layout; GB/s counts input, FP8 output and scales; {floors.note()}")
 
 
 if __name__ == "__main__":

@@ -17,8 +17,9 @@ int8       int8, per channel                      int8, per token (W8A8)
 
 ``dispatch.quantizes_in_kernel``'s stage costs come from the deepseek rows. Each variant is captured in a CUDA graph
 (one call) and timed by replaying it with the L2 emptied before each run (``common.bench``). The floor is the weight
-stream: the weights and their scales at 3.0 TB/s. The torch column is nan where torch refuses the call (blockwise
-``F.scaled_mm`` at some M). The table goes to benchmarks/results/quantize_scaled_mm.json (``--name``, ``--no-save``).
+stream: the weights and their scales at the measured floor (benchmarks.measure_floor). The torch column is nan
+where torch refuses the call (blockwise ``F.scaled_mm`` at some M). The table goes to
+benchmarks/results/quantize_scaled_mm.json (``--name``, ``--no-save``).
 """
 
 from __future__ import annotations
@@ -39,7 +40,6 @@ from cutedsl_gemm.tools.anchors import TorchFp8Linear
 
 from . import common
 from .bench_model import TorchInt8Linear, positive_ints
-from .common import HBM_TBPS
 
 #: (N, K): Llama-3-8B's fused QKV, O, fused gate+up and down; DeepSeek-V3's 7168 x 2048 and 4608 x 7168
 SHAPES = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (7168, 2048), (4608, 7168))
@@ -112,8 +112,8 @@ def main(argv=None):
     recipes = args.recipes.split(",")
     if unknown := [r for r in recipes if r not in RECIPES]:
         p.error(f"unknown recipes {unknown}; expected some of {', '.join(RECIPES)}")
-    if not torch.cuda.is_available():
-        p.error("needs a GPU")
+    common.require_gpu("bench_quantize_scaled_mm")
+    floors = common.measured_floors()
     torch.manual_seed(0)
     rows = []
     print(" ".join(f"{c:>{max(len(c), 8)}s}" for c in COLUMNS))
@@ -129,7 +129,7 @@ def main(argv=None):
                 inst, splits = dispatch.select(problem) if fused else (None, 0)
                 pick = (inst, splits) if fused else None
                 t = {name: time_graph(fn) for name, fn in variants(recipe, x, qa, sa, b, sb, layer, pick).items()}
-                floor = (n * k * b.element_size() + sb.numel() * 4) / (HBM_TBPS * 1e12) * 1e6
+                floor = floors.stream_us(n * k * b.element_size() + sb.numel() * 4)
                 tile = f"{inst.tile_m}x{inst.tile_n}/{splits}" if fused else "two kernels"
                 rows.append([recipe, m, n, k, tile, round(t["one"], 2), round(t["32 lanes"], 2), round(t["two"], 2),
                              round(t["gemm"], 2), round(t["torch"], 2), round(t["two"] / t["one"], 3),
@@ -141,7 +141,7 @@ def main(argv=None):
              "quantize_scaled_mm(in_kernel=False); torch: torch-side quantization + torch._scaled_mm / "
              "F.scaled_mm (int8: torch._int_mm, M padded to 32, and the scale multiply); each variant one call "
              "captured in a CUDA graph, replayed with the L2 emptied before each run, median; tile: the one-kernel "
-             f"instance (tile_m x tile_n / K splits); floor: weights and scales at {HBM_TBPS:g} TB/s")
+             f"instance (tile_m x tile_n / K splits); floor: weights and scales at {floors.hbm}")
     common.save_result(args, "quantize_scaled_mm", "One kernel (activations quantized in the GEMM) vs quantizer + "
                        "scaled_mm and torch, decode sizes", COLUMNS, rows, notes=notes)
     return rows

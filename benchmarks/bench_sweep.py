@@ -11,7 +11,7 @@ the same data, timed in ``--rounds`` interleaved rounds (ours, cuBLAS, ours, cuB
 emptied before each run); the ratio is cuBLAS us / ours us (above 1: faster than cuBLAS). Each row names the
 instance and K splits dispatch picked, its TFLOPS and GB/s, and its fraction of the shape's floor: the longer of
 the minimum traffic (A and W read once, the output written once) at ``--hbm-rate`` and the MMAs at
-``--tc-rate`` (the FP8 rate ``benchmarks.measure_floor`` measured on this GPU, if its result file is there).
+``--tc-rate``, by default the measured floor (benchmarks.measure_floor) of this GPU (``common.measured_floors``).
 Our result's relative error against cuBLAS's (against the float64 reference where cuBLAS refuses the shape) is
 checked too: a row over ``--tol`` is reported and counted. cuBLAS's refusals (F.scaled_mm's blockwise
 recipe at M = 1) leave the ratio empty.
@@ -24,7 +24,6 @@ dispatch's model is wrong for that shape.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
@@ -37,8 +36,7 @@ from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch, instances
 from cutedsl_gemm.tools.anchors import cublas_call, make_operands
 
-from . import common, measure_floor, render
-from .common import FP8_TFLOPS, HBM_TBPS
+from . import common, render
 from .tune_tiles import direct_call, interleaved_times, tile_label
 
 # (model, N, K) of the layers swept: Llama-3-8B and -70B (qkv, o, gate+up, down) and DeepSeek-V3's dense GEMMs.
@@ -59,7 +57,7 @@ COLUMNS = ["recipe", "layer", "M", "N", "K", "ours us", "cuBLAS us", "ratio", "i
 AUDIT_COLUMNS = ["best", "best splits", "best us", "best ratio"]
 
 
-def floor_us(m, n, k, tc_tflops, hbm_tbps=HBM_TBPS):
+def floor_us(m, n, k, tc_tflops, hbm_tbps):
     """(us, bound) of an M x N x K FP8 GEMM with a bf16 output: the longer of its minimum traffic (A and W read
     once, the output written once) at ``hbm_tbps`` ("HBM") and its MMAs at ``tc_tflops`` ("MMA")."""
     memory = (m * k + n * k + 2 * m * n) / (hbm_tbps * 1e12) * 1e6
@@ -67,16 +65,16 @@ def floor_us(m, n, k, tc_tflops, hbm_tbps=HBM_TBPS):
     return (memory, "HBM") if memory >= mma else (mma, "MMA")
 
 
-def default_tc_rate(results_dir=None):
-    """(TFLOPS, where from): the FP8 rate ``benchmarks.measure_floor`` recorded, else the datasheet peak."""
-    path = (results_dir or common.RESULTS_DIR) / f"{measure_floor.RESULT_NAME}.json"
-    try:
-        rate = json.loads(path.read_text())["summary"][measure_floor.TC_KEY]
-    except (OSError, ValueError, KeyError, TypeError):
-        return FP8_TFLOPS, "the FP8 datasheet peak (no measure_floor result)"
-    if not isinstance(rate, (int, float)) or not rate > 0:
-        raise SystemExit(f"{path}: {measure_floor.TC_KEY!r} must be a positive number, got {rate!r}")
-    return float(rate), f"measured by benchmarks.measure_floor ({path.name})"
+def floor_rates(tc_rate=None, hbm_rate=None):
+    """(TFLOPS, TB/s, where from) of the floor: the rates given, the others this GPU's ``common.measured_floors()``
+    (read only where a rate is not given)."""
+    given = [f"{what} from {option}" for what, option, rate in (("TFLOPS", "--tc-rate", tc_rate),
+                                                               ("TB/s", "--hbm-rate", hbm_rate)) if rate]
+    if len(given) == 2:
+        return tc_rate, hbm_rate, ", ".join(given)
+    floors = common.measured_floors()
+    where = ", ".join(given + [("the other " if given else "") + "measured on this GPU (benchmarks.measure_floor)"])
+    return tc_rate or floors.fp8_tflops, hbm_rate or floors.hbm_tbps, where
 
 
 def layer_name(n, k):
@@ -131,7 +129,7 @@ def parse_nk(text):
     return shapes
 
 
-def measure_shape(recipe, m, n, k, args, tc_rate):
+def measure_shape(recipe, m, n, k, args, tc_rate, hbm_rate):
     """One sweep row (a list of ``COLUMNS``, plus ``AUDIT_COLUMNS`` with ``--audit``) for one shape."""
     qa, qw, sa, sb, plain = make_operands(m, n, k, recipe)
     b = qw.t()
@@ -151,7 +149,7 @@ def measure_shape(recipe, m, n, k, args, tc_rate):
     ours()
     err = R.rel_error(out, want)
     (t_o, _), (t_c, _) = interleaved_times([ours, cublas], args.rounds)
-    fl, bound = floor_us(m, n, k, tc_rate, args.hbm_rate)
+    fl, bound = floor_us(m, n, k, tc_rate, hbm_rate)
     row = [recipe, layer_name(n, k), m, n, k, round(t_o, 2), round(t_c, 2), round(t_c / t_o, 3), tile_label(inst),
            splits, round(common.tflops(m, n, k, t_o / 1e3), 1), round(common.gbps(m, n, k, t_o / 1e3)),
            round(fl, 2), bound, round(fl / t_o, 3), float(f"{err:.2e}")]
@@ -208,8 +206,9 @@ def main(argv=None):
     p.add_argument("--recipes", default=",".join(RECIPES), help="default: %(default)s")
     p.add_argument("--rounds", type=int, default=2, help="interleaved timing rounds per shape (default: 2)")
     p.add_argument("--tc-rate", type=float, default=None,
-                   help="FP8 tensor-core TFLOPS of the floor (default: benchmarks.measure_floor's result, else 1979)")
-    p.add_argument("--hbm-rate", type=float, default=HBM_TBPS, help="HBM TB/s of the floor (default: %(default)s)")
+                   help="FP8 tensor-core TFLOPS of the floor (default: the measured floor, benchmarks.measure_floor)")
+    p.add_argument("--hbm-rate", type=float, default=None,
+                   help="HBM TB/s of the floor (default: the measured floor, benchmarks.measure_floor)")
     p.add_argument("--tol", type=float, default=TOL, help="relative error a row may have (default: %(default)s)")
     p.add_argument("--audit", action="store_true", help="also time every instance of each recipe's family")
     p.add_argument("--audit-splits", default="0,1",
@@ -236,13 +235,13 @@ def main(argv=None):
         p.error(f"--ms: expected M,... (e.g. 1,16,128), got {args.ms!r}")
     nks = parse_nk(args.nk)
     common.FLUSH = args.flush
-    tc_rate, tc_from = (args.tc_rate, "--tc-rate") if args.tc_rate else default_tc_rate()
-    print(f"floor: {args.hbm_rate:g} TB/s, {tc_rate:g} TFLOPS ({tc_from}); ratio = cuBLAS us / ours us")
+    tc_rate, hbm_rate, rates_from = floor_rates(args.tc_rate, args.hbm_rate)
+    print(f"floor: {hbm_rate:g} TB/s, {tc_rate:g} TFLOPS ({rates_from}); ratio = cuBLAS us / ours us")
     start, rows = time.perf_counter(), []
     for recipe in recipes:
         for n, k in nks:
             for m in ms:
-                rows.append(measure_shape(recipe, m, n, k, args, tc_rate))
+                rows.append(measure_shape(recipe, m, n, k, args, tc_rate, hbm_rate))
     columns = COLUMNS + (AUDIT_COLUMNS if args.audit else [])
     summary = render.sweep_summary(columns, rows)
     for key, value in summary.items():
@@ -250,8 +249,8 @@ def main(argv=None):
     print(f"{len(rows)} shapes in {time.perf_counter() - start:.0f} s")
     bad = sum(1 for r in rows if not r[COLUMNS.index("error")] <= args.tol)
     notes = (f"{common.timing_notes()}; {args.rounds} interleaved rounds of ours and cuBLAS; ratio = cuBLAS us / "
-             f"ours us; floor: the longer of A, W and the output at {args.hbm_rate:g} TB/s and the MMAs at "
-             f"{tc_rate:g} TFLOPS ({tc_from}); error: relative to cuBLAS's result (to the float64 reference where "
+             f"ours us; floor: the longer of A, W and the output at {hbm_rate:g} TB/s and the MMAs at "
+             f"{tc_rate:g} TFLOPS ({rates_from}); error: relative to cuBLAS's result (to the float64 reference where "
              f"cuBLAS refuses the shape), {bad} over {args.tol:g}")
     if args.audit:
         notes += "; best: the fastest instance of the recipe's family on the shape, any M range, unsplit or split"

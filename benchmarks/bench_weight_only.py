@@ -9,7 +9,8 @@ and the bf16 product (``torch.matmul``), same shapes, bf16 activations.
 
 Each product runs on its own copies of the weights, taken in turn, enough of them that every call reads its weights
 from HBM (past the 50 MB L2); the calls are timed back to back (``common.time_interleaved``). Per row: the three
-times, the floor (the weight bytes, scales and zero points included, at 3.0 TB/s), ours as % of the floor, torch's
+times, the floor (the weight bytes, scales and zero points included, at the measured floor, benchmarks.measure_floor),
+ours as % of the floor, torch's
 and bf16's time over ours (above 1: ours is faster), our TFLOPS, and the relative error of our output against the
 float64 product of the dequantized weights (M <= 128).
 """
@@ -31,7 +32,6 @@ from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 
 from . import common
-from .common import HBM_TBPS
 
 L2_BYTES = 50 << 20
 COLUMNS = ["M", "N", "K", "ours us", "torch us", "bf16 us", "floor us", "ours % of floor", "torch / ours",
@@ -127,7 +127,9 @@ def weight_bytes(n, k, bits, group, zeros):
     return n * k * bits // 8 + scale_count * (4 if group == 0 else 2) * (2 if zeros else 1)
 
 
-def run_shape(n, k, ms, bits, group, zeros, gen, split_k=None, tile_m=None):
+def run_shape(n, k, ms, bits, group, zeros, gen, split_k=None, tile_m=None, floors=None):
+    """The rows of one weight shape at each M of ``ms``, its floor at ``floors`` (default ``measured_floors()``)."""
+    floors = floors or common.measured_floors()
     nbytes = weight_bytes(n, k, bits, group, zeros)
     ours = [our_weights(n, k, bits, group, zeros, gen) for _ in range(copies_past_l2(nbytes))]
     theirs = [torch_weights(n, k, bits, group or 128, gen) for _ in range(copies_past_l2(nbytes))] \
@@ -135,7 +137,7 @@ def run_shape(n, k, ms, bits, group, zeros, gen, split_k=None, tile_m=None):
     theirs = [t for t in theirs if t is not None]
     bf16 = [torch.randn(n, k, device="cuda", generator=gen).to(torch.bfloat16)
             for _ in range(copies_past_l2(n * k * 2))]
-    floor_us = nbytes / (HBM_TBPS * 1e12) * 1e6
+    floor_us = floors.stream_us(nbytes)
     rows = []
     for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
@@ -166,25 +168,25 @@ def main(argv=None):
     common.add_result_options(p, "weight_only")
     args = p.parse_args(argv)
     IP.check_format(args.bits, args.group, args.zeros)
+    common.require_gpu("bench_weight_only")
+    floors = common.measured_floors()
     gen = torch.Generator(device="cuda").manual_seed(0)
     ms = [int(v) for v in args.ms.split(",")]
     print(" | ".join(COLUMNS))
     rows = []
     for shape in args.nk.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
-        rows += run_shape(n, k, ms, args.bits, args.group, args.zeros, gen, args.split_k, args.tile_m)
+        rows += run_shape(n, k, ms, args.bits, args.group, args.zeros, gen, args.split_k, args.tile_m, floors)
     fmt = f"int{args.bits} " + (f"group {args.group}" if args.group else "per channel") + \
         (" with zero points" if args.zeros else "")
     torch_kernel = "torch._weight_int4pack_mm (group 128 where ours is per channel)" if args.bits == 4 \
         else "torch._weight_int8pack_mm"
-    if args.save:
-        path = common.write_result(
-            args.name, f"Weight-only GEMM, {fmt}, bf16 activations", COLUMNS, rows,
-            summary={"geomean torch / ours": common.geomean([r[8] for r in rows]),
-                     "geomean bf16 / ours": common.geomean([r[9] for r in rows])},
-            notes=f"torch: {torch_kernel}; weights rotated past the L2, calls back to back (time_interleaved); "
-                  f"floor: weight, scale and zero-point bytes at {HBM_TBPS} TB/s")
-        print(f"wrote {path}")
+    common.save_result(
+        args, "weight_only", f"Weight-only GEMM, {fmt}, bf16 activations", COLUMNS, rows,
+        summary={"geomean torch / ours": round(common.geomean([r[8] for r in rows]), 3),
+                 "geomean bf16 / ours": round(common.geomean([r[9] for r in rows]), 3)},
+        notes=f"torch: {torch_kernel}; weights rotated past the L2, calls back to back (time_interleaved); "
+              f"floor: weight, scale and zero-point bytes at {floors.hbm}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,23 @@
-"""Shared benchmark plumbing: shape sets, the roofline constants, timing, and the result files.
+"""Shared benchmark plumbing: shape sets, the GPU's measured floors, timing, and the result files.
 
-Operands and the cuBLAS calls they are measured against come from ``cutedsl_gemm.tools.anchors``.
+Operands and the cuBLAS calls they are measured against come from ``cutedsl_gemm.tools.anchors``. Every "% of"
+and floor column is measured against ``measured_floors()``: what ``python -m benchmarks.measure_floor`` recorded
+on this GPU (``benchmarks/results/floor.json``), never a datasheet figure.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import importlib.metadata
 import json
 import math
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,11 +27,135 @@ import torch
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 
-# The floors every table's "% of" column is measured against, on an H100 SXM.
-FP8_TFLOPS = 1979.0  # dense FP8 tensor-core peak
-HBM_TBPS = 3.0  # HBM3 bandwidth a read-only stream reaches (benchmarks.measure_floor); the datasheet says 3.35
-
+_STARTED = time.perf_counter()  # write_result records the run's length from here
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# ---- the floors: measured on this GPU by benchmarks.measure_floor, read from its result file ------------------
+
+FLOOR_NAME = "floor"  # benchmarks/results/floor.json
+MEASURE_FLOOR = "python -m benchmarks.measure_floor"
+#: Floors field -> the key of floor.json's summary that holds it
+FLOOR_KEYS = {
+    "hbm_tbps": "HBM TB/s at the margin",
+    "fp8_tflops": "FP8 TFLOPS (cuBLAS, per tensor, fast accumulation)",
+    "launch_us": "one-element kernel us",
+    "stream_fixed_us": "read-only stream fixed cost us per call",
+}
+#: Floors field -> the measure of floor.json's rows that holds it (files written before the summary held all four)
+FLOOR_ROWS = {"hbm_tbps": "read-only stream, at the margin", "launch_us": "one-element kernel",
+              "stream_fixed_us": "read-only stream, fixed cost per call"}
+
+
+class FloorError(SystemExit):
+    """The floors cannot be read for this GPU: a benchmark stops with this one-line message (no traceback)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Floors:
+    """What one GPU reaches under ``bench``'s timing method (``benchmarks.measure_floor``): the read-only stream's
+    rate at the margin (TB/s), cuBLAS's per-tensor FP8 GEMM rate with fast accumulation (TFLOPS: the power cap, not
+    the datasheet), a one-element kernel's time and a stream's fixed cost per call (us)."""
+
+    gpu: str
+    hbm_tbps: float
+    fp8_tflops: float
+    launch_us: float
+    stream_fixed_us: float
+
+    @property
+    def hbm(self) -> str:
+        """The HBM floor as column headers and notes name it: "4.33 TB/s (measured)"."""
+        return f"{self.hbm_tbps:g} TB/s (measured)"
+
+    @property
+    def fp8(self) -> str:
+        """The FP8 floor as column headers and notes name it: "1346 TFLOPS (measured)"."""
+        return f"{self.fp8_tflops:g} TFLOPS (measured)"
+
+    def note(self) -> str:
+        """The sentence a result's notes carry about the floors it used."""
+        return (f"floors measured on this GPU (benchmarks.measure_floor): HBM {self.hbm_tbps:g} TB/s, FP8 "
+                f"{self.fp8_tflops:g} TFLOPS")
+
+    def stream_us(self, nbytes: float) -> float:
+        """Time to stream ``nbytes`` at the HBM floor's rate, in us (the fixed cost per call not included)."""
+        return nbytes / (self.hbm_tbps * 1e6)
+
+    def mma_us(self, flops: float) -> float:
+        """Time of ``flops`` at the FP8 floor's rate, in us."""
+        return flops / (self.fp8_tflops * 1e6)
+
+
+def floors_from_record(record: dict, where: str = "floor.json") -> Floors:
+    """The ``Floors`` of a ``measure_floor`` result (its summary, else its rows); FloorError naming what is missing."""
+    summary = record.get("summary") or {}
+    rows = {row[0]: row[-1] for row in record.get("rows") or () if row}
+    values = {}
+    for field, key in FLOOR_KEYS.items():
+        value = summary.get(key, rows.get(FLOOR_ROWS.get(field)))
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+            raise FloorError(f"{where}: no positive {key!r} (got {value!r}); run `{MEASURE_FLOOR}` on this GPU again")
+        values[field] = float(value)
+    if not isinstance(record.get("gpu"), str):
+        raise FloorError(f"{where}: no 'gpu' field; run `{MEASURE_FLOOR}` on this GPU again")
+    return Floors(gpu=record["gpu"], **values)
+
+
+def read_floors(path: Path, gpu: str) -> Floors:
+    """The floors ``path`` (a ``measure_floor`` result) records for ``gpu``; FloorError when the file is missing,
+    unreadable or from another GPU."""
+    try:
+        record = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise FloorError(f"{path}: missing; run `{MEASURE_FLOOR}` on this GPU ({gpu}) first") from None
+    except (OSError, ValueError) as e:
+        raise FloorError(f"{path}: unreadable ({e}); run `{MEASURE_FLOOR}` on this GPU ({gpu}) again") from None
+    floors = floors_from_record(record if isinstance(record, dict) else {}, str(path))
+    if floors.gpu != gpu:
+        raise FloorError(f"{path}: measured on {floors.gpu}, not on this GPU ({gpu}); run `{MEASURE_FLOOR}` on this "
+                         "GPU first")
+    return floors
+
+
+@functools.lru_cache(maxsize=None)
+def measured_floors() -> Floors:
+    """This GPU's floors, from ``benchmarks/results/floor.json`` (read once per process); FloorError (a one-line
+    exit) without a GPU, or when the file is missing or was measured on another GPU."""
+    if not torch.cuda.is_available():
+        raise FloorError(f"no CUDA GPU: the floors are measured per GPU (`{MEASURE_FLOOR}` on one)")
+    return read_floors(RESULTS_DIR / f"{FLOOR_NAME}.json", gpu_name())
+
+
+class _MeasuredHbm:
+    """``HBM_TBPS`` for modules that have not moved to ``measured_floors()``: it reads ``measured_floors().hbm_tbps``
+    when used in arithmetic or formatted, not when imported."""
+
+    def __float__(self):
+        return measured_floors().hbm_tbps
+
+    def __format__(self, spec):
+        return format(float(self), spec)
+
+    def __mul__(self, other):
+        return float(self) * other
+
+    __rmul__ = __mul__
+
+    def __truediv__(self, other):
+        return float(self) / other
+
+    def __rtruediv__(self, other):
+        return other / float(self)
+
+    def __repr__(self):
+        return "measured_floors().hbm_tbps"
+
+
+def __getattr__(name):
+    if name == "HBM_TBPS":  # deprecated: use measured_floors().hbm_tbps
+        return _MeasuredHbm()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 SETS = {
     "dsv3": [(m, n, k) for m in (1024, 6144) for (n, k) in (
@@ -153,12 +282,14 @@ def gbps(m, n, k, ms, out_bytes=2):
     return (m * k + n * k + m * n * out_bytes) / (ms * 1e-3) / 1e9
 
 
-def pct_of_hbm(gb_per_s):
-    return 100.0 * gb_per_s / (HBM_TBPS * 1e3)
+def pct_of_hbm(gb_per_s, floors: Floors | None = None):
+    """``gb_per_s`` as % of the HBM floor (``floors``, default this GPU's ``measured_floors()``)."""
+    return 100.0 * gb_per_s / ((floors or measured_floors()).hbm_tbps * 1e3)
 
 
-def pct_of_fp8_peak(tf):
-    return 100.0 * tf / FP8_TFLOPS
+def pct_of_fp8_peak(tf, floors: Floors | None = None):
+    """``tf`` TFLOPS as % of the FP8 floor (``floors``, default this GPU's ``measured_floors()``)."""
+    return 100.0 * tf / (floors or measured_floors()).fp8_tflops
 
 
 def geomean(xs):
@@ -202,6 +333,56 @@ def gpu_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
 
 
+def require_gpu(what: str) -> None:
+    """Stop ``what`` (a benchmark's name) with a one-line message where no CUDA GPU is visible."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{what} needs a CUDA GPU; none is visible here")
+
+
+#: result-file key -> nvidia-smi --query-gpu field
+SMI_FACTS = {"sm_clock_mhz": "clocks.sm", "max_sm_clock_mhz": "clocks.max.sm", "mem_clock_mhz": "clocks.mem",
+             "power_limit_w": "power.limit", "driver": "driver_version"}
+GPU_FACTS = (*SMI_FACTS, "sms")
+
+
+def _smi_value(text: str):
+    text = text.strip()
+    if not text or "N/A" in text or "Not Supported" in text:
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return int(number) if number.is_integer() else number
+
+
+def _smi_query(device: str):
+    """One line of ``nvidia-smi --query-gpu`` values for ``device`` (an index or a UUID), or None."""
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=" + ",".join(SMI_FACTS.values()), "--format=csv,noheader,"
+                               "nounits", "-i", device], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].split(",") if done.returncode == 0 and lines else None
+
+
+def gpu_facts() -> dict:
+    """The current GPU's clocks (SM now and at most, memory now, MHz), power limit (W), driver and SM count, as
+    ``nvidia-smi`` and torch report them at the time of the call; each None where unknown (no GPU, no nvidia-smi)."""
+    facts = dict.fromkeys(GPU_FACTS)
+    if not torch.cuda.is_available():
+        return facts
+    index = torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    facts["sms"] = props.multi_processor_count
+    uuid = str(getattr(props, "uuid", "") or "")
+    devices = ([uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"] if uuid else []) + [str(index)]
+    values = next(filter(None, map(_smi_query, devices)), None) or ()
+    facts.update({key: _smi_value(v) for key, v in zip(SMI_FACTS, values)})
+    return facts
+
+
 def _cell(x):
     """A JSON value for a table cell: NaN / inf (a cuBLAS refusal, a failed run) become null."""
     if isinstance(x, bool) or x is None or isinstance(x, (int, str)):
@@ -213,7 +394,8 @@ def _cell(x):
 
 def write_result(name, title, columns, rows, *, summary=None, notes="", out_dir=None) -> Path:
     """Write one benchmark run as ``<out_dir or benchmarks/results>/<name>.json`` (overwriting) and return
-    its path. ``command``, ``gpu``, ``date`` (UTC) and ``versions`` are filled in here."""
+    its path. ``command``, ``gpu``, ``gpu_facts`` (``gpu_facts()``: clocks, power limit, driver, SMs), ``date`` (UTC),
+    ``versions`` and ``run_s`` (seconds since this module was imported: the run's length) are filled in here."""
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"result name must be a file stem of letters, digits, '_', '.', '-'; got {name!r}")
     columns = [str(c) for c in columns]
@@ -228,8 +410,10 @@ def write_result(name, title, columns, rows, *, summary=None, notes="", out_dir=
         "title": str(title),
         "command": command_line(),
         "gpu": gpu_name(),
+        "gpu_facts": gpu_facts(),
         "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
         "versions": versions(),
+        "run_s": round(time.perf_counter() - _STARTED),
         "notes": str(notes),
         "columns": columns,
         "rows": table,

@@ -7,7 +7,10 @@ Times, with ``common.bench`` (CUDA events, L2 emptied by a read before each run)
 fit over the sizes gives the streaming rate at the margin and the intercept, the fixed cost per call that
 no kernel streaming a weight of that size in one launch can avoid under this method. Then the FP8 tensor-core
 rate this GPU sustains (its power cap, not the datasheet): the fastest of cuBLAS's per-tensor FP8 GEMMs with
-fast accumulation at ``--gemms``, which ``benchmarks.bench_sweep`` takes as its floor at large M.
+fast accumulation at ``--gemms``.
+
+The other benchmarks read the result (``common.measured_floors()``: its summary holds the four floors) for their
+"% of" and floor columns, and refuse to run on a GPU other than the one it names: run this first on each GPU.
 """
 
 from __future__ import annotations
@@ -19,8 +22,8 @@ import torch
 from . import common
 from .common import bench
 
-RESULT_NAME = "floor"
-TC_KEY = "FP8 TFLOPS (cuBLAS, per tensor, fast accumulation)"
+RESULT_NAME = common.FLOOR_NAME
+TC_KEY = common.FLOOR_KEYS["fp8_tflops"]
 
 
 def read_once_us(mib):
@@ -36,6 +39,7 @@ def main(argv=None):
                    help="MxNxK,... of the FP8 rate measurement (default: %(default)s)")
     common.add_result_options(p, RESULT_NAME)
     args = p.parse_args(argv)
+    common.require_gpu("measure_floor")
     tiny = torch.zeros(1, device="cuda")
     t_tiny = bench(lambda: tiny.add_(1)) * 1e3
     print(f"one-element kernel: {t_tiny:.1f} us")
@@ -60,9 +64,12 @@ def main(argv=None):
         rates.append(fp8_tflops(m, n, k))
         print(f"FP8 GEMM {shape} (cuBLAS, per tensor, fast accumulation): {rates[-1]:.0f} TFLOPS")
         rows.append([f"FP8 GEMM {shape} (cuBLAS, per tensor, fast accumulation)", "TFLOPS", round(rates[-1], 1)])
+    keys = common.FLOOR_KEYS
+    summary = {keys["hbm_tbps"]: round(1e-6 / slope, 3), keys["fp8_tflops"]: round(max(rates), 1),
+               keys["launch_us"]: round(t_tiny, 2), keys["stream_fixed_us"]: round(intercept, 2)}
     common.save_result(args, RESULT_NAME, "Floors of the GPU under the timing method", ["measure", "unit", "value"],
-                       rows, summary={TC_KEY: round(max(rates), 1), "HBM TB/s at the margin": round(1e-6 / slope, 3)},
-                       notes=common.timing_notes())
+                       rows, summary=summary, notes=common.timing_notes())
+    common.measured_floors.cache_clear()  # a later read in this process sees the new file
 
 
 def fp8_tflops(m, n, k):

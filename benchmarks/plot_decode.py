@@ -1,5 +1,6 @@
-"""Decode plot (time vs M at N = K = 8192) from bench_gemm result files: ours, cuBLAS FP8 and torch BF16 per
-recipe, and the time the FP8 weight takes to stream at the measured and the datasheet HBM bandwidth.
+"""Decode plot (time vs M at N = K = 8192) from bench_gemm result files of one GPU: ours, cuBLAS FP8 and torch BF16
+per recipe, and the time the FP8 weight takes to stream at that GPU's measured floor (benchmarks.measure_floor, the
+floor.json beside the first file, when it names the same GPU).
 
     python -m benchmarks.plot_decode benchmarks/results/gemm_decode.json --out docs/decode.png
 
@@ -10,28 +11,40 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
-from .common import HBM_TBPS
+from . import common
 
-DATASHEET_TBPS = 3.35
 STYLES = {"tensor": "tab:blue", "row": "tab:orange", "1x128_128x128": "tab:green"}
 
 
 def decode_rows(paths, n=8192, k=8192):
-    """The rows of bench_gemm result files at this N and K with M <= 128, as dicts keyed by column name;
-    also the GPU named by the first file."""
-    rows, gpu = [], None
+    """The rows of bench_gemm result files at this N and K with M <= 128, as dicts keyed by column name; also
+    the GPU they were measured on (SystemExit where the files name different GPUs: one plot never mixes them)."""
+    rows, gpus = [], {}
     for p in paths:
         with open(p) as f:
             result = json.load(f)
         if "use_fast_accum=True" in result["title"]:
             continue
-        gpu = gpu or result["gpu"]
+        gpus.setdefault(result["gpu"], str(p))
         for cells in result["rows"]:
             r = dict(zip(result["columns"], cells))
             if r["N"] == n and r["K"] == k and r["M"] <= 128:
                 rows.append(r)
-    return rows, gpu
+    if len(gpus) > 1:
+        raise SystemExit("plot_decode: the files were measured on different GPUs ("
+                         + "; ".join(f"{gpu}: {path}" for gpu, path in gpus.items()) + "); plot each GPU's apart")
+    return rows, next(iter(gpus), None)
+
+
+def floor_tbps(paths, gpu):
+    """The HBM floor ``benchmarks.measure_floor`` recorded for ``gpu`` in the floor.json beside the first result
+    file, or None where there is none for that GPU."""
+    try:
+        return common.read_floors(Path(paths[0]).parent / f"{common.FLOOR_NAME}.json", gpu).hbm_tbps
+    except common.FloorError:
+        return None
 
 
 def main(argv=None):
@@ -59,10 +72,10 @@ def main(argv=None):
     bf16 = sorted({r["M"]: r["BF16 us"] for r in rows if r.get("BF16 us")}.items())
     if bf16:
         ax.plot(*zip(*bf16), "^:", color="gray", label="cuBLAS BF16 (torch.matmul)")
-    weight_bytes = 8192 * 8192
-    for tbps, style in ((HBM_TBPS, "-"), (DATASHEET_TBPS, "--")):
-        ax.axhline(weight_bytes / (tbps * 1e6), color="black", linestyle=style, linewidth=1,
-                   label=f"FP8 weight streamed at {tbps} TB/s")
+    tbps = floor_tbps(args.results, gpu)
+    if tbps:
+        ax.axhline(8192 * 8192 / (tbps * 1e6), color="black", linewidth=1,
+                   label=f"FP8 weight streamed at {tbps:g} TB/s (measured)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("M (tokens)")
     ax.set_ylabel("time per GEMM (us)")

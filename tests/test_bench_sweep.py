@@ -11,28 +11,32 @@ from benchmarks import bench_decode_chain, bench_sweep, common, measure_floor, r
 from cutedsl_gemm.selection import dispatch
 
 BENCHMARKS = Path(common.__file__).resolve().parent
+H200 = common.Floors(gpu="NVIDIA H200", hbm_tbps=4.33, fp8_tflops=1346.0, launch_us=3.8, stream_fixed_us=9.3)
+
+
+@pytest.fixture
+def floors(monkeypatch):
+    """``common.measured_floors()`` answers ``H200`` (no GPU here)."""
+    monkeypatch.setattr(common, "measured_floors", lambda: H200)
+    return H200
 
 
 def test_floor_is_the_longer_of_streaming_and_mma():
-    # M = 128, N = 57344, K = 8192: 470 MB of W stream in ~157 us at 3.0 TB/s; the MMAs take 61 us at 1979
-    us, bound = bench_sweep.floor_us(128, 57344, 8192, 1979.0)
-    assert bound == "HBM" and us == pytest.approx((128 * 8192 + 57344 * 8192 + 2 * 128 * 57344) / 3e12 * 1e6)
-    us, bound = bench_sweep.floor_us(4096, 8192, 8192, 1000.0)
+    # M = 128, N = 57344, K = 8192: 470 MB of W stream in ~109 us at 4.33 TB/s; the MMAs take 89 us at 1346
+    us, bound = bench_sweep.floor_us(128, 57344, 8192, 1346.0, 4.33)
+    assert bound == "HBM" and us == pytest.approx((128 * 8192 + 57344 * 8192 + 2 * 128 * 57344) / 4.33e12 * 1e6)
+    us, bound = bench_sweep.floor_us(4096, 8192, 8192, 1000.0, 4.33)
     assert bound == "MMA" and us == pytest.approx(2 * 4096 * 8192 * 8192 / 1e15 * 1e6)
     assert bench_sweep.floor_us(4096, 8192, 8192, 1000.0, hbm_tbps=0.1)[1] == "HBM"
 
 
-def test_tc_rate_comes_from_measure_floor_when_recorded(tmp_path):
-    assert bench_sweep.default_tc_rate(tmp_path) == (common.FP8_TFLOPS, pytest.approx(
-        "the FP8 datasheet peak (no measure_floor result)"))
-    record = {"summary": {measure_floor.TC_KEY: 1312.5}}
-    (tmp_path / f"{measure_floor.RESULT_NAME}.json").write_text(json.dumps(record))
-    rate, where = bench_sweep.default_tc_rate(tmp_path)
-    assert rate == 1312.5 and "measure_floor" in where
-    record["summary"][measure_floor.TC_KEY] = -1
-    (tmp_path / f"{measure_floor.RESULT_NAME}.json").write_text(json.dumps(record))
-    with pytest.raises(SystemExit, match="must be a positive number"):
-        bench_sweep.default_tc_rate(tmp_path)
+def test_floor_rates_are_the_measured_floors_unless_given(floors, monkeypatch):
+    assert bench_sweep.floor_rates() == (1346.0, 4.33, "measured on this GPU (benchmarks.measure_floor)")
+    assert bench_sweep.floor_rates(1300.0) == (
+        1300.0, 4.33, "TFLOPS from --tc-rate, the other measured on this GPU (benchmarks.measure_floor)")
+    monkeypatch.setattr(common, "measured_floors", lambda: pytest.fail("both rates given: no floors read"))
+    assert bench_sweep.floor_rates(1300.0, 3.0) == (1300.0, 3.0, "TFLOPS from --tc-rate, TB/s from --hbm-rate")
+    assert measure_floor.TC_KEY == common.FLOOR_KEYS["fp8_tflops"] and measure_floor.RESULT_NAME == "floor"
 
 
 def test_layers_are_the_issue_shapes():
@@ -72,8 +76,8 @@ def test_audit_runs_last_wave_variant_only_split():
     assert tails and all(s > 1 for _, s in tails)
 
 
-def _fake_row(recipe, m, n, k, args, tc_rate):
-    fl, bound = bench_sweep.floor_us(m, n, k, tc_rate)
+def _fake_row(recipe, m, n, k, args, tc_rate, hbm_rate):
+    fl, bound = bench_sweep.floor_us(m, n, k, tc_rate, hbm_rate)
     t_c = None if (recipe, m) == ("1x128_128x128", 1) else 12.0
     return [recipe, bench_sweep.layer_name(n, k), m, n, k, 10.0, t_c, t_c and t_c / 10.0, "t128x64sk128 c1x1", 1,
             1.0, 1, round(fl, 2), bound, round(fl / 10.0, 3), 2e-3] + (
@@ -84,7 +88,7 @@ def _fake_row(recipe, m, n, k, args, tc_rate):
     (["--ms", "1,64", "--nk", "8192x8192,576x7168", "--recipes", "tensor,1x128_128x128"], "sweep"),
     (["--ms", "64", "--nk", "8192x8192", "--recipes", "row", "--audit", "--tc-rate", "1300"], "sweep_audit"),
 ])
-def test_sweep_run_writes_its_result(tmp_path, monkeypatch, argv, name):
+def test_sweep_run_writes_its_result(tmp_path, monkeypatch, floors, argv, name):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr("sys.argv", [str(BENCHMARKS / "bench_sweep.py"), *argv])
     monkeypatch.setattr(bench_sweep, "measure_shape", _fake_row)
@@ -96,7 +100,9 @@ def test_sweep_run_writes_its_result(tmp_path, monkeypatch, argv, name):
         argv[5].split(","))
     assert got["summary"] == render.sweep_summary(got["columns"], got["rows"])
     assert render.is_sweep(got)
-    assert ("1300 TFLOPS (--tc-rate)" in got["notes"]) == ("--tc-rate" in argv)
+    assert ("1300 TFLOPS (TFLOPS from --tc-rate, the other measured" in got["notes"]) == ("--tc-rate" in argv)
+    assert "at 4.33 TB/s" in got["notes"] and ("1346 TFLOPS (measured on this GPU" in got["notes"]) != (
+        "--tc-rate" in argv)
     assert "0 over 0.01" in got["notes"]
     if name == "sweep":
         assert got["summary"]["1x128_128x128 under 1.0"] == "0 of 2"  # cuBLAS refused M = 1 twice

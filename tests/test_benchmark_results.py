@@ -2,10 +2,12 @@
 CPU: what a run writes, what it refuses, and that every tool imports and answers --help through public APIs."""
 
 import ast
+import dataclasses
 import datetime
 import importlib
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -13,9 +15,20 @@ import pytest
 from benchmarks import bench_gemm, common, plot_decode
 
 BENCHMARKS = Path(common.__file__).resolve().parent
-TOOLS = ["audit_picks", "bench_decode_chain", "bench_gemm", "bench_quantize", "host_cost", "measure_floor",
-         "plot_decode", "sanitize_calls", "tune_tiles"]
-RESULT_WRITERS = ["bench_decode_chain", "bench_gemm", "bench_quantize", "host_cost"]
+TOOLS = ["audit_picks", "audit_sweep", "bench_decode_chain", "bench_decode_options", "bench_gemm",
+         "bench_linear_stack", "bench_quantize", "bench_quantize_scaled_mm", "bench_sweep", "bench_weight_only",
+         "host_cost", "measure_floor", "plot_decode", "sanitize_calls", "tune_tiles"]
+RESULT_WRITERS = ["bench_decode_chain", "bench_decode_options", "bench_gemm", "bench_linear_stack", "bench_quantize",
+                  "bench_quantize_scaled_mm", "bench_sweep", "bench_weight_only", "host_cost", "measure_floor"]
+#: an H200's floors, as benchmarks.measure_floor records them
+H200 = common.Floors(gpu="NVIDIA H200", hbm_tbps=4.33, fp8_tflops=1346.0, launch_us=3.8, stream_fixed_us=9.3)
+
+
+@pytest.fixture
+def floors(monkeypatch):
+    """``common.measured_floors()`` answers ``H200`` (no GPU here)."""
+    monkeypatch.setattr(common, "measured_floors", lambda: H200)
+    return H200
 
 
 def test_write_result_fills_the_record(tmp_path, monkeypatch):
@@ -27,10 +40,13 @@ def test_write_result_fills_the_record(tmp_path, monkeypatch):
                                summary={"geomean ratio row": 1.146}, notes="one line", out_dir=tmp_path)
     assert path == tmp_path / "gemm_dsv3.json"
     got = json.loads(path.read_text())  # strict JSON: NaN would not parse in other readers
-    assert list(got) == ["name", "title", "command", "gpu", "date", "versions", "notes", "columns", "rows", "summary"]
+    assert list(got) == ["name", "title", "command", "gpu", "gpu_facts", "date", "versions", "run_s", "notes",
+                         "columns", "rows", "summary"]
     assert got["name"] == "gemm_dsv3" and got["title"] == "FP8 GEMM, DeepSeek-V3 shapes"
     assert got["command"] == "python -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row"
     assert got["gpu"] == "no GPU"  # this machine; torch.cuda.get_device_name() on one
+    assert got["gpu_facts"] == dict.fromkeys(common.GPU_FACTS)  # nothing known without a GPU, and no crash
+    assert isinstance(got["run_s"], int) and got["run_s"] >= 0
     assert got["date"] == datetime.datetime.now(datetime.timezone.utc).date().isoformat()
     assert set(got["versions"]) == {"torch", "cutlass_dsl", "cuda"}
     assert all(isinstance(v, str) and v for v in got["versions"].values())
@@ -87,25 +103,28 @@ def test_save_and_name_options(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["chain_b.json"]
 
 
-def _gemm_row(set_name, recipe, m, n, k, ours_us, cublas_us):
+def _gemm_row(set_name, recipe, m, n, k, ours_us, cublas_us, floors=H200):
     tf = common.tflops(m, n, k, ours_us / 1e3)
+    gbs = common.gbps(m, n, k, ours_us / 1e3)
     return dict(set=set_name, recipe=recipe, m=m, n=n, k=k, ours_us=ours_us, cublas_us=cublas_us, bf16_us=2 * ours_us,
-                ratio=cublas_us / ours_us, tflops=tf, pct_peak=100 * tf / common.FP8_TFLOPS,
-                gbps=common.gbps(m, n, k, ours_us / 1e3))
+                ratio=cublas_us / ours_us, tflops=tf, pct_peak=common.pct_of_fp8_peak(tf, floors), gbps=gbs,
+                pct_hbm=common.pct_of_hbm(gbs, floors))
 
 
-def test_gemm_table_reports_tflops_or_bandwidth_against_the_floors():
+def test_gemm_table_reports_tflops_or_bandwidth_against_the_measured_floors():
     big = _gemm_row("dsv3", "row", 6144, 7168, 2048, 100.0, 110.0)
-    columns, rows = bench_gemm.result_table([big], ["dsv3"])
-    assert columns == ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", "TFLOPS", "% of 1979", "BF16 us"]
+    columns, rows = bench_gemm.result_table([big], ["dsv3"], H200)
+    assert columns == ["recipe", "M", "N", "K", "ours us", "cuBLAS us", "ratio", "TFLOPS",
+                       "% of 1346 TFLOPS (measured)", "BF16 us"]
     tf = 2 * 6144 * 7168 * 2048 / 100e-6 / 1e12
-    assert rows == [["row", 6144, 7168, 2048, 100.0, 110.0, 1.1, round(tf, 1), round(100 * tf / 1979, 1), 200.0]]
+    assert rows == [["row", 6144, 7168, 2048, 100.0, 110.0, 1.1, round(tf, 1), round(100 * tf / 1346, 1), 200.0]]
+    assert bench_gemm.result_table([big], ["dsv3"])[0][8] == "% of FP8 floor"  # no floors given: none named
 
     small = _gemm_row("decode", "tensor", 16, 8192, 8192, 25.0, 30.0)
-    columns, rows = bench_gemm.result_table([small], ["decode"])
-    assert columns[-3:] == ["GB/s", "% of 3 TB/s", "BF16 us"]
+    columns, rows = bench_gemm.result_table([small], ["decode"], H200)
+    assert columns[-3:] == ["GB/s", "% of 4.33 TB/s (measured)", "BF16 us"]
     gbs = (16 * 8192 + 8192 * 8192 + 2 * 16 * 8192) / 25e-6 / 1e9
-    assert rows[0][-3:] == [round(gbs), round(100 * gbs / 3000, 1), 50.0]
+    assert rows[0][-3:] == [round(gbs), round(100 * gbs / 4330, 1), 50.0]
 
     columns, rows = bench_gemm.result_table([big, small], ["dsv3", "decode"])  # mixed: one set column, TFLOPS
     assert columns[0] == "set" and "TFLOPS" in columns and [r[0] for r in rows] == ["dsv3", "decode"]
@@ -120,7 +139,7 @@ def test_gemm_table_reports_tflops_or_bandwidth_against_the_floors():
     (["--sets", "decode", "--recipes", "row"], "gemm_decode", "GB/s"),
     (["--sets", "square", "--recipes", "row", "--fast-accum", "--name", "fast_sq"], "fast_sq", "TFLOPS"),
 ])
-def test_bench_gemm_run_writes_one_file_named_for_its_sets(tmp_path, monkeypatch, argv, name, rate):
+def test_bench_gemm_run_writes_one_file_named_for_its_sets(tmp_path, monkeypatch, floors, argv, name, rate):
     """bench_gemm's main with the GPU measurement replaced: the run's rows, summary and file name."""
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr("sys.argv", [str(BENCHMARKS / "bench_gemm.py"), *argv])
@@ -134,6 +153,8 @@ def test_bench_gemm_run_writes_one_file_named_for_its_sets(tmp_path, monkeypatch
     assert got["summary"] == {f"geomean ratio {r}": 1.2 for r in recipes}
     assert got["command"] == "python -m benchmarks.bench_gemm " + " ".join(argv)
     assert "cuBLAS timed in the same run" in got["notes"]
+    assert "floors measured on this GPU (benchmarks.measure_floor): HBM 4.33 TB/s, FP8 1346 TFLOPS" in got["notes"]
+    assert any(c.startswith("% of ") and c.endswith(" (measured)") for c in got["columns"])
     assert ("use_fast_accum=True" in got["title"]) == ("--fast-accum" in argv)
     with pytest.raises(SystemExit):
         bench_gemm.main(["--sets", "nosuchset"])
@@ -151,6 +172,13 @@ def test_plot_decode_reads_bench_gemm_results(tmp_path, monkeypatch):
     fast = common.write_result("gemm_decode_fast", bench_gemm.title(["decode"], True), columns, table,
                                out_dir=tmp_path)
     assert plot_decode.decode_rows([fast]) == ([], None)  # fast accumulation is left out of the plot
+    assert plot_decode.floor_tbps([path], "no GPU") is None  # no floor.json beside the file
+    (tmp_path / "floor.json").write_text(json.dumps({**FLOOR_RECORD, "gpu": "no GPU"}))
+    assert plot_decode.floor_tbps([path], "no GPU") == 4.33 and plot_decode.floor_tbps([path], "NVIDIA H200") is None
+    other = tmp_path / "gemm_decode_h200.json"
+    other.write_text(json.dumps({**json.loads(path.read_text()), "name": other.stem, "gpu": "NVIDIA H200"}))
+    with pytest.raises(SystemExit, match="measured on different GPUs"):  # one plot never mixes GPUs
+        plot_decode.decode_rows([path, other])
 
 
 @pytest.mark.parametrize("tool", TOOLS)
@@ -205,6 +233,109 @@ def test_benchmarks_use_public_names_only():
     assert bad == []
 
 
-def test_floors_are_the_h100_sxm_figures():
-    assert common.FP8_TFLOPS == 1979.0 and common.HBM_TBPS == 3.0
-    assert math.isclose(common.pct_of_fp8_peak(989.5), 50.0) and math.isclose(common.pct_of_hbm(1500.0), 50.0)
+FLOOR_RECORD = {
+    "name": "floor", "gpu": "NVIDIA H200", "columns": ["measure", "unit", "value"],
+    "rows": [["one-element kernel", "us", 3.8], ["read-only stream, at the margin", "TB/s", 4.33],
+             ["read-only stream, fixed cost per call", "us", 9.3]],
+    "summary": {"HBM TB/s at the margin": 4.33, "FP8 TFLOPS (cuBLAS, per tensor, fast accumulation)": 1346.0,
+                "one-element kernel us": 3.8, "read-only stream fixed cost us per call": 9.3},
+}
+
+
+def test_floors_come_from_floor_json_of_this_gpu(tmp_path):
+    path = tmp_path / "floor.json"
+    with pytest.raises(common.FloorError, match=r"floor.json: missing; run `python -m benchmarks.measure_floor` on "
+                                                r"this GPU \(NVIDIA H200\) first"):
+        common.read_floors(path, "NVIDIA H200")
+    path.write_text(json.dumps(FLOOR_RECORD))
+    assert common.read_floors(path, "NVIDIA H200") == H200
+    with pytest.raises(common.FloorError, match=r"measured on NVIDIA H200, not on this GPU \(NVIDIA H100 80GB HBM3\); "
+                                                r"run `python -m benchmarks.measure_floor` on this GPU first") as e:
+        common.read_floors(path, "NVIDIA H100 80GB HBM3")
+    assert "\n" not in str(e.value)  # one line
+    # a file written before the summary held all four floors: the rest come from its rows
+    old = {**FLOOR_RECORD, "summary": {k: v for k, v in FLOOR_RECORD["summary"].items() if "TB/s" in k or "FP8" in k}}
+    path.write_text(json.dumps(old))
+    assert common.read_floors(path, "NVIDIA H200") == H200
+    path.write_text(json.dumps({**FLOOR_RECORD, "summary": {}, "rows": []}))
+    with pytest.raises(common.FloorError, match="no positive 'HBM TB/s at the margin'"):
+        common.read_floors(path, "NVIDIA H200")
+    path.write_text("{not json")
+    with pytest.raises(common.FloorError, match="unreadable"):
+        common.read_floors(path, "NVIDIA H200")
+
+
+def test_the_repository_floor_file_reads_as_its_gpus():
+    record = json.loads((common.RESULTS_DIR / "floor.json").read_text())
+    floors = common.read_floors(common.RESULTS_DIR / "floor.json", record["gpu"])
+    assert floors.gpu == record["gpu"] and all(x > 0 for x in dataclasses.astuple(floors)[1:])
+
+
+def test_measured_floors_need_a_gpu_and_are_read_once(tmp_path, monkeypatch):
+    common.measured_floors.cache_clear()
+    with pytest.raises(common.FloorError, match="no CUDA GPU"):  # this machine
+        common.measured_floors()
+    with pytest.raises(SystemExit):  # a benchmark stops with the message, no traceback
+        common.measured_floors()
+    (tmp_path / "floor.json").write_text(json.dumps(FLOOR_RECORD))
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common, "gpu_name", lambda: "NVIDIA H200")
+    assert common.measured_floors() == H200
+    (tmp_path / "floor.json").unlink()
+    assert common.measured_floors() is common.measured_floors()  # cached: the file is not read again
+    common.measured_floors.cache_clear()
+    with pytest.raises(common.FloorError, match="missing"):
+        common.measured_floors()
+    common.measured_floors.cache_clear()
+
+
+def test_floors_name_themselves_and_convert(floors):
+    assert (floors.hbm, floors.fp8) == ("4.33 TB/s (measured)", "1346 TFLOPS (measured)")
+    assert floors.stream_us(4.33e6) == pytest.approx(1.0) and floors.mma_us(1346e6) == pytest.approx(1.0)
+    assert math.isclose(common.pct_of_fp8_peak(673.0), 50.0) and math.isclose(common.pct_of_hbm(2165.0), 50.0)
+    assert not hasattr(common, "FP8_TFLOPS")
+    # HBM_TBPS only for modules not yet on measured_floors(): read when used, not when imported
+    assert format(common.HBM_TBPS, "g") == "4.33" and 3e9 / (common.HBM_TBPS * 1e12) == pytest.approx(3e9 / 4.33e12)
+
+
+def test_gpu_facts_from_nvidia_smi(monkeypatch):
+    props = type("Props", (), {"multi_processor_count": 132, "uuid": "1234-abcd"})()
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(common.torch.cuda, "get_device_properties", lambda i: props)
+    calls = []
+
+    def smi(cmd, **kw):
+        calls.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "1980, 1980, 3201, 700.00, 580.159.04\n", "")
+
+    monkeypatch.setattr(common.subprocess, "run", smi)
+    assert common.gpu_facts() == {"sm_clock_mhz": 1980, "max_sm_clock_mhz": 1980, "mem_clock_mhz": 3201,
+                                  "power_limit_w": 700, "driver": "580.159.04", "sms": 132}
+    assert calls[0][-2:] == ["-i", "GPU-1234-abcd"] and "--format=csv,noheader,nounits" in calls[0]
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    monkeypatch.setattr(common.subprocess, "run", missing)
+    assert common.gpu_facts() == {**dict.fromkeys(common.GPU_FACTS), "sms": 132}
+    monkeypatch.setattr(common.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(
+        cmd, 0, "[N/A], 1980, [N/A], [N/A], 580.159.04\n", ""))
+    assert common.gpu_facts()["max_sm_clock_mhz"] == 1980 and common.gpu_facts()["power_limit_w"] is None
+
+
+@pytest.mark.parametrize("tool, argv", [
+    ("measure_floor", []), ("bench_quantize", []), ("bench_linear_stack", []), ("bench_weight_only", []),
+    ("bench_quantize_scaled_mm", []), ("bench_decode_chain", []), ("bench_decode_options", ["--what", "splits"]),
+    ("bench_gemm", ["--e2e"]), ("bench_gemm", ["--shapes", "16x256x256"]), ("bench_sweep", ["--ms", "1"]),
+])
+def test_without_a_gpu_a_benchmark_stops_with_one_line(tool, argv, capsys):
+    if common.torch.cuda.is_available():
+        pytest.skip("a GPU is here")
+    module = importlib.import_module(f"benchmarks.{tool}")
+    common.measured_floors.cache_clear()
+    with pytest.raises(SystemExit) as done:
+        module.main(argv)
+    message = str(done.value.code)
+    assert "GPU" in message and "\n" not in message, message
