@@ -194,3 +194,14 @@ def test_wide_decode_tile_splits_below_half_a_wave():
     assert wide.output_tiles(128, 4096) == 32 and dispatch.choose_splits(wide, 128, 4096, 8192, SMS) == 2
     assert dispatch.choose_splits(wide, 128, 10240, 8192, SMS) == 1  # 80 tiles: more than half of 132
     assert dispatch.plan_splits(wide, 128, 57344, 8192, SMS) == (wide, 1)  # decode tiles have no last-wave split
+
+
+def test_swapped_tiles_split_to_a_whole_wave_at_long_k():
+    """From SWAPPED_FULL_WAVE_K_TILES K tiles a decode tile splits K over all slots, not half: Llama-3-8B's down
+    projection (N = 4096, K = 14336) at M = 1 runs 64 tiles of 64 x 16 in 2 splits; at K = 8192 it stays whole."""
+    narrow = row("row", 64, 16, 1, swap_ab=True)
+    assert narrow.output_tiles(1, 4096) == 64
+    assert dispatch.choose_splits(narrow, 1, 4096, 14336, SMS) == 2
+    assert dispatch.choose_splits(narrow, 1, 4096, 12288 - 128, SMS) == 1  # 95 K tiles: half the slots, 66 // 64
+    assert dispatch.choose_splits(narrow, 1, 4096, 8192, SMS) == 1
+    assert dispatch.choose_splits(narrow, 1, 4608, 14336, SMS) == 1  # 72 tiles: a second split would not fit a wave

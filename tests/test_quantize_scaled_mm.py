@@ -13,11 +13,10 @@ from cutedsl_gemm import problem as P
 from cutedsl_gemm import quantize_fp8, quantize_int8
 from cutedsl_gemm.kernels.sm90.activation_quant import E4M3_MAX, INT8_MAX
 from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
-from cutedsl_gemm.nn.recipes import LINEAR_RECIPES
 from cutedsl_gemm.numerics.formats import E4M3, INT8
 from cutedsl_gemm.ops import library as L
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, kernel_variant, select
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, select
 from cutedsl_gemm.tools.ptx_inspect import find_ptxas, inspect_instance, ptxas_performance_notes
 
 HOPPER = ("sm_90a", 132)
@@ -76,7 +75,6 @@ def test_activations_are_quantized_to_the_weights_kind_with_the_pairing_scales()
     (dict(swap_ab=False), "decode schedule"),
     (dict(tile_n=64), "at most 32 wide"),
     (dict(a_input="fp32"), "'bf16' or 'fp16'"),
-    (dict(quant_lanes=16), "quant_lanes .* is 8 or 32"),
     (dict(b_dtype="int8"), "int8 operands pair with int8 only"),
     (dict(a_dtype="e5m2"), "quantized to e4m3 for an FP8 weight or to int8 for an int8 one"),
     (dict(a_dtype="int8", b_dtype="int8", accum="fast"), "int8 GEMMs scale in the epilogue"),
@@ -136,13 +134,11 @@ def test_per_token_kernel_finds_the_token_scales_first(weight):
 @pytest.mark.parametrize("kind", PER_TOKEN)
 def test_per_token_rows_run_when_asked(kind, monkeypatch):
     """Per-channel weights pair with per-token activations: the table has one-kernel rows for M <= 32 on the same
-    decode tiles scaled_mm picks; dispatch leaves them to in_kernel=True (their cost is not timed yet); a per-tensor
-    weight has none."""
+    decode tiles scaled_mm picks (run with in_kernel=True); a per-tensor weight has none."""
     monkeypatch.setattr(dispatch, "launch_clusters", lambda index, inst: HOPPER[1])
     for m in (1, 16, 17, 32):
         problem, ops = _describe(*_meta_call(m, 28672, 4096, recipe="row", weight=PER_TOKEN[kind]))
         assert problem.recipe == "row" and ops.scale_a is None and dispatch.has_quantizing_rows(problem)
-        assert not dispatch.quantizes_in_kernel(problem)
         inst, _ = dispatch.select(problem)
         twin, _ = dispatch.select(dataclasses.replace(problem, act_format=None))
         assert inst.op == QUANT_GEMM and (inst.tile_m, inst.tile_n, inst.accum) == (twin.tile_m, twin.tile_n,
@@ -186,17 +182,6 @@ def test_quantizing_rows_cover_the_decode_token_tiles():
     assert dispatch.has_quantizing_rows(_describe(*_meta_call(4, 4096, 7168, recipe="1x128_1x128"))[0])
 
 
-def test_one_kernel_where_the_quantizing_warps_keep_up_with_the_weights(monkeypatch):
-    """The measured stage costs against the weight stream: large layers at M <= 4 quantize in the GEMM; small
-    layers, long-K ones on few tiles and M = 16 run the two kernels (as benchmarks/bench_quantize_scaled_mm.py
-    measured on an H100)."""
-    monkeypatch.setattr(dispatch, "launch_clusters", lambda index, inst: HOPPER[1])
-    want = {(28672, 4096, 1): True, (28672, 4096, 4): True, (28672, 4096, 16): False, (4096, 14336, 1): False,
-            (6144, 4096, 1): False, (7168, 2048, 4): False, (4608, 7168, 1): False, (28672, 4096, 33): False}
-    got = {(n, k, m): dispatch.quantizes_in_kernel(_describe(*_meta_call(m, n, k))[0]) for n, k, m in want}
-    assert got == want
-
-
 @pytest.mark.parametrize("call,error,match", [
     (lambda: _meta_call(4, 512, 1000), ValueError, "multiple of 16"),
     (lambda: _meta_call(4, 512, 1024, torch.int8), TypeError, "bfloat16, float16 or float32"),
@@ -236,52 +221,17 @@ def test_op_fake_gives_the_output_shape_and_dtype():
                                      torch.empty(8, 4, device="cuda"))
 
 
-def test_layers_of_1x128_activations_call_it():
-    assert LINEAR_RECIPES["deepseek"].quantizes_in_gemm
-    assert not any(r.quantizes_in_gemm for name, r in LINEAR_RECIPES.items() if name != "deepseek")
-
-
-def test_a_kernel_variant_is_the_row_with_its_configuration_changed():
-    inst = select(op=QUANT_GEMM)[0]
-    variant = kernel_variant(inst, quant_lanes=32)
-    assert variant.sm90_config() == dataclasses.replace(inst.sm90_config(), quant_lanes=32)
-    assert variant.name == inst.name + "_quant_lanes32" and repr(variant) != repr(inst)  # its own JIT cache entry
-    assert (variant.tile_m, variant.tile_n, variant.recipe) == (inst.tile_m, inst.tile_n, inst.recipe)
-    with pytest.raises(ValueError, match="8 or 32"):
-        Sm90GemmPlan.check_config(kernel_variant(inst, quant_lanes=4).sm90_config())
-
-
-@pytest.mark.compile
-def test_32_quantizing_lanes_store_4_bytes_a_lane():
-    """With 32 lanes a token each lane quantizes 4 elements (8-byte shared reads, 4-byte stores) and the group's amax
-    takes five shuffles instead of three."""
-    inst = next(i for i in select(op=QUANT_GEMM, a_dtype="bf16", bias_dtype=None, recipe="1x128_128x128")
-                if (i.tile_m, i.tile_n) == (128, 16))
-    rep = inspect_instance(kernel_variant(inst, quant_lanes=32))
-    assert rep.has(r"st\.shared\.b32") and not rep.has(r"st\.shared\.v4\.b32")
-    assert rep.has(r"ld\.shared\.v2\.b32") and rep.has(r"cvt\.rn\.satfinite\.e4m3x2\.f32")
-    assert rep.frame_bytes == 0
-    ptxas = find_ptxas()
-    if ptxas is not None:
-        assert not ptxas_performance_notes(rep.ptx, inst.arch, ptxas)
-
-
-@pytest.mark.parametrize("recipe", ["row", "int8"])
-def test_per_token_layers_call_it_once_its_rows_are_timed(recipe, monkeypatch):
-    """The row and int8 layers keep the two kernels while the per-token rows are untimed; once dispatch counts the
-    "row" recipe as timed they call quantize_scaled_mm (traced here on meta tensors through the ops' fakes)."""
+@pytest.mark.parametrize("recipe", ["deepseek", "row", "int8"])
+def test_layers_run_the_quantizer_and_the_gemm(recipe, monkeypatch):
+    """The one kernel is asked for, never picked: a layer of every recipe it has rows for runs quantize_fp8 /
+    quantize_int8 and scaled_mm (traced here on meta tensors through the ops' fakes), not quantize_scaled_mm."""
     from cutedsl_gemm import nn as cnn
 
-    calls = []  # the quantize_scaled_mm calls' weight dtypes, seen where the op's fake describes them
+    calls = []  # quantize_scaled_mm calls, seen where the op's fake describes them
     real = P.describe_quantize_scaled_mm
     monkeypatch.setattr(P, "describe_quantize_scaled_mm", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
     layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
     x = torch.empty(2, 3, 256, dtype=torch.bfloat16, device="meta")
     with L.fake_target("sm_90a"):
-        assert not LINEAR_RECIPES[recipe].quantizes_in_gemm
-        assert layer(x).shape == (2, 3, 384) and calls == []
-        monkeypatch.setattr(dispatch, "QUANT_TIMED_RECIPES", dispatch.QUANT_TIMED_RECIPES + ("row",))
-        assert LINEAR_RECIPES[recipe].quantizes_in_gemm
         y = layer(x)
-    assert y.shape == (2, 3, 384) and y.dtype == torch.bfloat16
-    assert calls and set(calls) == {torch.int8 if recipe == "int8" else E4M3.torch_dtype}
+    assert y.shape == (2, 3, 384) and y.dtype == torch.bfloat16 and calls == []

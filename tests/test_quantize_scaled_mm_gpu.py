@@ -15,7 +15,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM, kernel_variant
+from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM
 
 pytestmark = pytest.mark.gpu
 
@@ -144,28 +144,29 @@ def test_above_the_token_tiles_runs_the_two_kernels():
         cutedsl_gemm.quantize_scaled_mm(x, qw.t(), sb, in_kernel=True)
 
 
-def test_fp8_layer_graphs_and_compiles_with_one_kernel():
-    """The DeepSeek-recipe layer runs the one-kernel GEMM where dispatch picks it (a large layer at M = 1): eager,
-    replayed in a CUDA graph and compiled with fullgraph give the two-kernel path's bits."""
+def test_one_kernel_graphs_and_compiles():
+    """quantize_scaled_mm(in_kernel=True) on a DeepSeek-recipe weight (a large layer at M = 1): eager, replayed in a
+    CUDA graph and compiled with fullgraph give the two-kernel path's bits."""
     torch.manual_seed(0)
-    lin = torch.nn.Linear(4096, 28672, bias=True, device="cuda", dtype=torch.bfloat16)
-    layer = cutedsl_gemm.nn.Fp8Linear.from_linear(lin, "deepseek")
+    qw, sb, _ = _weight(28672, 4096, "1x128_128x128")
+    bias = torch.randn(28672, device="cuda")
     x = torch.randn(1, 4096, device="cuda", dtype=torch.bfloat16)
-    assert dispatch.quantizes_in_kernel(P.describe_quantize_scaled_mm(
-        x, layer.weight.t(), layer.weight_scale, layer.bias, x.dtype, None, None, None, x.device)[0])
-    ref, _ = _two_kernels(x, layer.weight.t(), layer.weight_scale, layer.bias)
-    _same(layer(x), ref)
-    _same(layer(x), ref)  # the kept launch
+
+    def one(x):
+        return cutedsl_gemm.quantize_scaled_mm(x, qw.t(), sb, bias, in_kernel=True)
+
+    ref, _ = _two_kernels(x, qw.t(), sb, bias)
+    _same(one(x), ref)
+    _same(one(x), ref)  # the kept plan
     static_x = x.clone()
-    layer(static_x)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        static_y = layer(static_x)
+        static_y = one(static_x)
     x2 = torch.randn_like(x)
     static_x.copy_(x2)
     graph.replay()
-    _same(static_y, _two_kernels(x2, layer.weight.t(), layer.weight_scale, layer.bias)[0])
-    compiled = torch.compile(layer, fullgraph=True)
+    _same(static_y, _two_kernels(x2, qw.t(), sb, bias)[0])
+    compiled = torch.compile(one, fullgraph=True)
     _same(compiled(x2), static_y)
 
 
@@ -274,24 +275,3 @@ def test_per_token_graph_replay(kind):
     static_x.copy_(x2)
     graph.replay()
     _same(static_y, _two_kernels_per_token(x2, qw.t(), sb, None, kind)[0])
-
-
-@pytest.mark.parametrize("recipe", ["1x128_128x128", "row"])
-@pytest.mark.parametrize("m", [1, 3, 29])
-def test_32_quantizing_lanes_a_token_give_the_same_bits(recipe, m):
-    """The kernel variant with 32 lanes a token (4 elements a lane) against the table's 8 (16 a lane): the same codes
-    and scales, so the same output."""
-    inst = next(i for i in INSTANCES if i.op == QUANT_GEMM and i.recipe == recipe and i.b_dtype == "e4m3"
-                and i.a_dtype == "bf16" and i.bias_dtype is None and (i.tile_m, i.tile_n) == (64, 32 if m > 16 else 16))
-    n, k = 2048, 1040
-    if recipe == "row":
-        qw, sb = _per_channel_weight(n, k, "e4m3")
-    else:
-        qw, sb, _ = _weight(n, k, recipe)
-    x = _activations(m, k, torch.bfloat16, special=True)
-    vb = scale_layouts.w_kernel_view(recipe, -(-k // 128), sb)
-    stand_in = torch.ones(1, device="cuda")
-    y8, y32 = (torch.full((m, n), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2))
-    launch.launch(inst, x, qw.t(), stand_in, vb, y8, splits=2)
-    launch.launch(kernel_variant(inst, quant_lanes=32), x, qw.t(), stand_in, vb, y32, splits=2)
-    _same(y32, y8)

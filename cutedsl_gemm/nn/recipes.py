@@ -30,7 +30,6 @@ from cutedsl_gemm.ops import quantize as Q
 from cutedsl_gemm.ops import scaled_mm as S
 from cutedsl_gemm.ops import weight_only as W
 from cutedsl_gemm.ops.library import EAGER, OPS
-from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, weight_only_recipe
 
 
@@ -150,13 +149,6 @@ class LinearRecipe:
         return tuple(a for a in P.ARCHS if a in rows)
 
     @property
-    def quantizes_in_gemm(self) -> bool:
-        """Whether the layer calls ``quantize_scaled_mm`` (one kernel at decode sizes on Hopper, where dispatch picks
-        it): the Hopper recipes whose one-kernel path dispatch has timed (``dispatch.QUANT_TIMED_RECIPES``)."""
-        return (self.quantize in (fp8_operand, int8_operand) and self.scaling is not None
-                and self.scaling.name in dispatch.QUANT_TIMED_RECIPES)
-
-    @property
     def keeps_launch(self) -> bool:
         """Whether ``kept_launch`` runs it: the weight-only and the fp32-scaled Hopper recipes."""
         return self.weight_only or self.quantize is fp8_operand or self.quantize is int8_operand
@@ -227,8 +219,6 @@ def quantized_matmul(x, b, weight_scale, weight_global_scale, weight_zero, bias,
         y = ops.mm_weight_only(x2, b, weight_scale, weight_zero, group=recipe.group, bits=recipe.bits)
         if bias is not None:
             y = y.add_(bias)
-    elif recipe.quantizes_in_gemm:
-        y = ops.quantize_scaled_mm(x2, b, weight_scale, bias, x.dtype, scale_recipe_b=recipe.scaling.b.scaling_type)
     else:
         qa, sa, ga = recipe.quantize(x2, "a", recipe, ops)
         y = ops.scaled_mm(qa, b, sa, weight_scale, bias, x.dtype, scale_recipe_a=recipe.scaling.a.scaling_type,
@@ -266,23 +256,6 @@ def kept_launch(x, b, weight_scale, weight_zero, bias, recipe: LinearRecipe):
         if not recipe.keeps_launch:
             raise ValueError(f"recipe {recipe.name!r} has no kept launch (its GEMMs run on sm_100a)")
         ra, rb = recipe.scaling.a.scaling_type, recipe.scaling.b.scaling_type
-        if recipe.quantizes_in_gemm:
-            y = S.quantize_scaled_mm(x2, b, weight_scale, bias, dtype, scale_recipe_b=rb)
-            hit = S.cached_quantize_plan(S.quantize_call_signature(x2, b, weight_scale, bias, dtype, rb, None))
-            if hit is None:
-                return (y if flat else y.view(*lead, y.shape[1])), None
-            if hit[0] is not None:  # one kernel quantizes and multiplies
-                plan, name, kb, out_shape = hit
-                launch, stand_in, n = plan.run, plan.dummy_bias, out_shape[1]
-                sb = scale_layouts.w_kernel_view(name, kb, weight_scale)
-
-                def run(x):
-                    y = launch(x if flat else x.view(rows, k), b, x.new_empty(out_shape, dtype=dtype), stand_in, sb,
-                               bias)
-                    return y if flat else y.view(*lead, n)
-
-                return (y if flat else y.view(*lead, y.shape[1])), run
-            # two kernels at this M: the quantizer's and the GEMM's launches are kept below (y is computed again)
         quantize = Q.kernel_launch(x2, recipe.scaling.a.label, fmt=recipe.element)
         qa, sa = quantize(x2)
         y = S.scaled_mm(qa, b, sa, weight_scale, bias, None, dtype, scale_recipe_a=ra, scale_recipe_b=rb)

@@ -186,14 +186,14 @@ def quantize_scaled_mm(
     FP8 / int8, per tensor            ``quantize_fp8(x, "tensor")`` / ``quantize_int8(x, "tensor")``
     ================================  ===============================================
 
-    -- in one Hopper kernel where that is faster: the GEMM quantizes each K tile of its token tile itself
-    (``kernels/sm90/activation_quant.py``; per token it first finds each token's scale over all of K), so there is
-    no quantizer launch and no round trip of the quantized activations through memory. ``dispatch.quantizes_in_kernel``
-    decides (today: 1x128 groups on large layers at M <= 4, where the quantizing warps keep up with the weight
-    stream); elsewhere the two kernels run.
+    -- as the two kernels, or with ``in_kernel=True`` in one Hopper kernel: the GEMM quantizes each K tile of its
+    token tile itself (``kernels/sm90/activation_quant.py``; per token it first finds each token's scale over all
+    of K), so there is no quantizer launch and no round trip of the quantized activations through memory. The one
+    kernel is not the default: its quantizing warps cost more than the launch and round trip they save (0.63-1.02x
+    the two kernels' speed at M = 1..32 on an H200, ``benchmarks/bench_quantize_scaled_mm.py``).
 
     ``in_kernel``: True runs the one kernel (an error where the table has none: M above its 32-token tiles, per-tensor
-    scaling, fp32 activations or output), False the two, None lets dispatch choose.
+    scaling, fp32 activations or output); False or None the two.
     ``out_dtype``: x's dtype by default; ``scale_recipe_b`` names W's scale recipe (else its shape decides, as in
     ``scaled_mm``); ``out``, ``split_k`` as in ``scaled_mm``.
     """
@@ -229,7 +229,7 @@ def quantize_scaled_mm(
                          f"{problem.recipe!r}, {problem.b_format} weights, {problem.out_name} output, M={problem.m} "
                          "(the table's rows: e4m3 weights with 1x128 or per-token activation scales, int8 weights "
                          "with per-token ones; bf16 / fp16 in and out, M <= 32)")
-    one = in_kernel if in_kernel is not None else not problem.is_empty and dispatch.quantizes_in_kernel(problem)
+    one = bool(in_kernel)
     if problem.is_empty or not one:
         if sig is not None and not problem.is_empty:
             _keep(_QUANT_PLANS, sig, (None, problem.recipe, None, None))

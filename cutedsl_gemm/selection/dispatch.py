@@ -228,6 +228,10 @@ def select_gemm(
 
 MAX_SPLITS = 16
 MIN_K_TILES_PER_SPLIT = 2  # a split shorter than this spends more on its reduction than it saves
+# From this many K tiles a swapped decode tile splits K to fill a whole wave, not half of one: the reduction is
+# short against each split's weight stream (H200, decode chains: N = 4096, K = 14336 (112 K tiles) on 64 x 16 tiles
+# at M = 1..64, 2 splits 1.10-1.12x one; at K = 8192 (64) 1.01x, at K = 7168 and shorter nothing or a loss).
+SWAPPED_FULL_WAVE_K_TILES = 96
 
 
 def normalize_splits(splits: int, k_tiles: int) -> int:
@@ -241,20 +245,22 @@ def choose_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int) -> i
     """Split-K heuristic (the documented dispatch table, see README): split K only to fill SMs that would
     otherwise idle, within one wave --
 
-        splits = min(slots // tiles, 16, k_tiles // 2), at least 1      (slots // (2 * tiles) when swapped)
+        splits = min(slots // tiles, 16, k_tiles // 2), at least 1
+                 (slots // (2 * tiles) when swapped and k_tiles < SWAPPED_FULL_WAVE_K_TILES)
 
     where ``tiles`` is the number of output tiles, ``slots`` the CTAs that can be resident at once (SMs,
     rounded down to whole clusters) and ``k_tiles = ceil(K / 128)``: past one wave the last split's read-back
     of the partials sits on the tile's critical path. The swapped decode kernels split only below half a wave
-    (streaming W from half the SMs already beats the reduction). Instances built without the reduction
-    (``can_split_k`` False) always get 1. Measurements: docs/design.md, "Split-K and last-wave splits".
+    at short K (streaming W from half the SMs already beats the reduction) and to a whole wave at long K.
+    Instances built without the reduction (``can_split_k`` False) always get 1. Measurements: docs/design.md,
+    "Split-K and last-wave splits".
     """
     if not inst.can_split_k:
         return 1
     tiles = inst.output_tiles(m, n)
-    if inst.swap_ab:
-        slots //= 2
     k_tiles = inst.k_tiles(k)
+    if inst.swap_ab and k_tiles < SWAPPED_FULL_WAVE_K_TILES:
+        slots //= 2
     splits = max(1, min(slots // tiles, MAX_SPLITS, k_tiles // MIN_K_TILES_PER_SPLIT))
     return normalize_splits(splits, k_tiles)
 
@@ -316,42 +322,12 @@ def splits_for(inst: KernelInstance, m: int, n: int, k: int, slots: int, want: i
     return choose_splits(inst, m, n, k, slots)
 
 
-#: A stage of a GEMM that quantizes its activations costs its quantizing warps about this many ns per CTA, plus
-#: ``QUANT_PASS_NS`` per four tokens of the tile (one pass of a warp), the three warps taking turns: measured on an
-#: H100 (``benchmarks/bench_quantize_scaled_mm.py``: M = 1, 4096 x 14336 on 64 x 16 tiles, 405 ns a stage; M = 16,
-#: 633; M = 32 on 64 x 32, 1225).
-QUANT_STAGE_NS = 280
-QUANT_PASS_NS = 105
-#: The recipes those costs were measured for. The per-token kernels ("row", FP8 and int8) add an amax pass over
-#: each token tile's rows and have not been timed: quantize_scaled_mm runs them only when asked (``in_kernel``).
-QUANT_TIMED_RECIPES = ("1x128_128x128", "1x128_1x128")
-#: The weight stream the quantizing warps must keep up with: HBM bytes per ns.
-HBM_BYTES_PER_NS = 3000
-
-
 def has_quantizing_rows(problem) -> bool:
     """Whether the table has a QUANT_GEMM row for a described call with unquantized activations
     (``problem.act_format``): its M, recipe and dtypes."""
     rows = _candidates(problem.arch, QUANT_GEMM, problem.recipe, problem.act_format, problem.b_format,
                        problem.out_name, problem.bias_name, problem.accum, None)
     return any(i.m_min <= problem.m <= i.m_max for i in rows)
-
-
-def quantizes_in_kernel(problem) -> bool:
-    """Whether ``quantize_scaled_mm`` runs a described call in one kernel (a QUANT_GEMM row quantizing the
-    activations) rather than quantize_fp8 and scaled_mm: where the table has a row and the quantizing warps keep up
-    with the weight stream -- each CTA's stages at ``QUANT_STAGE_NS`` + ``QUANT_PASS_NS`` per four tokens take no
-    longer than the weights take at ``HBM_BYTES_PER_NS``. Then the kernel is about as fast as the GEMM alone and
-    saves the quantizer's launch and round trip; otherwise the two kernels are faster (large layers at M <= 4 pass,
-    the rest do not). Recipes outside ``QUANT_TIMED_RECIPES``: never (not yet timed)."""
-    if problem.recipe not in QUANT_TIMED_RECIPES or not has_quantizing_rows(problem):
-        return False
-    inst, splits = select(problem)
-    tokens = min(problem.m, inst.tile_n)
-    stage_ns = QUANT_STAGE_NS + QUANT_PASS_NS * -(-tokens // 4)
-    units = inst.output_tiles(problem.m, problem.n) * splits
-    stages_per_cta = -(-units // max(problem.sms, 1)) * -(-inst.k_tiles(problem.k) // splits)
-    return stages_per_cta * stage_ns * HBM_BYTES_PER_NS <= problem.n * problem.k
 
 
 def select(problem):

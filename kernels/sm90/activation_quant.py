@@ -62,7 +62,7 @@ from .quantize_fp8 import (
 )
 
 QUANT_WARPS = 3  # warps 1..3 of the producer warp group (warp 0 issues the TMA loads)
-LANES_PER_TOKEN = SCALE_BLOCK // VEC  # 8 lanes x 16 elements: one 1x128 group (Sm90GemmConfig.quant_lanes: or 32 x 4)
+LANES_PER_TOKEN = SCALE_BLOCK // VEC  # 8 lanes x 16 elements: one 1x128 group
 E4M3_MAX = 448.0  # the quantized activations' format (numerics.formats.E4M3.max_finite; a test checks they agree)
 W_SCALE_SLOTS = 128  # per quantizing warp: a 128-row tile's per-row W scales (or its one or two block scales)
 HANDOFF_UNITS = 4  # per-token scales: work units the quantizing warps may run ahead of the epilogue
@@ -163,7 +163,6 @@ class ActivationQuantStaging:
     tag: object  # make_tag
     k_tiles: object  # K tiles of the problem
     rows: object = None  # RowScales when the kernel quantizes per token (then scales_w, w_buf, slots are unused)
-    lanes: int = LANES_PER_TOKEN  # lanes per token and K tile (Sm90GemmConfig.quant_lanes)
 
     def unit_views(self, tm, tn):
         if cutlass.const_expr(self.rows is not None):
@@ -174,16 +173,16 @@ class ActivationQuantStaging:
     def fill_stage(self, views, tm, tn, kt, state):
         if cutlass.const_expr(self.rows is not None):
             _fill_rows_if_mine(self.mainloop, self.x, self.sX, self.x_full, self.sB, self.rows.tok, self.tile_mn[1],
-                               self.lanes, self.warp, self.lane, tn, state)
+                               self.warp, self.lane, tn, state)
         else:
             _fill_if_mine(self.mainloop, self.x, self.sX, self.x_full, self.scales_w, self.w_buf, self.sB,
-                          self.slots[0], self.slots[1], self.w_gran, self.tile_mn, self.lanes, self.warp, self.lane,
+                          self.slots[0], self.slots[1], self.w_gran, self.tile_mn, self.warp, self.lane,
                           self.tag, self.k_tiles, tm, tn, kt, state)
 
 
 @cute.jit
 def _fill_if_mine(mainloop, x, sX, x_full, scales_w, w_buf, sB, slots_w, slots_x, w_gran: cutlass.Constexpr,
-                  tile_mn: cutlass.Constexpr, lanes: cutlass.Constexpr, warp, lane, tag, k_tiles, tm, tn, kt, state):
+                  tile_mn: cutlass.Constexpr, warp, lane, tag, k_tiles, tm, tn, kt, state):
     if state.count % QUANT_WARPS == warp:
         mine = w_buf[(None, warp)]
         # The buffer holds this stage's W scales unless it starts a unit (another tile or split).
@@ -193,7 +192,7 @@ def _fill_if_mine(mainloop, x, sX, x_full, scales_w, w_buf, sB, slots_w, slots_x
         cute.arch.mbarrier_wait(x_full + state.index, state.phase ^ 1)
         cute.arch.cp_async_wait_group(0)
         _store_w_scales(mine, slots_w, w_gran, tile_mn[0], state.index, lane)
-        _quantize_tile(x, sX, sB, slots_x, tile_mn[1], lanes, tn, state.index, lane)
+        _quantize_tile(x, sX, sB, slots_x, tile_mn[1], tn, state.index, lane)
         # Generic-proxy stores, read by the WGMMAs through the async proxy.
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(state))
@@ -243,12 +242,13 @@ def _store_w_scales(buf, slots, gran: cutlass.Constexpr, extent: cutlass.Constex
 
 
 @cute.jit
-def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, lanes: cutlass.Constexpr, tn, stage, lane, tok=None):
-    """Quantize the stage's unquantized token tile (zero past M and K) into its B tile, ``lanes`` lanes a token: each
+def _quantize_tile(x, sX, sB, slots_x, tile_n: cutlass.Constexpr, tn, stage, lane, tok=None):
+    """Quantize the stage's unquantized token tile (zero past M and K) into its B tile, 8 lanes a token: each
     token's 1x128 group with the group's scale, stored into the stage's token scale slots ``slots_x``; or, per token
     (``tok``: each token's scale and reciprocal), with the token's scale (``slots_x`` unused)."""
     fp8 = sB.element_type
-    width = SCALE_BLOCK // lanes  # elements a lane: 16 (8 lanes) or 4 (32 lanes)
+    lanes = LANES_PER_TOKEN
+    width = SCALE_BLOCK // lanes  # elements a lane: 16
     per_pass = 32 // lanes  # tokens a pass of the warp
     sXv = cute.zipped_divide(sX[(None, None, stage)], (1, width))  # ((1, width), (tile_n, lanes))
     sV = cute.zipped_divide(sB[(None, None, stage)], (1, width))
@@ -336,11 +336,10 @@ def _token_amax(x: cute.Tensor, partial: cute.Tensor, tile_n: cutlass.Constexpr,
 
 
 @cute.jit
-def _fill_rows_if_mine(mainloop, x, sX, x_full, sB, tok, tile_n: cutlass.Constexpr, lanes: cutlass.Constexpr, warp,
-                       lane, tn, state):
+def _fill_rows_if_mine(mainloop, x, sX, x_full, sB, tok, tile_n: cutlass.Constexpr, warp, lane, tn, state):
     if state.count % QUANT_WARPS == warp:
         cute.arch.mbarrier_wait(x_full + state.index, state.phase ^ 1)
-        _quantize_tile(x, sX, sB, None, tile_n, lanes, tn, state.index, lane, tok)
+        _quantize_tile(x, sX, sB, None, tile_n, tn, state.index, lane, tok)
         cute.arch.fence_proxy("async.shared", space="cta")
         cute.arch.mbarrier_arrive(mainloop.producer_get_barrier(state))
 

@@ -432,8 +432,7 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
                     quantizer = ActivationQuantStaging(
                         mainloop, mB, sX, x_full, mSA, w_buf, sB, scale_slots,
                         self.scale_gran[0] if self.block_scaled else None, (bM, bN), warp_idx - 1,
-                        cute.arch.lane_idx(), make_tag(self.per_token_quant), k_tiles, row_scales,
-                        self.cfg.quant_lanes)
+                        cute.arch.lane_idx(), make_tag(self.per_token_quant), k_tiles, row_scales)
                     self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
                                                k_tiles, quantizer)
             elif cutlass.const_expr(self.block_scaled):

@@ -73,9 +73,6 @@ class Sm90GemmConfig:
     # recipes with 1x128 A scales) or per token (recipe "row", e4m3 or int8), with the quantizers' numerics; None: A
     # comes quantized. The decode schedule only.
     a_input: Optional[str] = None
-    # ... lanes of a quantizing warp per token and K tile (activation_quant.py): 8 (16 elements a lane, four tokens a
-    # pass) or 32 (4 elements a lane, one token a pass: a shorter chain per lane where few tokens are real).
-    quant_lanes: int = 8
     # "1x128": the epilogue emits the output as e4m3 with 1x128 group scales (epilogue_quant.py), quantize_fp8's
     # numerics on the tile rounded to ``out_dtype`` (bf16) first; None: the output is ``out_dtype``.
     d_quant: Optional[str] = None
@@ -267,8 +264,6 @@ class Sm90GemmPlan:
             raise ValueError("activation quantization runs in the decode schedule (swap_ab) without clusters (each "
                              f"CTA quantizes its own token tile), one CTA per SM; got swap_ab={cfg.swap_ab}, cluster "
                              f"{cfg.cluster_shape_mn}, ctas_per_sm={cfg.ctas_per_sm}")
-        if cfg.quant_lanes not in (8, 32):
-            raise ValueError(f"quant_lanes (a quantizing warp's lanes per token) is 8 or 32, got {cfg.quant_lanes}")
         if cfg.tile_n > cls.max_quantizing_tile_n:
             raise ValueError(f"token tiles of a kernel that quantizes its activations are at most "
                              f"{cls.max_quantizing_tile_n} wide, got tile_n={cfg.tile_n}")
