@@ -28,6 +28,18 @@ from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 
 _STARTED = time.perf_counter()  # write_result records the run's length from here
+
+
+def cuda_context() -> None:
+    """Make the GPU's primary CUDA context current in this thread (a one-element allocation), so that a driver
+    query made before the first tensor (the cluster occupancy that ``launch.launch_clusters`` asks for) finds it.
+    Nothing without a GPU."""
+    if torch.cuda.is_available():
+        torch.zeros(1, device="cuda")
+
+
+cuda_context()  # every benchmark imports this module before its first launch
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # ---- the floors: measured on this GPU by benchmarks.measure_floor, read from its result file ------------------
