@@ -36,12 +36,15 @@ Staging: the scales of one K tile ride in the same mainloop stage as its A/W til
 
 from __future__ import annotations
 
+import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
+from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
 
 # recipe name -> (A granularity, W granularity)
 BLOCK_RECIPES = {
@@ -56,6 +59,16 @@ PRODUCER_LANES = 32  # lanes of the scale warp that arrive on the full barrier a
 
 def is_block_scaled(recipe: str) -> bool:
     return recipe in BLOCK_RECIPES
+
+
+@contextlib.contextmanager
+def unrolled_fragment_loops():
+    """The static loops traced inside run over a register fragment (up to 96 elements) and must unroll fully at
+    trace time: only a constant index keeps an element in a register. The DSL's warning about static loops of 64
+    or more iterations (a ``DSLOptimizationWarning``) is silenced there and nowhere else."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="This static loop has", category=DSLOptimizationWarning)
+        yield
 
 
 def scale_smem_bytes_per_stage(tile_m: int, tile_n: int) -> int:
@@ -265,15 +278,17 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
     n = cute.size(frag)
     assert elem_base + n <= bN // 2 and elem_base % 4 == 0, (elem_base, n, bN)
     if cutlass.const_expr(grans[1] == "group"):
-        for f in cutlass.range_constexpr(n):
-            i = elem_base + f
-            sb = Float32(slots_b[(tile_coords[i][1], stage)])
-            acc[i] = acc[i] + frag[f] * (regs[(i // 2) % 2] * sb)
+        with unrolled_fragment_loops():  # acc / frag are register arrays: element indices must be constants
+            for f in cutlass.range_constexpr(n):
+                i = elem_base + f
+                sb = Float32(slots_b[(tile_coords[i][1], stage)])
+                acc[i] = acc[i] + frag[f] * (regs[(i // 2) % 2] * sb)
     elif cutlass.const_expr(SCALE_BLOCK % bN == 0):
         s = (regs[0], regs[1])  # the tile lies in one W block
-        for f in cutlass.range_constexpr(n):
-            i = elem_base + f
-            acc[i] = acc[i] + frag[f] * s[(i // 2) % 2]
+        with unrolled_fragment_loops():  # acc / frag are register arrays: element indices must be constants
+            for f in cutlass.range_constexpr(n):
+                i = elem_base + f
+                acc[i] = acc[i] + frag[f] * s[(i // 2) % 2]
     else:
         # Which W block a column group falls in depends on the tile's offset into its first block, one of
         # a few run-time values: each (column group pattern, row half) picks its scale once per K tile with
@@ -283,18 +298,19 @@ def promote_block_scaled(acc, frag, regs, slots_b, tile_coords, grans: cutlass.C
         offset = origin_n % SCALE_BLOCK
         offsets = _tile_offsets(bN)
         picked = {}
-        for f in cutlass.range_constexpr(n):
-            i = elem_base + f
-            half = (i // 2) % 2
-            blocks = tuple((off + 8 * (i // 4)) // SCALE_BLOCK for off in offsets)  # per possible offset
-            key = (blocks, half)
-            if cutlass.const_expr(key not in picked):
-                scale = s[blocks[0]][half]
-                for j in cutlass.range_constexpr(1, len(offsets)):
-                    if cutlass.const_expr(blocks[j] != blocks[0]):
-                        scale = cutlass.select_(offset == offsets[j], s[blocks[j]][half], scale)
-                picked[key] = scale
-            acc[i] = acc[i] + frag[f] * picked[key]
+        with unrolled_fragment_loops():  # acc / frag are register arrays: element indices must be constants
+            for f in cutlass.range_constexpr(n):
+                i = elem_base + f
+                half = (i // 2) % 2
+                blocks = tuple((off + 8 * (i // 4)) // SCALE_BLOCK for off in offsets)  # per possible offset
+                key = (blocks, half)
+                if cutlass.const_expr(key not in picked):
+                    scale = s[blocks[0]][half]
+                    for j in cutlass.range_constexpr(1, len(offsets)):
+                        if cutlass.const_expr(blocks[j] != blocks[0]):
+                            scale = cutlass.select_(offset == offsets[j], s[blocks[j]][half], scale)
+                    picked[key] = scale
+                acc[i] = acc[i] + frag[f] * picked[key]
 
 
 @cute.jit

@@ -32,7 +32,7 @@ from .activation_quant import (
 )
 from .block_scales import (
     BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
-    is_block_scaled,
+    is_block_scaled, unrolled_fragment_loops,
 )
 # Re-exported: the host compile path and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, is_integer, smem_capacity  # noqa: F401
@@ -713,8 +713,9 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
             slice_layout = cute.make_layout(gD_tile.shape[1], stride=(gD_tile.shape[1][1], 1))
         first = tiles_done * slices
         for s in cutlass.range_constexpr(slices):
-            for v in cutlass.range_constexpr(n_per_slice):
-                tRS_rD[v] = tRS_rAcc[s * n_per_slice + v]
+            with unrolled_fragment_loops():  # register arrays: element indices must be trace-time constants
+                for v in cutlass.range_constexpr(n_per_slice):
+                    tRS_rD[v] = tRS_rAcc[s * n_per_slice + v]
             tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
             if cutlass.const_expr(tma_d is None):
                 self._quantize_slice(tiled_copy_r2s, tRS_rD_out, tRS_sD, sD, mQ, mQs, tm, tn, s, epi_barrier)
