@@ -3,13 +3,16 @@
     python -m benchmarks.render [--results DIR] [--benchmarks FILE] [--readme FILE] [--plot FILE] [--check]
 
 Each maintained benchmark writes one JSON file per run into ``benchmarks/results/<name>.json`` (fields: name,
-title, command, gpu, date, versions, notes, columns, rows, summary). This module only reads them: it imports
-neither torch nor the package, so it runs anywhere. BENCHMARKS.md gets one section per file (``ORDER`` first,
-others after by name); the README's text between ``PERF_BEGIN`` and ``PERF_END`` gets the headline figures of
-``HEADLINES`` and, when matplotlib is installed, the plot of each shape's time ratio to cuBLAS. The serving-batch
-sweep (``benchmarks.bench_sweep``) gets a summary table per recipe and two heatmaps beside that plot (ratio to
-cuBLAS and fraction of the floor, by layer shape and M). Output is a function of the result files alone, so
-rendering twice changes nothing.
+title, command, gpu, gpu_facts, date, versions, run_s, notes, columns, rows, summary). This module only reads them: it
+imports neither torch nor the package, so it runs anywhere. Results of different GPUs are never mixed in one table
+or ratio (``one_gpu`` refuses it): BENCHMARKS.md opens with one summary table of headline figures per GPU, then one
+section per GPU, the newest first, with a table per result file (``ORDER`` first, others after by name), each
+captioned with its command, GPU, power limit, SM clock and date; long tables are folded or left to their file
+so that the page stays within ``MAX_LINES``. The README's text between ``PERF_BEGIN`` and ``PERF_END`` gets the
+headline figures of ``HEADLINES`` from the GPU with the newest results and, when matplotlib is installed, the plot
+of each shape's time ratio to cuBLAS. The serving-batch sweep (``benchmarks.bench_sweep``) gets a summary table per
+recipe and two heatmaps beside that plot (ratio to cuBLAS and fraction of the floor, by layer shape and M). Output
+is a function of the result files alone, so rendering twice changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,10 +62,23 @@ HEADLINES = (
 PLOTTED = ("gemm_dsv3", "gemm_square", "gemm_decode", "gemm_dsv3_fast", "gemm_square_fast")
 RATIO_COLUMN = "ratio"
 REQUIRED = {"name": str, "title": str, "command": str, "gpu": str, "date": str, "columns": list, "rows": list}
-OPTIONAL = {"versions": dict, "notes": str, "summary": dict}
+OPTIONAL = {"versions": dict, "notes": str, "summary": dict, "gpu_facts": dict, "run_s": (int, float)}
+#: (gpu_facts key, label, unit) a table's caption names
+CAPTION_FACTS = (("power_limit_w", "power limit", "W"), ("max_sm_clock_mhz", "max SM clock", "MHz"))
+
+# BENCHMARKS.md stays short: tables of more rows than FOLD_ROWS are folded, of more than SHOW_ROWS left to their result
+# file, and the page refuses to grow past MAX_LINES.
+FOLD_ROWS, SHOW_ROWS, MAX_LINES = 12, 100, 800
+# The page's summary: per result at most MAX_FIGURES figures, its summary entries matching HEADLINE_KEYS (a floor
+# result's all), else the geomean of the first of HEADLINE_COLUMNS it has.
+MAX_FIGURES = 5
+HEADLINE_KEYS = re.compile(r"^geomean|geomean ratio$|geomean of floor$|ours x bf16$")
+HEADLINE_COLUMNS = (RATIO_COLUMN, "ours x bf16", "speed-up", "two / one", "torch / ours")
+FLOOR_RESULT = "floor"
 
 # How to produce results, for the page that has none (each writes benchmarks/results/<name>.json).
 PRODUCERS = (
+    ("python -m benchmarks.measure_floor", "floor (run it first on each GPU: the others read it)"),
     ("python -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row,1x128_128x128", "gemm_dsv3"),
     ("python -m benchmarks.bench_sweep", "sweep"),
     ("python -m benchmarks.bench_gemm --sets decode --recipes tensor,row,1x128_128x128", "gemm_decode"),
@@ -89,7 +106,8 @@ def check_result(data, path: Path) -> dict:
             raise ResultError(f"{path}: field {key!r} must be a {kind.__name__}, got {data.get(key)!r:.60}")
     for key, kind in OPTIONAL.items():
         if data.get(key) is not None and not isinstance(data[key], kind):
-            raise ResultError(f"{path}: field {key!r} must be a {kind.__name__}, got {data[key]!r:.60}")
+            name = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+            raise ResultError(f"{path}: field {key!r} must be a {name}, got {data[key]!r:.60}")
     if data["name"] != path.stem:
         raise ResultError(f"{path}: field 'name' is {data['name']!r}; it must equal the file stem {path.stem!r}")
     width = len(data["columns"])
@@ -138,40 +156,142 @@ def versions(r: dict) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted((r.get("versions") or {}).items()))
 
 
+def gpu_label(r: dict) -> str:
+    """The GPU with the facts ``common.write_result`` recorded: "NVIDIA H200, power limit 700 W, max SM clock
+    1980 MHz"; files written before those facts were recorded say so."""
+    facts = r.get("gpu_facts") or {}
+    shown = [f"{label} {cell(facts[key])} {unit}" for key, label, unit in CAPTION_FACTS if facts.get(key) is not None]
+    return ", ".join([r["gpu"]] + (shown or ["power limit and clocks not recorded"]))
+
+
 def provenance(r: dict) -> str:
-    """"GPU, date" of one result."""
-    return f"{r['gpu']}, {r['date']}"
+    """"GPU (power limit, max SM clock), date" of one result."""
+    return f"{gpu_label(r)}, {r['date']}"
 
 
-def render_section(r: dict, figures: Optional[Dict[str, str]] = None) -> List[str]:
-    """One result's section; a sweep's (``is_sweep``) shows ``figures`` ({caption: image path}), its summary
-    table and its rows folded away."""
-    lines = [f"## {r['title']}", "", f"`{r['command']}`", ""]
-    lines.append(f"GPU: {r['gpu']}; date: {r['date']}" + (f"; {versions(r)}" if versions(r) else "") + ".")
+def caption(r: dict) -> List[str]:
+    """The lines under a result's heading: its command, then GPU (power limit, max SM clock), date and versions."""
+    return [f"`{r['command']}`", "", f"GPU: {gpu_label(r)}; date: {r['date']}"
+            + (f"; {versions(r)}" if versions(r) else "") + "."]
+
+
+def one_gpu(results: Sequence[dict], what: str) -> Optional[str]:
+    """The GPU every one of ``results`` was measured on (None for none); ResultError where they name two: results of
+    different GPUs never share a table or a ratio."""
+    gpus: Dict[str, str] = {}
+    for r in results:
+        gpus.setdefault(r["gpu"], r["name"])
+    if len(gpus) > 1:
+        raise ResultError(f"{what} would combine results of different GPUs ("
+                          + "; ".join(f"{name}.json: {gpu}" for gpu, name in gpus.items())
+                          + "); results of different GPUs are never mixed in one table or ratio")
+    return next(iter(gpus), None)
+
+
+def by_gpu(results: Sequence[dict]) -> List[Tuple[str, List[dict]]]:
+    """(GPU, its results in section order), the GPU with the newest result first (ties by name)."""
+    groups: Dict[str, List[dict]] = {}
+    for r in results:
+        groups.setdefault(r["gpu"], []).append(r)
+    ordered = sorted(groups.items())
+    return sorted(ordered, key=lambda g: max(r["date"] for r in g[1]), reverse=True)
+
+
+def folded(summary: str, lines: List[str]) -> List[str]:
+    return [f"<details><summary>{summary}</summary>", "", *lines, "", "</details>"]
+
+
+def result_file(r: dict) -> str:
+    return f"[benchmarks/results/{r['name']}.json](benchmarks/results/{r['name']}.json)"
+
+
+def render_body(r: dict, figures: Optional[Dict[str, str]] = None) -> List[str]:
+    """A result's tables: a sweep (``is_sweep``) as ``figures`` ({caption: image path}) and its summary table per
+    recipe; others as their rows, folded away above ``FOLD_ROWS`` and left to the result file above ``SHOW_ROWS``,
+    then their summary (folded above ``FOLD_ROWS`` entries)."""
+    rows, lines = r["rows"], []
+    if is_sweep(r):
+        for text, path in (figures or {}).items():
+            lines += [f"![{text}]({path})", ""]
+        lines += table(*sweep_table(r["columns"], rows)) + ["", f"Every shape ({len(rows)} rows): {result_file(r)}."]
+    elif len(rows) > SHOW_ROWS:
+        lines += [f"{len(rows)} rows, not shown: {result_file(r)}."]
+    elif len(rows) > FOLD_ROWS:
+        lines += folded(f"{len(rows)} rows", table(r["columns"], rows))
+    else:
+        lines += table(r["columns"], rows)
+    entries = [f"- {key}: {cell(value)}" for key, value in (r.get("summary") or {}).items()]
+    if entries and not is_sweep(r):
+        lines += [""] + (folded(f"summary ({len(entries)} entries)", entries) if len(entries) > FOLD_ROWS
+                         else entries)
+    return lines
+
+
+def render_section(r: dict, figures: Optional[Dict[str, str]] = None, level: int = 3) -> List[str]:
+    """One result's section: heading, caption, notes and ``render_body``."""
+    lines = ["#" * level + f" {r['title']}", ""] + caption(r)
     if r.get("notes"):
         lines += ["", r["notes"].rstrip(".") + "."]
+    return lines + [""] + render_body(r, figures) + [""]
+
+
+def headline_figures(r: dict) -> List[Tuple[str, object]]:
+    """(figure, value) pairs the page's summary quotes for one result, at most ``MAX_FIGURES``: a sweep's geomean
+    ratio per recipe; the summary entries of ``HEADLINE_KEYS`` (all of a floor result's); else the geomean of the first
+    of ``HEADLINE_COLUMNS`` the result has, per recipe where it has a few."""
     if is_sweep(r):
-        for caption, path in (figures or {}).items():
-            lines += ["", f"![{caption}]({path})"]
-        lines += [""] + table(*sweep_table(r["columns"], r["rows"]))
-        return lines + ["", "<details><summary>every shape</summary>", ""] + table(r["columns"], r["rows"]) + [
-            "", "</details>", ""]
-    lines += [""] + table(r["columns"], r["rows"])
-    if r.get("summary"):
-        lines += [""] + [f"- {key}: {cell(value)}" for key, value in r["summary"].items()]
-    return lines + [""]
+        figures = [(f"{st['recipe']} geomean ratio", _rounded(st["geomean"])) for st in sweep_stats(r["columns"],
+                                                                                                 r["rows"])]
+    elif r.get("summary") and (r["name"] == FLOOR_RESULT or any(map(HEADLINE_KEYS.search, r["summary"]))):
+        figures = [(k, v) for k, v in r["summary"].items()
+                   if v is not None and (r["name"] == FLOOR_RESULT or HEADLINE_KEYS.search(k))]
+    else:
+        at = {c: i for i, c in enumerate(r["columns"])}
+        column = next((c for c in HEADLINE_COLUMNS if c in at), None)
+        if column is None:
+            return []
+        recipes = list(dict.fromkeys(row[at["recipe"]] for row in r["rows"])) if "recipe" in at else []
+        groups = [(f" {rec}", [row for row in r["rows"] if row[at["recipe"]] == rec]) for rec in recipes] \
+            if 0 < len(recipes) <= MAX_FIGURES else [("", r["rows"])]
+        figures = [(f"geomean {column}{label}", _rounded(_geomean(row[at[column]] for row in group)))
+                   for label, group in groups]
+    return [(k, v) for k, v in figures if v is not None][:MAX_FIGURES]
+
+
+def summary_table(results: Sequence[dict], anchors: Dict[str, str]) -> List[str]:
+    """One GPU's headline figures, a row per result (linked to its section by ``anchors``: name -> anchor)."""
+    one_gpu(results, "the summary table")
+    rows = [[f"[{r['title']}](#{anchors[r['name']]})", "; ".join(f"{k} {cell(v)}" for k, v in headline_figures(r))
+             or "see its section"] for r in results]
+    return table(("result", "headline figures"), rows)
+
+
+class Anchors:
+    """GitHub's heading anchors in page order: ``anchor`` of the text, "-1", "-2", ... on repeats."""
+
+    def __init__(self):
+        self.seen: Dict[str, int] = {}
+
+    def __call__(self, heading: str) -> str:
+        base = anchor(heading)
+        n = self.seen.get(base, 0)
+        self.seen[base] = n + 1
+        return base if n == 0 else f"{base}-{n}"
 
 
 def render_benchmarks(results: Sequence[dict], figures: Optional[Dict[str, Dict[str, str]]] = None) -> str:
-    """The page; ``figures``: {result name: {caption: image path relative to the page}}."""
+    """The page; ``figures``: {result name: {caption: image path relative to the page}}. One section per GPU, the
+    newest first, after a summary of every GPU's headline figures; ResultError above ``MAX_LINES`` lines."""
     lines = [
         "# Benchmarks",
         "",
         f"<!-- Generated by `{COMMAND}` from benchmarks/results/*.json: edit those, not this file. -->",
         "",
-        "Current results only, one section per result file; earlier results are in the history of "
-        "`benchmarks/results/`. Each section gives the command that produced it, the GPU, the date and the "
-        "versions it ran with.",
+        "Current results only, one section per GPU and one table per result file; earlier results are in the history "
+        "of `benchmarks/results/`. Each table gives the command that produced it, the GPU with its power limit and "
+        "SM clock, the date and the versions it ran with. Results of different GPUs are never combined in one table "
+        "or ratio; \"% of\" and floor columns are against the floors `python -m benchmarks.measure_floor` measured on "
+        "that GPU (files from before it say which figures they used in their notes and headers).",
         "",
     ]
     if not results:
@@ -188,10 +308,26 @@ def render_benchmarks(results: Sequence[dict], figures: Optional[Dict[str, Dict[
             "",
         ]
         return "\n".join(lines)
-    lines += ["Contents: " + ", ".join(f"[{r['title']}](#{anchor(r['title'])})" for r in results) + ".", ""]
-    for r in results:
-        lines += render_section(r, (figures or {}).get(r["name"]))
-    return "\n".join(lines)
+    groups = by_gpu(results)
+    anchors, sections = Anchors(), []
+    for heading in ["Benchmarks", "Summary"] + [gpu for gpu, _ in groups]:
+        anchors(heading)
+    linked: Dict[str, str] = {}
+    for gpu, group in groups:
+        sections += [f"## Results on {gpu}", ""]
+        anchors(f"Results on {gpu}")
+        for r in group:
+            linked[r["name"]] = anchors(r["title"])
+            sections += render_section(r, (figures or {}).get(r["name"]))
+    lines += ["## Summary", ""]
+    for gpu, group in groups:
+        lines += [f"### {gpu}", ""] + summary_table(group, linked) + [""]
+    page = "\n".join(lines + sections)
+    count = page.count("\n") + 1
+    if count > MAX_LINES:
+        raise ResultError(f"BENCHMARKS.md would have {count} lines, over its cap of {MAX_LINES}: fold more of its "
+                          f"tables (render.FOLD_ROWS, SHOW_ROWS) or quote fewer results")
+    return page
 
 
 def anchor(title: str) -> str:
@@ -212,12 +348,14 @@ def headline(r: dict, h: Headline) -> List[str]:
 
 
 def render_perf_block(results: Sequence[dict], plot: Optional[str]) -> str:
-    """The README's text between the markers (markers excluded). ``plot``: the image's path relative to the
+    """The README's text between the markers (markers excluded): the ``HEADLINES`` of ``results`` (one GPU's: the
+    newest, as ``render`` passes them; ResultError if they name two). ``plot``: the image's path relative to the
     README, or None."""
     by_name = {r["name"]: r for r in results}
     quoted = [(by_name[h.name], h) for h in HEADLINES if h.name in by_name]
     if not quoted:
         return f"No benchmark results are recorded yet: run the benchmarks on a GPU, then `{COMMAND}`."
+    one_gpu([r for r, _ in quoted], "the README's performance block")
     lines = []
     for r, h in quoted:
         lines += headline(r, h)
@@ -459,9 +597,10 @@ def relative_to(path: Path, start: Path) -> str:
 def render(results_dir: Path = RESULTS_DIR, benchmarks_md: Path = BENCHMARKS_MD, readme: Path = README_MD,
            plot: Path = PERF_PNG, check: bool = False) -> List[Path]:
     """Rewrite the outputs from the result files; return the text files that changed (with ``check``: that
-    would change, writing nothing and drawing no plot)."""
+    would change, writing nothing and drawing no plot). The README quotes the GPU with the newest results."""
     results = load_results(results_dir)
-    drawn = plotted_result(results)
+    newest = by_gpu(results)[0][1] if results else []
+    drawn = plotted_result(newest)
     if drawn is not None and not check:
         draw_plot(drawn, plot)
     plot_ref = relative_to(plot, readme.parent) if drawn is not None and plot.exists() else None
@@ -470,12 +609,12 @@ def render(results_dir: Path = RESULTS_DIR, benchmarks_md: Path = BENCHMARKS_MD,
     if sweep is not None and not check:
         draw_sweep(sweep, plot.parent)
     figures = {} if sweep is None else {SWEEP: {
-        caption: relative_to(plot.parent / filename, benchmarks_md.parent)
-        for caption, filename, column, _ in SWEEP_FIGURES
+        text: relative_to(plot.parent / filename, benchmarks_md.parent)
+        for text, filename, column, _ in SWEEP_FIGURES
         if column in sweep["columns"] and (plot.parent / filename).exists()}}
     outputs = {
         benchmarks_md: render_benchmarks(results, figures),
-        readme: replace_block(readme.read_text(), render_perf_block(results, plot_ref), str(readme)),
+        readme: replace_block(readme.read_text(), render_perf_block(newest, plot_ref), str(readme)),
     }
     changed = [p for p, text in outputs.items() if not p.exists() or p.read_text() != text]
     if not check:
