@@ -1,39 +1,105 @@
 #!/usr/bin/env bash
 # Everything that runs on a Hopper GPU, from a checkout with the package installed (pip install -e .):
-#   bash benchmarks/run_all.sh tests    the GPU test tier (pytest -m gpu)
-#   bash benchmarks/run_all.sh bench    every benchmark that writes a result file into benchmarks/results/
-#   bash benchmarks/run_all.sh          both
+#   bash benchmarks/run_all.sh tests          the GPU test tier (pytest -m gpu)
+#   bash benchmarks/run_all.sh bench          every benchmark that writes a result file into benchmarks/results/:
+#                                             floor first (the others read it), then the pieces below in turn
+#   bash benchmarks/run_all.sh PIECE...       some of the pieces, each well under 10 minutes with a warm kernel cache:
+#     floor          measure_floor: this GPU's floors (benchmarks/results/floor.json)                  ~1 min
+#     bench-gemm     bench_gemm: FP8 per set and recipe, fast accumulation, quantize + GEMM, INT8       ~5 min
+#     bench-ops      quantization, one kernel vs two, weight-only (int4, int8), host cost               ~5 min
+#     bench-sweep    the serving-batch sweep (compiles its instances first)                             ~8 min
+#     bench-decode   decode GEMMs back to back (and over the sweep's layers), the linear stack          ~5 min
+#     bench-models   the Llama-3-8B-shaped model (needs .[models])                                      ~3 min
+#   bash benchmarks/run_all.sh                tests, then bench
+# Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
+# each piece's output also goes to $LOG_DIR/<piece>.log. The times assume compiled kernels in the disk cache: a
+# cold cache adds the compiles (cutedsl-gemm precompile fills it ahead).
 # Then `python -m benchmarks.render` rewrites BENCHMARKS.md and the README's performance table from the results.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
-nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader
+PIECES="floor bench-gemm bench-ops bench-sweep bench-decode bench-models"
 
 run_tests() {
   "$py" -m pytest -m gpu -q -p no:cacheprovider tests
 }
 
-run_bench() {
+floor() {
+  "$py" -m benchmarks.measure_floor
+}
+
+need_floor() {  # the floors of this GPU, measured unless floor.json holds them already
+  "$py" -c "from benchmarks import common; common.measured_floors()" 2>/dev/null || floor
+}
+
+bench_gemm() {
+  need_floor
   all_recipes=tensor,row,1x128_128x128,128x128_128x128,1x128_1x128
   "$py" -m benchmarks.bench_gemm --sets dsv3 --recipes "$all_recipes"
   "$py" -m benchmarks.bench_gemm --sets decode --recipes tensor,row,1x128_128x128
   "$py" -m benchmarks.bench_gemm --sets square --recipes "$all_recipes"
   "$py" -m benchmarks.bench_gemm --sets dsv3 --recipes tensor,row --fast-accum
   "$py" -m benchmarks.bench_gemm --e2e
-  "$py" -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor
-  "$py" -m benchmarks.measure_floor
-  "$py" -m benchmarks.bench_sweep --precompile-only
-  "$py" -m benchmarks.bench_sweep
-  "$py" -m benchmarks.bench_decode_chain --sweep --recipes tensor,row,1x128_128x128
-  "$py" -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
-  "$py" -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512  # needs .[models]
+  "$py" -m benchmarks.bench_gemm --sets square,dsv3 --recipes int8 --name gemm_int8
+  "$py" -m benchmarks.bench_gemm --sets llama70b_decode --recipes int8 --name gemm_int8_decode
+}
+
+bench_ops() {
+  need_floor
   "$py" -m benchmarks.bench_quantize --shape 8192x8192 --dtype bf16
+  "$py" -m benchmarks.bench_quantize_scaled_mm --ms 1,2,4,8,16,32
+  "$py" -m benchmarks.bench_weight_only --ms 1,16,128,1024,4096
+  "$py" -m benchmarks.bench_weight_only --ms 1,16,128,1024,4096 --bits 8 --group 0 --name weight_only_int8
   "$py" -m benchmarks.host_cost --calls 1000
 }
 
-case "${1:-all}" in
-  tests) run_tests ;;
-  bench) run_bench ;;
-  all) run_tests; run_bench ;;
-  *) echo "usage: bash benchmarks/run_all.sh [tests|bench|all]" >&2; exit 2 ;;
-esac
+bench_sweep() {
+  need_floor
+  "$py" -m benchmarks.bench_sweep --precompile-only
+  "$py" -m benchmarks.bench_sweep
+}
+
+bench_decode() {
+  need_floor
+  "$py" -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor
+  "$py" -m benchmarks.bench_decode_chain --sweep --recipes tensor,row,1x128_128x128
+  "$py" -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
+}
+
+bench_models() {
+  need_floor
+  "$py" -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512  # needs .[models]
+}
+
+piece() {  # one piece: bench-gemm runs the function bench_gemm, after a line naming the GPU and its clocks
+  echo "== $1: $(nvidia-smi --query-gpu=name,power.limit,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader)"
+  "${1//-/_}"
+}
+
+run_piece() {  # a piece, its output also in $LOG_DIR/<piece>.log when LOG_DIR is set
+  if [ -n "${LOG_DIR:-}" ]; then
+    mkdir -p "$LOG_DIR"
+    piece "$1" 2>&1 | tee "$LOG_DIR/$1.log"
+  else
+    piece "$1"
+  fi
+}
+
+usage() {
+  echo "usage: bash benchmarks/run_all.sh [tests|bench|all|PIECE...]; pieces: $PIECES" >&2
+  exit 2
+}
+
+[ $# -gt 0 ] || set -- all
+for what in "$@"; do
+  case " $PIECES " in *" $what "*) continue ;; esac
+  case "$what" in tests|bench|all) ;; *) usage ;; esac
+done
+for what in "$@"; do
+  case "$what" in
+    tests) run_tests ;;
+    bench) for piece in $PIECES; do run_piece "$piece"; done ;;
+    all) run_tests; for piece in $PIECES; do run_piece "$piece"; done ;;
+    *) run_piece "$what" ;;
+  esac
+done

@@ -339,3 +339,45 @@ def test_without_a_gpu_a_benchmark_stops_with_one_line(tool, argv, capsys):
         module.main(argv)
     message = str(done.value.code)
     assert "GPU" in message and "\n" not in message, message
+
+
+def _run_all(tmp_path, *argv, env=None):
+    """benchmarks/run_all.sh with python and nvidia-smi replaced by scripts that print their arguments (and no
+    floors recorded): (exit status, the benchmark commands it ran, its output)."""
+    fake = tmp_path / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / "py").write_text('#!/bin/sh\necho "py $*"\n[ "$1" != "-c" ]\n')
+    (fake / "nvidia-smi").write_text("#!/bin/sh\necho 'NVIDIA H200, 700.00 W, 1980 MHz, 1980 MHz, 30'\n")
+    for f in fake.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{fake}:/usr/bin:/bin", "PYTHON": "py", **(env or {})}
+    done = subprocess.run(["bash", str(BENCHMARKS / "run_all.sh"), *argv], capture_output=True, text=True, env=env)
+    commands = [line[len("py -m "):] for line in done.stdout.splitlines() if line.startswith("py -m benchmarks.")]
+    return done.returncode, commands, done.stdout + done.stderr
+
+
+def test_run_all_measures_the_floor_first_and_runs_every_result_writer(tmp_path):
+    rc, commands, out = _run_all(tmp_path, "bench")
+    assert rc == 0, out
+    assert commands[0] == "benchmarks.measure_floor"
+    modules = {c.split()[0].removeprefix("benchmarks.") for c in commands}
+    recorded = {json.loads(p.read_text())["command"].split()[2].removeprefix("benchmarks.")
+                for p in common.RESULTS_DIR.glob("*.json")}
+    assert recorded <= modules, recorded - modules
+    for name in ("gemm_int8", "gemm_int8_decode"):  # as their result files were produced
+        command = json.loads((common.RESULTS_DIR / f"{name}.json").read_text())["command"]
+        assert command.removeprefix("python -m ") in commands
+    assert "benchmarks.bench_quantize_scaled_mm --ms 1,2,4,8,16,32" in commands
+
+
+def test_run_all_runs_pieces_and_logs_each(tmp_path):
+    rc, commands, out = _run_all(tmp_path, "bench-sweep", env={"LOG_DIR": str(tmp_path / "logs")})
+    assert rc == 0, out
+    # no floors recorded: the piece measures them first
+    assert commands == ["benchmarks.measure_floor", "benchmarks.bench_sweep --precompile-only",
+                        "benchmarks.bench_sweep"]
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["bench-sweep.log"]
+    assert (tmp_path / "logs" / "bench-sweep.log").read_text().startswith("== bench-sweep: NVIDIA H200, 700.00 W")
+    rc, commands, out = _run_all(tmp_path, "nosuch")
+    assert rc == 2 and commands == []
+    assert "pieces: floor bench-gemm bench-ops bench-sweep bench-decode bench-models" in out
