@@ -35,7 +35,7 @@ from cutedsl_gemm.numerics.formats import (
 )
 from cutedsl_gemm.runtime.device import device_info
 from cutedsl_gemm.selection.dispatch import MAX_SPLITS
-from cutedsl_gemm.selection.instances import F8F6F4, INSTANCES, SM90, SM100
+from cutedsl_gemm.selection.instances import F8F6F4, SM90, SM100, TABLE, table
 
 G = ScaleGranularity
 FP8_DTYPES = tuple(f.torch_dtype for f in FP8_FORMATS)
@@ -50,12 +50,13 @@ TMA_ALIGN = 16  # bytes: TMA needs 16-byte aligned base addresses and row stride
 #: TMA unpacking of packed FP4 / FP6 (.b4x16_p64 / .b6x16_p32) reads 128-element rows from 32-byte aligned bases.
 SUBBYTE_BASE_ALIGN = 32
 SUBBYTE_K_MULTIPLE = 128
-#: The scaled GEMMs of the instance table (op "gemm": what scaled_mm runs; the weight-only rows are mm_weight_only's).
-GEMMS = tuple(i for i in INSTANCES if i.op == "gemm")
+#: The rows of the scaled GEMMs (op "gemm": what scaled_mm runs; the weight-only rows are mm_weight_only's).
+_GEMM_ROWS = tuple(r for r in TABLE if r.op == "gemm")
 #: The archs with GEMM kernels, and per arch the schedules a call may force and the recipes it runs.
-ARCHS = tuple(dict.fromkeys(i.arch for i in GEMMS))
-SCHEDULES = {arch: tuple(dict.fromkeys(i.schedule for i in GEMMS if i.arch == arch)) for arch in ARCHS}
-ARCH_RECIPES = {arch: tuple(dict.fromkeys(i.recipe for i in GEMMS if i.arch == arch)) for arch in ARCHS}
+ARCHS = tuple(dict.fromkeys(r.arch for r in _GEMM_ROWS))
+SCHEDULES = {arch: tuple(dict.fromkeys(r.schedule for r in _GEMM_ROWS if r.arch == arch)) for arch in ARCHS}
+ARCH_RECIPES = {arch: tuple(dict.fromkeys(rec for r in _GEMM_ROWS if r.arch == arch for rec in r.recipes))
+                for arch in ARCHS}
 GPU_NAMES = {SM90: "Hopper (sm_90a)", SM100: "Blackwell (sm_100a)"}
 SWIZZLED, NOT_SWIZZLED = "SWIZZLE_32_4_4", "NO_SWIZZLE"
 
@@ -70,8 +71,8 @@ def runs(arch: str) -> str:
     by_formats: dict = {}
     for r in ARCH_RECIPES[arch]:
         names = {}
-        for i in GEMMS:
-            if i.arch == arch and i.recipe == r:
+        for i in table():
+            if i.op == "gemm" and i.arch == arch and i.recipe == r:
                 for d in (i.a_dtype, i.b_dtype):
                     formats = F8F6F4_FORMATS if d == F8F6F4 else (element_format(d),)
                     names.update(dict.fromkeys(f.name for f in formats))

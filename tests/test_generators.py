@@ -48,10 +48,29 @@ def test_validate_rejects_a_paired_tile_too_wide_for_its_registers():
     M.validate(replace(paired, tile_n=192))
 
 
-def test_expand_refuses_a_bad_table_row():
+def test_validate_table_refuses_a_bad_table_row():
     row = M.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
     with pytest.raises(M.InstanceTableError, match="does not fit"):
-        M.expand([row])
+        M.validate_table(M.expand([row]))
+
+
+def test_every_instance_of_the_table_is_valid():
+    """The kernels' own rules on every row (import no longer checks them: this does, and compiling does)."""
+    assert M.validate_table() == len(M.table()) > 4000
+
+
+def test_import_loads_neither_the_dsl_nor_a_kernel_module():
+    """``import cutedsl_gemm`` reads the kernels' plain-data facts (no DSL) and nothing else of kernels/."""
+    code = ("import sys, cutedsl_gemm\n"
+            "from cutedsl_gemm.selection import instances\n"
+            "facts = {'cutedsl_gemm.kernels', 'cutedsl_gemm.kernels.sm90', 'cutedsl_gemm.kernels.common',\n"
+            "         'cutedsl_gemm.kernels.sm90.scale_recipes', 'cutedsl_gemm.kernels.common.waves'}\n"
+            "bad = sorted(m for m in sys.modules if m == 'cutlass' or m.startswith('cutlass.')\n"
+            "             or m.startswith('cutedsl_gemm.kernels') and m not in facts)\n"
+            "assert not bad, bad\n"
+            "assert instances.table.cache_info().currsize == 0, 'the table was expanded at import'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_pick_selects_filters_and_explains_empty_selections():

@@ -30,7 +30,7 @@ from cutedsl_gemm.ops import quantize as Q
 from cutedsl_gemm.ops import scaled_mm as S
 from cutedsl_gemm.ops import weight_only as W
 from cutedsl_gemm.ops.library import EAGER, OPS
-from cutedsl_gemm.selection.instances import INSTANCES, WEIGHT_ONLY, weight_only_recipe
+from cutedsl_gemm.selection.instances import WEIGHT_ONLY, table, weight_only_recipe
 
 
 def _weight_scales(s, operand):
@@ -140,10 +140,10 @@ class LinearRecipe:
         """The GPU archs that run it (the instance table's)."""
         if self.weight_only:
             want = weight_only_recipe(self.group, self.zeros)
-            rows = [i.arch for i in INSTANCES if i.op == WEIGHT_ONLY and i.b_dtype == self.element
+            rows = [i.arch for i in table() if i.op == WEIGHT_ONLY and i.b_dtype == self.element
                     and i.recipe == want]
         elif self.element == "int8":
-            rows = [i.arch for i in INSTANCES if i.a_dtype == "int8" and i.recipe == self.scaling.name]
+            rows = [i.arch for i in table() if i.a_dtype == "int8" and i.recipe == self.scaling.name]
         else:
             rows = [a for a in P.ARCHS if self.scaling.name in P.ARCH_RECIPES[a]]
         return tuple(a for a in P.ARCHS if a in rows)

@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from cutedsl_gemm.kernels.common.last_wave_split import unsplit_cluster_tiles
+from cutedsl_gemm.kernels.common.waves import unsplit_cluster_tiles
 from cutedsl_gemm.numerics.formats import element_format, float_format
 from cutedsl_gemm.runtime.device import device_info, max_active_clusters
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE

@@ -5,15 +5,15 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
-from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES, is_block_scaled
+from cutedsl_gemm.kernels.sm90.scale_recipes import BLOCK_RECIPES, is_block_scaled
 from cutedsl_gemm.runtime.launch import launch_clusters
 from cutedsl_gemm.selection.instances import (
     GEMM_FP8_OUT,
-    INSTANCES,
     QUANT_GEMM,
     WEIGHT_ONLY,
     KernelInstance,
     operand_dtypes,
+    table,
 )
 
 
@@ -25,7 +25,7 @@ class NoKernelError(ValueError):
 def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum, schedule):
     rows = [
         i
-        for i in INSTANCES
+        for i in table()
         if (i.arch, i.op, i.recipe, i.a_dtype, i.b_dtype, i.out_dtype, i.bias_dtype, i.accum)
         == (arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum)
         and (schedule is None or i.schedule == schedule)
@@ -36,7 +36,7 @@ def _candidates(arch, op, recipe, a_dtype, b_dtype, out_dtype, bias_dtype, accum
 
 @functools.lru_cache(maxsize=None)
 def _weight_only_rows(arch, recipe, act_dtype, weight_dtype):
-    return tuple(i for i in INSTANCES if (i.arch, i.op, i.recipe, i.a_dtype, i.b_dtype) ==
+    return tuple(i for i in table() if (i.arch, i.op, i.recipe, i.a_dtype, i.b_dtype) ==
                  (arch, WEIGHT_ONLY, recipe, act_dtype, weight_dtype))
 
 
@@ -306,7 +306,7 @@ def plan_splits(inst: KernelInstance, m: int, n: int, k: int, slots: int):
 def last_wave_variant(inst: KernelInstance):
     """The table's last-wave split sibling of ``inst`` (same everything, ``split_tail``), or None."""
     want = replace(inst, split_tail=True)
-    return next((i for i in INSTANCES if i == want), None)
+    return next((i for i in table() if i == want), None)
 
 
 def splits_for(inst: KernelInstance, m: int, n: int, k: int, slots: int, want: int = 0) -> int:
@@ -358,7 +358,7 @@ def fp8_out_twin(inst: KernelInstance):
     """The table's GEMM_FP8_OUT row of ``inst``'s fields (its tile, clusters and main loop, with the epilogue that
     emits FP8 in 1x128 groups), or None."""
     want = replace(inst, op=GEMM_FP8_OUT)
-    return next((i for i in INSTANCES if i == want), None)
+    return next((i for i in table() if i == want), None)
 
 
 def select_fp8_out(problem):
@@ -375,7 +375,7 @@ def select_fp8_out(problem):
 
 def select_weight_only(problem):
     """(instance, K splits) for a described weight-only call (``problem.WeightOnlyProblem``): the first weight-only
-    row (op ``WEIGHT_ONLY``) of ``INSTANCES`` for its recipe, activation and weight formats whose M range holds M, and
+    row (op ``WEIGHT_ONLY``) of the table for its recipe, activation and weight formats whose M range holds M, and
     the split the call forces or ``min(SMs // output tiles, 16, K tiles // 2)`` (at least 1): the weight stream is
     memory-bound and wants every SM pulling bytes, so K splits until the work units fill one wave."""
     rows = _weight_only_rows(problem.arch, problem.recipe, problem.act_name, problem.weight_format)

@@ -1,21 +1,25 @@
 """The kernel instance table: every kernel configuration this library builds, for every architecture, declared once.
 
 Runtime dispatch (``cutedsl_gemm.selection.dispatch``), the JIT cache, the precompiler, the AOT exporter and the
-catalog all read ``INSTANCES``; there is no other list of configurations. A row is a *tile configuration* crossed
-with the type axes it supports; ``expand()`` turns the table into concrete, hashable instances. An instance is
-its kernel's configuration: ``KernelInstance.sm90_config``, ``KernelInstance.sm100_kernel`` and
-``weight_only_config`` derive what each kernel family is built from. ``op`` tells the families' rows apart: "gemm"
+catalog all read ``table()`` (also ``INSTANCES``); there is no other list of configurations. A row is a *tile
+configuration* crossed with the type axes it supports; ``expand()`` turns the table into concrete, hashable
+instances. An instance is its kernel's configuration: ``KernelInstance.sm90_config``,
+``KernelInstance.sm100_kernel`` and ``weight_only_config`` derive what each kernel family is built from. ``op``
+tells the families' rows apart: "gemm"
 (``scaled_mm``), ``QUANT_GEMM`` (``quantize_scaled_mm``: the Hopper GEMM quantizing its activations),
 ``GEMM_FP8_OUT`` (``scaled_mm_fp8_out``: the Hopper GEMM emitting FP8 in 1x128 groups) or ``WEIGHT_ONLY``
 (``mm_weight_only``); a reader of one family's rows filters by it.
 
-Validity rules (shared-memory budget, TMA alignment, MMA shape limits) are checked by ``validate`` and run
-on every row at import time, so a bad edit to the table fails loudly.
+The table is expanded on first use, not at import (``import cutedsl_gemm`` loads neither the DSL nor a kernel
+module). Validity rules (shared-memory budget, TMA alignment, MMA shape limits) live with the kernel classes and are
+checked by ``validate``: for every row by ``validate_table`` (a CPU test, ``precompile``, ``export``), and for an
+instance when it is compiled (``runtime.compile``), so a bad edit to the table fails loudly before any launch.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
@@ -509,21 +513,38 @@ def validate(inst: KernelInstance) -> None:
 
 
 def expand(table: Iterable[TileConfig] = TABLE) -> Tuple[KernelInstance, ...]:
+    """The rows crossed with their type axes: one instance each (unchecked: ``validate``)."""
     out = []
     for row in table:
         shared = _shared_fields(row, KernelInstance)
         for recipe, (a, b), o, bias in itertools.product(row.recipes, row.ab_dtypes, row.out_dtypes, row.bias_kinds):
             out.append(KernelInstance(**shared, recipe=recipe, a_dtype=a, b_dtype=b, out_dtype=o,
                                       bias_dtype=o if bias == "out" else bias))
-    for inst in out:
-        validate(inst)
     return tuple(out)
 
 
-INSTANCES: Tuple[KernelInstance, ...] = expand()
+@functools.cache
+def table() -> Tuple[KernelInstance, ...]:
+    """Every instance of ``TABLE``, expanded on first use."""
+    return expand()
+
+
+def validate_table(instances=None) -> int:
+    """``validate`` every instance (default: the whole table); the count checked. Loads the kernel modules."""
+    rows = table() if instances is None else tuple(instances)
+    for inst in rows:
+        validate(inst)
+    return len(rows)
+
+
+def __getattr__(name):
+    # ``INSTANCES``: the table, expanded when first read (``from ... import INSTANCES`` reads it).
+    if name == "INSTANCES":
+        return table()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def select(instances=None, **want) -> Tuple[KernelInstance, ...]:
     """Instances whose fields equal every keyword given (e.g. ``select(arch="sm_90a", recipe="row")``)."""
-    rows = INSTANCES if instances is None else instances
+    rows = table() if instances is None else instances
     return tuple(i for i in rows if all(getattr(i, k) == v for k, v in want.items()))

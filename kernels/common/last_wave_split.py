@@ -18,12 +18,7 @@ from cutlass import Int32
 from cutlass.cutlass_dsl import extract_mlir_values
 
 from .tile_scheduler import PersistentTileScheduler
-
-
-def unsplit_cluster_tiles(cluster_tiles, num_clusters):
-    """Cluster tiles of the full waves, run whole; the rest (fewer than ``num_clusters``, or all when
-    there is less than one wave) are split. Plain ints on the host, Int32 in the kernel."""
-    return (cluster_tiles // num_clusters) * num_clusters
+from .waves import unsplit_cluster_tiles
 
 
 class LastWaveSplitScheduler(PersistentTileScheduler):

@@ -46,19 +46,11 @@ import cutlass.cute as cute
 from cutlass import Float32
 from cutlass.base_dsl.ast_helpers import DSLOptimizationWarning
 
-# recipe name -> (A granularity, W granularity)
-BLOCK_RECIPES = {
-    "1x128_128x128": ("group", "block"),
-    "128x128_128x128": ("block", "block"),
-    "1x128_1x128": ("group", "group"),
-}
+from .scale_recipes import BLOCK_RECIPES, is_block_scaled  # noqa: F401  (the kernels import them from here)
+
 SCALE_BLOCK = 128  # K (and, for "block", M/N) extent of one scale
 ROWS_PER_VECTOR = 4  # fp32 scales per 16-byte cp.async
 PRODUCER_LANES = 32  # lanes of the scale warp that arrive on the full barrier after their cp.async
-
-
-def is_block_scaled(recipe: str) -> bool:
-    return recipe in BLOCK_RECIPES
 
 
 @contextlib.contextmanager
