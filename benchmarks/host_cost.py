@@ -207,6 +207,7 @@ def main(argv=None):
                    help="calls per timed loop of the issue-time measurement (few enough not to fill the launch queue)")
     common.add_result_options(p, "host_cost")
     args = p.parse_args(argv)
+    common.require_gpu("host_cost")
     m, n, k = SHAPE
     print(f"host cost per call, M={m} N={n} K={k}, {args.calls} back-to-back calls (CPU time / call):")
     steps = breakdown(m, n, k, args.calls)

@@ -21,7 +21,7 @@ import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.tools.anchors import make_operands
 
-from .common import dispatched
+from .common import dispatched, require_gpu
 
 SHAPES = [  # (DeepSeek recipe's dispatch on 132 SMs)
     (1, 576, 7056),        # small-M swapped tiles in K splits, partial K block
@@ -42,6 +42,7 @@ def main(argv=None):
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--max-shapes", type=int, default=len(SHAPES), help="the first N shapes only (racecheck is slow)")
     args = p.parse_args(argv)
+    require_gpu("sanitize_calls")
     recipes = args.recipes.split(",")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bad = 0

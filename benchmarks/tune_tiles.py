@@ -101,6 +101,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
+    common.require_gpu("tune_tiles")
     common.FLUSH = args.flush
     for recipe in args.recipes.split(","):
         for nk in args.nk.split(","):

@@ -329,6 +329,7 @@ def test_gpu_facts_from_nvidia_smi(monkeypatch):
     ("measure_floor", []), ("bench_quantize", []), ("bench_linear_stack", []), ("bench_weight_only", []),
     ("bench_quantize_scaled_mm", []), ("bench_decode_chain", []), ("bench_decode_options", ["--what", "splits"]),
     ("bench_gemm", ["--e2e"]), ("bench_gemm", ["--shapes", "16x256x256"]), ("bench_sweep", ["--ms", "1"]),
+    ("host_cost", []), ("tune_tiles", []), ("sanitize_calls", []),
 ])
 def test_without_a_gpu_a_benchmark_stops_with_one_line(tool, argv, capsys):
     if common.torch.cuda.is_available():
