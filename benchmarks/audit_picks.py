@@ -51,7 +51,7 @@ def dispatch_key(recipe, accum, m, n, k, sms):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("files", nargs="+", help="tune_tiles output (several runs: each tile's fastest counts)")
-    p.add_argument("--sms", type=int, default=132, help="SMs dispatch plans for (H100 SXM: 132)")
+    p.add_argument("--sms", type=int, default=132, help="SMs dispatch plans for (H100 and H200 SXM: 132)")
     args = p.parse_args(argv)
     runs, cublas_runs = parse(args.files)
     ratios = defaultdict(lambda: ([], []))

@@ -165,7 +165,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("audits", nargs="+", help="bench_sweep --audit output (.txt), or its result (.json)")
     p.add_argument("--sweep", help="a bench_sweep result (.json): list the picks the model changes and the losses")
-    p.add_argument("--sms", type=int, default=132, help="SMs dispatch plans for (H100 SXM: 132)")
+    p.add_argument("--sms", type=int, default=132, help="SMs dispatch plans for (H100 and H200 SXM: 132)")
     p.add_argument("--below", type=float, default=0.97, help="--sweep: list shapes under this x cuBLAS")
     args = p.parse_args(argv)
     shapes = {}
