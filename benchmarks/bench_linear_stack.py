@@ -2,11 +2,9 @@
 (O), 4096->28672 (gate+up), 14336->4096 (down), distinct weights, bf16 activations in and out; one forward of the
 stack runs every linear once on an (M, K) input of its K. Three ways, timed in turns in one process: bf16
 (``torch.matmul`` through ``nn.Linear``), torch FP8 (``anchors.TorchFp8Linear``: torch-side quantization +
-``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.Fp8Linear``). For the recipes whose layer quantizes its
-activations inside the GEMM at decode sizes (``quantize_scaled_mm``: DeepSeek's 1x128 activations), a variant runs
-the same weights as ``quantize_fp8`` then ``scaled_mm``: what the one-kernel path saves. For the recipes with
-one-kernel rows (DeepSeek's, per token), a variant forces that kernel at every M it takes
-(``quantize_scaled_mm(..., in_kernel=True)``; refused above its 32-token tiles).
+``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.Fp8Linear``: the quantizer, then ``scaled_mm``). For the recipes
+with one-kernel rows (DeepSeek's, per token), a variant runs the one kernel that quantizes the activations inside
+the GEMM at every M it takes (``quantize_scaled_mm(..., in_kernel=True)``; refused above its 32-token tiles).
 
     python -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1
 
@@ -38,30 +36,11 @@ REFUSALS = (RuntimeError, ValueError, NotImplementedError)  # what torch raises 
 
 #: (N, K) of one Llama-3-8B layer's linears: fused QKV, O, fused gate+up, down
 LLAMA3_8B_LINEARS = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
-VARIANTS = ("bf16", "torch FP8", "ours", "ours, 2 kernels", "ours, 1 kernel")
+VARIANTS = ("bf16", "torch FP8", "ours", "ours, 1 kernel")
 COLUMNS = ["M", "mode", "bf16 ms", "torch FP8 ms", "ours ms", "ours x bf16", "ours x torch FP8", "floor ms",
            "ours % of floor"]
-#: with the two-kernel variant
-TWO_KERNEL_COLUMNS = ["2 kernels ms", "ours x 2 kernels"]
 #: with the forced one-kernel variant
 ONE_KERNEL_COLUMNS = ["1 kernel ms", "1 kernel x ours"]
-
-
-class TwoKernelLinear(torch.nn.Module):
-    """An ``Fp8Linear`` of 1x128 activations run as ``quantize_fp8`` then ``scaled_mm``: the two kernels that
-    ``quantize_scaled_mm`` makes one at decode sizes."""
-
-    def __init__(self, layer: cnn.Fp8Linear):
-        super().__init__()
-        self.in_features, self.layer = layer.in_features, layer
-        self.scale_recipe_b = cnn.linear_recipe(layer.recipe).scaling.b.scaling_type
-
-    def forward(self, x):
-        import cutedsl_gemm
-
-        qa, sa = cutedsl_gemm.quantize_fp8(x, "1x128")
-        return cutedsl_gemm.scaled_mm(qa, self.layer.weight.t(), sa, self.layer.weight_scale, self.layer.bias, None,
-                                      x.dtype, scale_recipe_a="1x128", scale_recipe_b=self.scale_recipe_b)
 
 
 class OneKernelLinear(torch.nn.Module):
@@ -107,8 +86,6 @@ def build_stacks(layers: int, recipe: str, variants, device="cuda", seed: int = 
         stacks["torch FP8"] = [TorchFp8Linear.from_linear(lin, cnn.linear_recipe(recipe).scaling) for lin in bf16]
     if "ours" in variants:
         stacks["ours"] = [cnn.Fp8Linear.from_linear(lin, recipe=recipe) for lin in bf16]
-        if "ours, 2 kernels" in variants and cnn.linear_recipe(recipe).quantizes_in_gemm:
-            stacks["ours, 2 kernels"] = [TwoKernelLinear(layer) for layer in stacks["ours"]]
         if "ours, 1 kernel" in variants and has_one_kernel_rows(recipe):
             stacks["ours, 1 kernel"] = [OneKernelLinear(layer) for layer in stacks["ours"]]
     return {v: stacks[v] for v in VARIANTS if v in variants and v in stacks}
@@ -141,8 +118,8 @@ def main(argv=None):
     common.require_gpu("bench_linear_stack")
     floors = common.measured_floors()
     stacks = build_stacks(args.layers, args.recipe, VARIANTS)
-    two, one = "ours, 2 kernels" in stacks, "ours, 1 kernel" in stacks
-    columns = COLUMNS + (TWO_KERNEL_COLUMNS if two else []) + (ONE_KERNEL_COLUMNS if one else [])
+    one = "ours, 1 kernel" in stacks
+    columns = COLUMNS + (ONE_KERNEL_COLUMNS if one else [])
     scale_bytes = sum(t.numel() * t.element_size() for lin in stacks["ours"] for name, t in lin.named_buffers()
                       if name != "weight")
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -163,13 +140,11 @@ def main(argv=None):
             except REFUSALS as e:  # torch's blockwise path refuses some M
                 failed[f"M={m} {mode}, {name}"] = one_line(e)
         t = common.time_interleaved(runs, args.rounds, args.reps)
-        bf16, theirs, ours, split, fused = (t.get(name) for name in VARIANTS)
+        bf16, theirs, ours, fused = (t.get(name) for name in VARIANTS)
         floor = stack_floor_ms(m, args.layers, scale_bytes=scale_bytes, floors=floors)
         rows.append([m, mode, _round(bf16, 4), _round(theirs, 4), _round(ours, 4),
                      _round(ours and bf16 and bf16 / ours, 3), _round(ours and theirs and theirs / ours, 3),
                      round(floor, 4), _round(ours and 100 * floor / ours, 1)])
-        if two:
-            rows[-1] += [_round(split, 4), _round(ours and split and split / ours, 3)]
         if one:
             rows[-1] += [_round(fused, 4), _round(ours and fused and ours / fused, 3)]
         print(" ".join(f"{'-' if x is None else x!s:>{max(len(c), 10)}s}" for x, c in zip(rows[-1], columns)))

@@ -1,7 +1,6 @@
 """One kernel against two: ``quantize_scaled_mm(..., in_kernel=True)`` (bf16 activations quantized inside the GEMM at
 decode sizes) against the library's quantizer followed by ``scaled_mm`` on the same weights, against ``scaled_mm``
-alone on activations quantized beforehand (the GEMM's share of the two), against the one kernel with 32 quantizing
-lanes a token instead of 8 (``Sm90GemmConfig.quant_lanes``, a kernel variant), and against the same layer written in
+alone on activations quantized beforehand (the GEMM's share of the two), and against the same layer written in
 torch (torch-side quantization, then ``torch._scaled_mm`` / ``F.scaled_mm``, or ``torch._int_mm`` and the scale
 multiply), per activation recipe:
 
@@ -15,10 +14,10 @@ int8       int8, per channel                      int8, per token (W8A8)
 
     python -m benchmarks.bench_quantize_scaled_mm --ms 1,4,16,32 --recipes deepseek,row,int8
 
-``dispatch.quantizes_in_kernel``'s stage costs come from the deepseek rows. Each variant is captured in a CUDA graph
-(one call) and timed by replaying it with the L2 emptied before each run (``common.bench``). The floor is the weight
-stream: the weights and their scales at the measured floor (benchmarks.measure_floor). The torch column is nan
-where torch refuses the call (blockwise ``F.scaled_mm`` at some M). The table goes to
+Dispatch picks the two kernels (``in_kernel=None``); these rows say where the one kernel would pay. Each variant is
+captured in a CUDA graph (one call) and timed by replaying it with the L2 emptied before each run (``common.bench``).
+The floor is the weight stream: the weights and their scales at the measured floor (benchmarks.measure_floor). The
+torch column is nan where torch refuses the call (blockwise ``F.scaled_mm`` at some M). The table goes to
 benchmarks/results/quantize_scaled_mm.json (``--name``, ``--no-save``).
 """
 
@@ -31,10 +30,7 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm import problem as P
-from cutedsl_gemm.numerics import scale_layouts
-from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
-from cutedsl_gemm.selection.instances import kernel_variant
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.anchors import TorchFp8Linear
 
@@ -49,8 +45,8 @@ RECIPES = {
     "row": (cutedsl_gemm.quantize_fp8, "row", "row"),
     "int8": (cutedsl_gemm.quantize_int8, "row", None),
 }
-COLUMNS = ["recipe", "M", "N", "K", "tile", "one kernel us", "32 lanes us", "two kernels us", "GEMM alone us",
-           "torch us", "two / one", "one / 32 lanes", "torch / one", "floor us", "one kernel % of floor"]
+COLUMNS = ["recipe", "M", "N", "K", "tile", "one kernel us", "two kernels us", "GEMM alone us", "torch us",
+           "two / one", "torch / one", "floor us", "one kernel % of floor"]
 
 
 def weight(recipe, n, k):
@@ -72,20 +68,10 @@ def torch_layer(recipe, w):
     return TorchInt8Linear(w) if torch_recipe is None else TorchFp8Linear(w, recipe=torch_recipe)
 
 
-def variants(recipe, x, qa, sa, b, sb, layer, pick):
-    """{variant: function}: one kernel, the same with 32 quantizing lanes a token (``pick``: dispatch's (instance,
-    splits), or None where there is no one-kernel row), quantizer + scaled_mm, scaled_mm on ``qa`` alone, the torch
-    layer."""
-    lanes32 = None
-    if pick is not None:
-        inst, splits = pick
-        sb_view = scale_layouts.w_kernel_view(inst.recipe, -(-x.shape[1] // 128), sb)
-        out = torch.empty(x.shape[0], b.shape[1], dtype=x.dtype, device=x.device)
-        lanes32 = launch.bind(kernel_variant(inst, quant_lanes=32), x, b, torch.ones(1, device=x.device), sb_view,
-                              out, splits=splits)
+def variants(recipe, x, qa, sa, b, sb, layer):
+    """{variant: function}: the one kernel, quantizer + scaled_mm, scaled_mm on ``qa`` alone, the torch layer."""
     return {
         "one": lambda: cutedsl_gemm.quantize_scaled_mm(x, b, sb, in_kernel=True),
-        "32 lanes": lanes32,
         "two": lambda: cutedsl_gemm.quantize_scaled_mm(x, b, sb, in_kernel=False),
         "gemm": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb, None, None, torch.bfloat16),
         "torch": lambda: layer(x),
@@ -127,14 +113,12 @@ def main(argv=None):
                 problem = P.describe_quantize_scaled_mm(x, b, sb, None, x.dtype, None, None, None, x.device)[0]
                 fused = dispatch.has_quantizing_rows(problem)
                 inst, splits = dispatch.select(problem) if fused else (None, 0)
-                pick = (inst, splits) if fused else None
-                t = {name: time_graph(fn) for name, fn in variants(recipe, x, qa, sa, b, sb, layer, pick).items()}
+                t = {name: time_graph(fn) for name, fn in variants(recipe, x, qa, sa, b, sb, layer).items()}
                 floor = floors.stream_us(n * k * b.element_size() + sb.numel() * 4)
                 tile = f"{inst.tile_m}x{inst.tile_n}/{splits}" if fused else "two kernels"
-                rows.append([recipe, m, n, k, tile, round(t["one"], 2), round(t["32 lanes"], 2), round(t["two"], 2),
-                             round(t["gemm"], 2), round(t["torch"], 2), round(t["two"] / t["one"], 3),
-                             round(t["one"] / t["32 lanes"], 3), round(t["torch"] / t["one"], 3), round(floor, 2),
-                             round(100 * floor / t["one"], 1)])
+                rows.append([recipe, m, n, k, tile, round(t["one"], 2), round(t["two"], 2), round(t["gemm"], 2),
+                             round(t["torch"], 2), round(t["two"] / t["one"], 3), round(t["torch"] / t["one"], 3),
+                             round(floor, 2), round(100 * floor / t["one"], 1)])
                 print(" ".join(f"{v!s:>{max(len(c), 8)}s}" for v, c in zip(rows[-1], COLUMNS)), flush=True)
     notes = ("bf16 in and out, no bias; deepseek: 1x128 activations x 128x128 weights; row: per-token e4m3 x "
              "per-channel e4m3; int8: per-token x per-channel int8 (W8A8); two kernels: "
