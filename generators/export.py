@@ -13,7 +13,7 @@ the cubin, ``kernels/<key>.h`` declaring it), then renders with jinja2 (``templa
   activations, weights, output, bias, M, N, K) with its K splits as ``dispatch.select`` for unquantized activations;
 * ``cutedsl_gemm_kernels.cmake`` + ``CMakeLists.txt``: the static library ``cutedsl_gemm_kernels``;
 * ``export.json``: what was exported, from which sources, and the files written (a later export into
-  the same directory removes them first).
+  the same directory replaces them, once it is complete: ``swap_in``).
 
 The scaled GEMMs (those quantizing their activations too) and the weight-only GEMMs share one argument struct,
 whose fields follow the selected entries' signatures. Instances of an op the registry cannot describe
@@ -296,16 +296,92 @@ def _check_out_dir(out: Path) -> None:
             raise ExportError(f"--out {out}: {p} is a file, not a directory")
 
 
+# An export is built in a sibling of --out, ".<name>.partial-<pid>", and moved into place when it is complete; the
+# export it replaces waits in ".<name>.previous-<pid>" for the moment of the swap.
+PARTIAL, PREVIOUS = "partial", "previous"
+
+
+def _sibling(out: Path, kind: str, pid: int) -> Path:
+    return out.parent / f".{out.name}.{kind}-{pid}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover_abandoned(out: Path) -> None:
+    """Tidy what an export killed outright (no Python clean-up ran) left beside ``out``: its partial build is
+    removed, and an export it had moved aside but not yet replaced goes back to ``out``."""
+    for p in sorted(out.parent.glob(f".{glob_escape(out.name)}.*-*")):
+        kind, _, pid = p.name[len(out.name) + 2:].rpartition("-")
+        if kind not in (PARTIAL, PREVIOUS) or not pid.isdigit() or _alive(int(pid)):
+            continue
+        if kind == PREVIOUS and not out.exists():
+            os.rename(p, out)
+        else:
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def glob_escape(name: str) -> str:
+    return re.sub(r"([*?\[])", r"[\1]", name)
+
+
+def _only_export_files(out: Path) -> bool:
+    """Whether everything in ``out`` is an earlier export's (the files its record lists, in out/ and out/kernels/)."""
+    try:
+        listed = set(json.loads((out / EXPORT_RECORD).read_text()).get("files", []))
+    except (OSError, ValueError, AttributeError):
+        listed = set()
+    for p in out.rglob("*"):
+        rel = p.relative_to(out).as_posix()
+        if p.is_dir() and not p.is_symlink():
+            if rel != "kernels":
+                return False
+        elif rel not in listed:
+            return False
+    return True
+
+
+def swap_in(build: Path, out: Path) -> None:
+    """Put the complete export in ``build`` at ``out``: by renames when ``out`` is absent or holds nothing but an
+    earlier export; otherwise (``out`` holds other files too, which stay) the earlier export's files are removed
+    and the new ones moved in."""
+    if not out.exists():
+        os.rename(build, out)
+        return
+    if _only_export_files(out):
+        previous = _sibling(out, PREVIOUS, os.getpid())
+        os.rename(out, previous)
+        try:
+            os.rename(build, out)
+        except BaseException:
+            os.rename(previous, out)
+            raise
+        shutil.rmtree(previous, ignore_errors=True)
+        return
+    remove_previous_export(out)
+    (out / "kernels").mkdir(exist_ok=True)
+    for src in sorted(build.rglob("*")):
+        if src.is_file():
+            os.replace(src, out / src.relative_to(build))
+    shutil.rmtree(build, ignore_errors=True)
+
+
 def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = None,
            jobs: int | None = None, stream=None, everything: bool = False) -> ExportResult:
     """Export the selected instances of ``arch`` into ``out_dir``; raise ExportError if any fails.
 
     The selection is ``runner.pick_ahead_of_time``'s (without ``filters``: the default set, or the whole
     table with ``everything``), less the instances of ops the C registry has no form for (``c_export.skip_reason``,
-    named on ``stream``). Files of an earlier export into ``out_dir`` are removed first.
+    named on ``stream``). The export is built beside ``out_dir`` and replaces an earlier one there only once it is
+    complete (``swap_in``): a failed or interrupted export leaves the earlier one as it was.
     """
-    from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
-
     stream = stream if stream is not None else sys.stderr
     selection = pick_ahead_of_time(arch, filters, limit, everything)
     why = {i: skip_reason(i) for i in selection.instances}
@@ -326,24 +402,41 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
     _check_quant_gemm_accumulation(insts)
     out = Path(out_dir).resolve()
     _check_out_dir(out)
-    kdir = out / "kernels"
     first: dict[str, KernelInstance] = {}
     for inst in insts:
         first.setdefault(code_key(inst), inst)  # instances differing only in M range share one object
-    kdir.mkdir(parents=True, exist_ok=True)
-    remove_previous_export(out)
-    # Listed before compiling: an export that fails or is interrupted is still cleaned up by the next one.
-    (out / EXPORT_RECORD).write_text(json.dumps({"arch": arch, "complete": False,
-                                            "files": _relative_files(first)}, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    recover_abandoned(out)
+    build = _sibling(out, PARTIAL, os.getpid())
+    shutil.rmtree(build, ignore_errors=True)
+    (build / "kernels").mkdir(parents=True)
     print(f"export: {len(insts)} instance(s) of {arch} ({selection.scope}): {len(first)} kernel(s) to compile",
           file=stream)
-    results = run_parallel(export_one, [(i, str(kdir)) for i in first.values()], jobs, "export",
-                           describe=lambda job: job[0].name, stream=stream)
-    failed = [r for r in results if not r.ok]
-    if failed:
-        raise ExportError(f"{len(failed)} of {len(results)} instances failed to export:\n" +
-                          "\n".join(f"  {r.item[0].name}: {r.error}" for r in failed))
-    kernels = {r.value["key"]: r.value for r in results}
+    try:
+        results = run_parallel(export_one, [(i, str(build / "kernels")) for i in first.values()], jobs, "export",
+                               describe=lambda job: job[0].name, stream=stream)
+        failed = [r for r in results if not r.ok]
+        if failed:
+            raise ExportError(f"{len(failed)} of {len(results)} instances failed to export:\n" +
+                              "\n".join(f"  {r.item[0].name}: {r.error}" for r in failed))
+        kernels = {r.value["key"]: r.value for r in results}
+        arg_fields = _render(build, arch, insts, first, kernels, {i.name: why[i] for i in skipped})
+        swap_in(build, out)
+    except BaseException:  # failed or interrupted: the earlier export stays as it was
+        shutil.rmtree(build, ignore_errors=True)
+        raise
+    files = [out / name for _, name in RENDERED] + [out / EXPORT_RECORD]
+    for k in first:
+        files += [out / "kernels" / f"{k}.o", out / "kernels" / f"{k}.h"]
+    return ExportResult(out, insts, kernels, files, arg_fields, skipped)
+
+
+def _render(out: Path, arch: str, insts, first: Dict[str, KernelInstance], kernels: Dict[str, dict],
+            skipped: Dict[str, str]) -> List[dict]:
+    """Render the registry, the CMake files and the export record into ``out`` (its kernels/ holding the
+    compiled ``kernels``); returns the argument struct's fields."""
+    from cutedsl_gemm.runtime.jit import dsl_version, source_fingerprint
+
     signatures = {tuple(k["params"]) for k in kernels.values()}
     ctx = {
         "arch": arch,
@@ -368,20 +461,14 @@ def export(arch: str, out_dir, filters: Sequence[str] = (), limit: int | None = 
         "dsl_runtime": _dsl_runtime_library(),
     }
     env = template_env()
-    files = []
     for tmpl, name in RENDERED:
-        path = out / name
-        path.write_text(env.get_template(tmpl).render(**ctx))
-        files.append(path)
+        (out / name).write_text(env.get_template(tmpl).render(**ctx))
     meta = {"arch": arch, "complete": True, "dsl_version": ctx["dsl_version"],
             "source_fingerprint": ctx["fingerprint"], "files": _relative_files(first),
             "instances": [{"name": e["name"], "key": e["key"], **e["fields"]} for e in ctx["entries"]],
-            "skipped": {i.name: why[i] for i in skipped}}
+            "skipped": skipped}
     (out / EXPORT_RECORD).write_text(json.dumps(meta, indent=1, sort_keys=True) + "\n")
-    files.append(out / EXPORT_RECORD)
-    for k in first:
-        files += [kdir / f"{k}.o", kdir / f"{k}.h"]
-    return ExportResult(out, insts, kernels, files, ctx["arg_fields"], skipped)
+    return ctx["arg_fields"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -441,6 +528,17 @@ def find_cuda(cudart: Optional[str] = None) -> Tuple[str, str]:
     return include, cudart
 
 
+def c_compiler() -> str:
+    """The C compiler that links an export: $CC, else the first of cc, gcc and clang on PATH; ExportError in one
+    line when there is none."""
+    cc = os.environ.get("CC")
+    found = shutil.which(cc) if cc else next(filter(None, map(shutil.which, ("cc", "gcc", "clang"))), None)
+    if found is None:
+        where = f"$CC={cc!r} is not an executable" if cc else "none of cc, gcc, clang is on PATH"
+        raise ExportError(f"a C compiler (cc, gcc or clang, or $CC) is required to build the export: {where}")
+    return found
+
+
 def build_shared(out_dir, output=None, cudart: Optional[str] = None, extra_flags: Sequence[str] = ()) -> Path:
     """Link the exported registry and objects into one shared library, every symbol resolved.
 
@@ -448,15 +546,13 @@ def build_shared(out_dir, output=None, cudart: Optional[str] = None, extra_flags
     nor libcudart define, so a successful build proves the exported entry points are complete.
     """
     out = Path(out_dir).resolve()
+    cc = c_compiler()
     include, cudart = find_cuda(cudart)
     runtime = _dsl_runtime_library()
     so = Path(output) if output else out / f"lib{LIB_NAME}.so"
     objs = sorted(str(p) for p in (out / "kernels").glob("*.o"))
     if not objs:
         raise ExportError(f"{out}/kernels has no exported objects; run `cutedsl-gemm export` first")
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise ExportError("no C compiler: set CC")
     cmd = [cc, "-shared", "-fPIC", "-O2", "-std=gnu11", "-Wall", "-Wextra", "-Werror", *extra_flags,
            "-I", str(out), "-I", str(out / "kernels"), "-I", include,
            str(out / "cutedsl_gemm_registry.c"), *objs, "-o", str(so),

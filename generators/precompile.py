@@ -9,9 +9,14 @@ Entries already on disk are found before any worker starts: a second run compile
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Sequence, Tuple
 
 from cutedsl_gemm.generators.runner import pick_ahead_of_time, run_parallel
@@ -26,6 +31,42 @@ def cache_key(inst: KernelInstance) -> Tuple[KernelInstance, str]:
     """(key, arch) as ``cutedsl_gemm.runtime.launch.compiled`` passes them to ``KERNEL_CACHE.get`` (a test holds
     them equal)."""
     return inst, inst.arch
+
+
+def check_c_compiler() -> str:
+    """The C compiler the disk cache links its shared libraries with ($CC, else cc: as ``runtime.jit`` runs it);
+    PrecompileError in one line when there is none."""
+    cc = os.environ.get("CC") or "cc"
+    found = shutil.which(cc)
+    if found is None:
+        raise PrecompileError(f"a C compiler (cc, gcc or clang, or $CC) is required to fill the kernel cache: "
+                              f"{'$CC=' + repr(cc) if os.environ.get('CC') else 'cc'} not found")
+    return found
+
+
+def remove_stale_temp_dirs(entries_dir: Path) -> int:
+    """Remove the temporary directories that no process is writing an entry through, in one directory of the
+    disk cache (``runtime.jit`` links each entry in a ``tmp*`` directory beside it, holding the entry's lock; a
+    worker stopped mid-way leaves its directory behind). A directory is stale when no entry lock of the directory
+    is held: all of them are taken (without waiting) while the directories listed before are removed, and nothing
+    is removed when any is held. Returns how many were removed."""
+    try:
+        stale = [p for p in entries_dir.iterdir() if p.is_dir() and p.name.startswith("tmp")]
+    except OSError:
+        return 0
+    if not stale:
+        return 0
+    with contextlib.ExitStack() as held:
+        for lock in entries_dir.glob("*.lock"):
+            try:
+                f = held.enter_context(open(lock, "a"))
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:  # held by a process writing an entry now (or unreadable): leave everything
+                return 0
+            held.callback(fcntl.flock, f, fcntl.LOCK_UN)
+        for p in stale:
+            shutil.rmtree(p, ignore_errors=True)
+    return len(stale)
 
 
 def precompile_one(inst: KernelInstance) -> dict:
@@ -68,7 +109,14 @@ def precompile(arch: str, filters: Sequence[str] = (), jobs: int | None = None, 
     todo = [i for i in insts if not KERNEL_CACHE.entry_path(*cache_key(i)).exists()]
     print(f"precompile: {len(insts)} instance(s) of {arch} ({selection.scope}): {len(todo)} to compile, "
           f"{len(insts) - len(todo)} already cached", file=stream)
-    results = run_parallel(precompile_one, todo, jobs, "precompile", describe=lambda i: i.name, stream=stream)
+    if todo:
+        check_c_compiler()
+    entry_dirs = {KERNEL_CACHE.entry_path(*cache_key(i)).parent for i in todo}
+    try:
+        results = run_parallel(precompile_one, todo, jobs, "precompile", describe=lambda i: i.name, stream=stream)
+    finally:  # the workers are stopped by now (Ctrl-C terminates them): what they were linking is left over
+        for d in entry_dirs:
+            remove_stale_temp_dirs(d)
     report = PrecompileReport(
         selected=len(insts),
         already_cached=len(insts) - len(todo) + sum(1 for r in results if r.ok and not r.value["compiled"]),

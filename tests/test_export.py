@@ -569,17 +569,22 @@ def test_default_export_takes_the_quant_gemm_rows_and_skips_the_fp8_output_ones(
     from cutedsl_gemm.generators.c_export import NOT_EXPORTED
     from cutedsl_gemm.generators.runner import TaskResult
 
-    # compiling nothing: the selection, the skipped ops' lines and the record written before compiling are the test
-    monkeypatch.setattr(E, "run_parallel", lambda fn, jobs, *a, **k: [TaskResult(j, False, error="not compiled")
-                                                                      for j in jobs])
+    # compiling nothing: the selection handed to the workers and the skipped ops' lines are the test
+    compiled = []
+
+    def run_parallel(fn, jobs, *a, **k):
+        compiled.extend(code_key(inst) for inst, _ in jobs)
+        return [TaskResult(j, False, error="not compiled") for j in jobs]
+
+    monkeypatch.setattr(E, "run_parallel", run_parallel)
     stream = io.StringIO()
     with pytest.raises(E.ExportError, match="instances failed to export"):
         E.export("sm_90a", tmp_path, stream=stream)
     skips = [ln for ln in stream.getvalue().splitlines() if ln.startswith("export: skipping")]
     assert len(skips) == 1 and skips[0].endswith(NOT_EXPORTED[M.GEMM_FP8_OUT]) and " gemm_fp8_out " in skips[0]
-    listed = json.loads((tmp_path / "export.json").read_text())["files"]
     quant = [i for i in M.select(op=M.QUANT_GEMM, arch="sm_90a") if in_default_set(i)]
-    assert quant and all(f"kernels/{code_key(i)}.o" in listed for i in quant)
+    assert quant and all(code_key(i) in compiled for i in quant)
+    assert not any(M.GEMM_FP8_OUT in key for key in compiled)
 
 
 def test_quant_gemm_export_refuses_rows_its_lookup_cannot_tell_apart(monkeypatch):

@@ -468,30 +468,33 @@ def test_cli_export_into_a_file_is_a_one_line_error(tmp_path, capsys):
     assert path.read_text() == "int x;\n"
 
 
-def test_reexport_removes_the_previous_exports_files(tmp_path, monkeypatch):
+def test_a_failed_reexport_leaves_the_previous_export_as_it_was(tmp_path, monkeypatch):
     from cutedsl_gemm.generators import export as E
 
-    kernels = tmp_path / "kernels"
-    kernels.mkdir()
+    out = tmp_path / "export"
+    kernels = out / "kernels"
+    kernels.mkdir(parents=True)
     old = ["cutedsl_gemm_registry.c", "CMakeLists.txt", "kernels/old_kernel.o", "kernels/old_kernel.h"]
     for rel in old:
-        (tmp_path / rel).write_text("old")
-    (tmp_path / "notes.txt").write_text("mine")
-    (kernels / "hand_written.h").write_text("mine")
-    outside = tmp_path.parent / f"{tmp_path.name}_outside.o"
-    outside.write_text("not the exporter's")
-    (tmp_path / E.EXPORT_RECORD).write_text(json.dumps({"files": [*old, E.EXPORT_RECORD, f"../{outside.name}"]}))
-    # the new export fails to compile: the old files are gone all the same, and its own are listed
+        (out / rel).write_text("old")
+    (out / "notes.txt").write_text("mine")
+    record = json.dumps({"files": [*old, E.EXPORT_RECORD], "complete": True})
+    (out / E.EXPORT_RECORD).write_text(record)
+    before = {p: p.read_text() for p in out.rglob("*") if p.is_file()}
+    # the new export fails to compile, then another is interrupted: the old files stay, nothing is left beside them
     monkeypatch.setattr(E, "run_parallel", lambda fn, jobs, *a, **k: [TaskResult(j, False, error="boom") for j in jobs])
     with pytest.raises(E.ExportError, match="1 of 1 instances failed to export"):
-        E.export("sm_90a", tmp_path, [ROW_BF16], stream=io.StringIO())
-    assert not any((tmp_path / rel).exists() for rel in old)
-    assert (tmp_path / "notes.txt").exists() and (kernels / "hand_written.h").exists() and outside.exists()
-    record = json.loads((tmp_path / E.EXPORT_RECORD).read_text())
-    key = code_key(instance(ROW_BF16))
-    assert record["complete"] is False
-    assert {f"kernels/{key}.o", f"kernels/{key}.h", E.EXPORT_RECORD} <= set(record["files"])
-    assert E.remove_previous_export(tmp_path) == [(tmp_path / E.EXPORT_RECORD).resolve()]
+        E.export("sm_90a", out, [ROW_BF16], stream=io.StringIO())
+
+    def interrupted(fn, jobs, *a, **k):
+        assert Path(jobs[0][1]).parent.name.startswith(".export.partial-")  # built beside --out
+        raise Interrupted([], len(jobs))
+
+    monkeypatch.setattr(E, "run_parallel", interrupted)
+    with pytest.raises(Interrupted):
+        E.export("sm_90a", out, [ROW_BF16], stream=io.StringIO())
+    assert {p: p.read_text() for p in out.rglob("*") if p.is_file()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
 
 
 def test_cli_help_describes_every_command(capsys):

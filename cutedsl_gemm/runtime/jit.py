@@ -65,9 +65,26 @@ def dsl_version() -> str:
     return str(getattr(cutlass, "__version__", "unknown"))
 
 
-def target_arch() -> str:
-    """The arch kernels are compiled for: CUTE_DSL_ARCH if set, else the current GPU's."""
+#: The archs this library's kernels compile for (Hopper, Blackwell), the values CUTE_DSL_ARCH may take.
+ARCHS = ("sm_90a", "sm_100a")
+
+
+class ArchError(ValueError):
+    """CUTE_DSL_ARCH names an arch the kernels do not compile for."""
+
+
+def env_arch() -> str | None:
+    """CUTE_DSL_ARCH, checked against ``ARCHS`` (ArchError, in one line, when it is none of them); None if unset."""
     arch = os.environ.get("CUTE_DSL_ARCH")
+    if arch and arch not in ARCHS:
+        raise ArchError(f"CUTE_DSL_ARCH={arch!r} is not an arch these kernels compile for: use "
+                        f"{' or '.join(ARCHS)} (Hopper or Blackwell), or unset it to compile for this GPU")
+    return arch or None
+
+
+def target_arch() -> str:
+    """The arch kernels are compiled for: CUTE_DSL_ARCH if set (one of ``ARCHS``), else the current GPU's."""
+    arch = env_arch()
     if arch:
         return arch
     import torch

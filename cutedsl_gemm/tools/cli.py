@@ -374,6 +374,20 @@ def cmd_catalog(args) -> int:
     return 1 if rep.failed else 0
 
 
+class Parser(argparse.ArgumentParser):
+    """The top-level parser: an error (an unknown option, no command) prints the usage, the commands with what
+    each does, and one line saying what was wrong."""
+
+    def error(self, message):
+        self.print_usage(sys.stderr)
+        sub = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+        if sub is not None:
+            width = max(len(c.dest) for c in sub._choices_actions)
+            lines = [f"  {c.dest:{width}s}  {c.help}" for c in sub._choices_actions]
+            sys.stderr.write("\ncommands:\n" + "\n".join(lines) + "\n\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -385,12 +399,14 @@ def positive_int(text: str) -> int:
 
 
 def _add_selection(p, what: str, arch_default: str | None = "sm_90a"):
+    from cutedsl_gemm.generators.runner import JOBS_HELP
+
     p.add_argument("--arch", default=arch_default,
                    help=f"target arch of the instances (default {arch_default or 'every arch of the table'})")
     p.add_argument("--filter", action="append", metavar="SUBSTR",
                    help=f"{what} only instances whose name contains SUBSTR (repeatable: any of them)")
     p.add_argument("--limit", type=positive_int, metavar="N", help="at most N instances (table order)")
-    p.add_argument("--jobs", type=positive_int, metavar="N", help="parallel compile processes (default: CPU count)")
+    p.add_argument("--jobs", type=positive_int, metavar="N", help=JOBS_HELP)
 
 
 def _add_all(p, what: str):
@@ -402,8 +418,9 @@ def _add_all(p, what: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cutedsl-gemm", description="FP8/FP6/FP4/INT8 GEMM kernels in the CuTe DSL")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = Parser(prog="cutedsl-gemm", description="FP8/FP6/FP4/INT8 GEMM kernels in the CuTe DSL")
+    # (subcommands get plain parsers: their errors show their own usage)
+    sub = p.add_subparsers(dest="cmd", parser_class=argparse.ArgumentParser)
     demo_help = "GPU: run and check against cuBLAS; CPU: compile for sm_90a and inspect"
     sub.add_parser("demo", help=demo_help, description=(
         "With a Hopper GPU: run scaled_mm on a few shapes per recipe, check it against the float64 reference "
@@ -422,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(fn=cmd_bench, parser=b, rest=[])
     e = sub.add_parser("export", help="AOT: C objects + headers, registry, CMake fragment for table instances (no GPU)",
                        description="Compile table instances for a target arch (no GPU) into C objects and headers "
-                                   "with a registry and CMake files. A previous export in --out is replaced.")
+                                   "with a registry and CMake files. A previous export in --out is replaced once "
+                                   "the new one is complete; a failed or interrupted export leaves it as it was. "
+                                   "--shared needs a C compiler (cc, gcc or clang, or $CC).")
     _add_selection(e, "export")
     _add_all(e, "export")
     e.add_argument("--out", required=True, help="output directory")
@@ -448,12 +467,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    from cutedsl_gemm.runtime.jit import ArchError, env_arch
+
     p = build_parser()
     args, rest = p.parse_known_args(argv)
+    if args.cmd is None:
+        p.error(f"unrecognized arguments: {' '.join(rest)}" if rest else "no command given")
     if args.cmd == "bench":
         args.rest = rest
     elif rest:
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+        commands = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices
+        commands[args.cmd].error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        env_arch()
+    except ArchError as e:
+        print(f"cutedsl-gemm: {e}", file=sys.stderr)
+        return 2
     try:
         return args.fn(args)
     except KeyboardInterrupt as e:
