@@ -1,7 +1,7 @@
 """Whole models on the library's layers: a random-weight Llama with Llama-3-8B dimensions, a copy of a model that
 shares its tensors (to convert it and keep the original), CUDA-graph capture, and a decode step over a static KV
-cache that a CUDA graph can replay. Used by ``cutedsl-gemm demo``, ``examples/llama_fp8.py`` and
-``benchmarks/bench_model.py``.
+cache that a CUDA graph can replay, and that a second model with the same layers below its LM head can share. Used
+by ``cutedsl-gemm demo``, ``examples/llama_fp8.py`` and ``benchmarks/bench_model.py``.
 
 ``transformers`` (the ``[models]`` extra) is imported by the functions that need it, so importing this module does
 not require it. The decode step works with transformers' two static-cache conventions: older versions take the
@@ -208,6 +208,17 @@ class DecodeStep:
                 raise RuntimeError(f"two runs of the same decode step gave different logits (relative difference "
                                    f"{_rel_diff(logits, first):.3g})")
         return first
+
+    def with_model(self, model) -> DecodeStep:
+        """This step run by ``model``, over the same cache, tokens, position and mask (shared, not copied): for a
+        model whose layers below the LM head are this step's model's (the same weights, another head), so that the
+        cache this step's prefill wrote is the one ``model``'s prefill would write. Each of the two steps rewrites
+        the slot of ``position`` before reading it, so their runs (and CUDA graphs) may take turns."""
+        if type(model) is not type(self.model) or model.config.to_dict() != self.model.config.to_dict():
+            raise ValueError("with_model takes a model of the same class and config as the step's own")
+        other = copy.copy(self)
+        other.model = model
+        return other
 
     def forward(self) -> torch.Tensor:
         for counter in self._counters:
