@@ -1,240 +1,209 @@
 """A Llama-architecture model end to end: decode and prefill of the bf16 model, of the same model converted by
-``cutedsl_gemm.nn.convert`` ("ours") and of the same conversion through torch's own kernels ("torch"), all three
-built from one set of random weights (Llama-3-8B dimensions, nothing downloaded) and timed in turns.
+``cutedsl_gemm.nn.convert`` ("ours") and of the same conversion through torch's own kernels ("torch"), all built
+from one set of random weights (Llama-3-8B dimensions, nothing downloaded) and timed in turns, for several recipes
+in one process.
 
+    PYTHONUNBUFFERED=1 python -m benchmarks.bench_model --layers 32 --recipes row,deepseek,int8,int4_weight \\
+        --lm-head both --split --compile --compile-recipes row --compile-batches 1
     python -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512 --prefill 4096
 
-The "torch" variant per recipe (``TORCH_PATHS``): FP8 recipes: ``anchors.TorchFp8Linear`` (torch-side
-quantization + ``torch._scaled_mm``, ``F.scaled_mm`` for block scales); "int8": torch-side per-token int8
-quantization + ``torch._int_mm`` + the scale multiply; "int8_weight": ``torch._weight_int8pack_mm``;
-"int4_weight": ``torch._weight_int4pack_mm`` (group 128); other recipes are compared with bf16 only.
+The bf16 model is built once. Each recipe of ``--recipes`` then converts sharing copies of it (only the quantized
+tensors are new), is measured, and is freed before the next; the bf16 rows (and the no-op steps of ``--split``) are
+timed again in each recipe's rounds, as that recipe's anchor. The "torch" variant per recipe is
+``model_torch.torch_path``'s (FP8: torch-side quantization + ``torch._scaled_mm`` / ``F.scaled_mm``; "int8":
+``torch._int_mm``; "int8_weight" / "int4_weight": ``torch._weight_int8pack_mm`` / ``torch._weight_int4pack_mm``);
+other recipes are compared with bf16 only. ``--lm-head``: the LM head stays bf16 (default), is converted too
+(``converted``), or both, each recipe's head converted on a copy of the converted model (``both``).
 
 Decode: ``batch`` sequences with ``context`` tokens in a static KV cache take one token; the step is captured in a
-CUDA graph (``--compile``: torch.compile(mode="reduce-overhead")), checked (``DecodeStep.check_replay``: every
-replay writes the same cache slot and gives the same logits) and replayed. Prefill: one sequence of ``--prefill``
-tokens, eager, no cache. Each row: time per step, tokens/s, ratios to bf16 and to torch, the relative Frobenius
-error of the last position's logits against the bf16 model (same inputs), and for decode the fraction of two floors
-at 3.0 TB/s: the weights (every parameter and buffer of the model read once, i.e. the linear weights and their
-scales, the norms and the LM head, plus the embedding rows of the step's tokens) and the weights plus the KV cache
-the attention reads (context + 1 positions). The LM head stays bf16 unless ``--lm-head``.
+CUDA graph (mode "graph"), checked (``DecodeStep.check_replay``: every replay writes the same cache slot and gives
+the same logits) and replayed; a converted-head variant decodes over the cache its bf16-head twin prefilled. Prefill:
+one sequence of ``--prefill`` tokens, eager, no cache. ``--compile`` adds, for ``--compile-recipes`` (run last) at
+``--compile-batches``, the decode step through ``torch.compile`` of the whole model (mode "compiled";
+``--compile-mode``: inductor's default mode, or max-autotune-no-cudagraphs, captured in a CUDA graph as above;
+reduce-overhead: torch's own graphs) for ``--compile-variants`` (default bf16 and ours, with the first LM head of
+``--lm-head``), compile times in the notes. Each row: time per step, tokens/s, ratios to bf16 and to torch of the
+same mode and LM head, the relative Frobenius error of the last position's logits against the bf16 model (same
+inputs), and for decode the fraction of the weight floor: every parameter and buffer of the model read once (linear
+weights and scales, norms, LM head) plus the embedding rows of the step's tokens, at the HBM rate
+``benchmarks.measure_floor`` measured on this GPU (``common.measured_floors``).
 
-A variant that raises is reported in the notes and the others go on. On a GPU the same steps first run on a tiny
-config in a child process (``--no-check`` skips it): a variant whose check kills that process (a device-side
-assert leaves the CUDA context unusable) is left out of the main run. The table goes to
-benchmarks/results/model_llama8b.json (``--name``, ``--no-save``). ``--tiny`` (a small config) and ``--device cpu``
-(bf16 and torch, eager, wall clock) check the steps without a result file unless ``--name`` is given.
+``--split`` (decode): where the step's time goes (``model_split``): the same step with every converted linear
+answered by a no-op ("no-op linears" rows: the rest, i.e. attention, norms, elementwise), and on each row the
+linears' time (step - no-op step), their weight floor, its fraction, the rest, and the bound the rest sets on
+"x bf16"; bf16 is split with the same layers answered by no-ops.
+
+The run prints its cell count and a rough length first, a line per finished cell with the seconds since the start,
+and writes its result file after every phase (a decode batch, the prefill), ``benchmarks/results/
+model_llama8b_<layers>l.json`` (``--name``, ``--no-save``), so that a run stopped early keeps what it measured. A
+variant that raises is reported in the notes and the others go on. On a GPU the same steps first run on a tiny
+config in a child process (``--no-check`` skips it): a variant whose check kills that process (a device-side assert
+leaves the CUDA context unusable) is left out of that recipe. ``--tiny`` (a small config, 2 layers unless
+``--layers``) and ``--device cpu`` (bf16 and torch, eager, wall clock, no floors) check the steps without a result
+file unless ``--name`` is given.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import gc
 import subprocess
 import sys
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from cutedsl_gemm import nn as cnn
-from cutedsl_gemm.numerics import int_packing as IP
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.tools import models as M
-from cutedsl_gemm.tools.anchors import TorchFp8Linear, int_mm_call
 from cutedsl_gemm.tools.cli import positive_int
 
 from . import common
-from .common import HBM_TBPS
+from . import model_split as S
+from .model_torch import TorchInt8Linear as TorchInt8Linear  # noqa: F401  (other benchmarks import it from here)
+from .model_torch import torch_path
 
 VARIANTS = ("bf16", "torch", "ours")
+NOOP = "no-op linears"
+HEADS = ("bf16", "converted")
+COMPILE_VARIANTS = (*VARIANTS, "noop")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs", "reduce-overhead")
 #: every recipe of the layer; the GPU it needs is the layer's to check (a variant that raises is reported)
 RECIPES = tuple(cnn.LINEAR_RECIPES)
-COLUMNS = ["phase", "batch", "variant", "ms", "tokens/s", "x bf16", "x torch", "logit rel err",
-           "% of weight floor", "% of floor with KV"]
-DEFAULT_NAME = "model_llama8b"
+DEFAULT_RECIPES = ("row", "deepseek", "int8", "int4_weight")
+COLUMNS = ["phase", "batch", "recipe", "lm head", "mode", "variant", "ms", "tokens/s", "x bf16", "x torch",
+           "logit rel err", "% of weight floor", *S.SPLIT_COLUMNS]
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---- what a decode step reads -----------------------------------------------------------------------------------
-def streamed_bytes(model: torch.nn.Module, tokens: int) -> int:
-    """Bytes one forward step reads from the model's state: every parameter and buffer once (linear weights and
-    their scales, norms, LM head, rotary table), except the input embedding table, of which only the rows of the
-    step's ``tokens`` tokens are read (all of it when the LM head shares it)."""
-    emb = model.get_input_embeddings().weight
-    head = model.get_output_embeddings()
-    tied = head is not None and getattr(head, "weight", None) is emb
-    total = 0
-    for t in itertools.chain(model.parameters(), model.buffers()):
-        if t is emb and not tied:
-            total += min(tokens, emb.shape[0]) * emb.shape[1] * emb.element_size()
-        else:
-            total += t.numel() * t.element_size()
-    return total
+def default_name(layers: int) -> str:
+    return f"model_llama8b_{layers}l"
 
 
-def kv_cache_bytes(config, batch: int, positions: int, element_size: int = 2) -> int:
-    """Bytes of keys and values of every layer for ``batch`` sequences of ``positions`` positions."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * positions * head_dim * element_size
+# ---- the variants of one recipe -------------------------------------------------------------------------------
+@dataclass(eq=False)
+class Variant:
+    """One model the run times: ``name`` (bf16, torch, ours or NOOP), its LM head ("bf16" / "converted"), the
+    linears it converts (NOOP: answers with no-ops; bf16: the decoder's), and its prepared decode steps
+    {(mode, batch): Prepared}, kept across recipes for the models that do not depend on the recipe (``keep``)."""
+
+    name: str
+    head: str
+    model: torch.nn.Module
+    names: list
+    keep: bool = False
+    steps: dict = field(default_factory=dict)
+
+    @property
+    def key(self) -> tuple:
+        return self.name, self.head
+
+    @property
+    def label(self) -> str:
+        return self.name if self.name == "bf16" else f"{self.name} (LM head {self.head})"
 
 
-def floor_ms(nbytes: int) -> float:
-    return nbytes / (HBM_TBPS * 1e12) * 1e3
+def lm_heads(args) -> list:
+    return list(HEADS) if args.lm_head == "both" else [args.lm_head]
 
 
-# ---- torch's integer linear layers ------------------------------------------------------------------------------
-def torch_quantize_int8(x: torch.Tensor):
-    """Per-row symmetric int8 quantization as written in plain torch: ``scale = max(amax, 1e-12) / 127``,
-    ``q = round(x / scale)`` clamped to [-127, 127]. x (rows, K) -> (q int8, scales (rows, 1) fp32)."""
-    scales = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / 127
-    return (x.float() / scales).round_().clamp_(-127, 127).to(torch.int8), scales
+def decoder_linears(model) -> list:
+    return [name for name, mod in model.named_modules() if isinstance(mod, torch.nn.Linear) and name != "lm_head"]
 
 
-class _TorchLinear(torch.nn.Module):
-    """The shape checks and reshapes of the torch-path layers: bf16 (..., K) -> (..., N) bf16."""
+class Run:
+    """One invocation: its arguments, the bf16 model, the rows so far, what failed, notes, compile times."""
 
-    def __init__(self, weight, bias):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+    def __init__(self, args, config, hbm_tbps=None):
+        self.args, self.config, self.hbm_tbps = args, config, hbm_tbps
+        self.rows, self.failed, self.notes, self.compile_s = [], {}, [], {}
+        self.started = time.perf_counter()
+        self.base = self.bf16 = None
+        self._noops = {}
 
-    def forward(self, x):
-        if x.dtype != torch.bfloat16 or x.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__} expects bf16 input (..., {self.in_features}), got {x.dtype} "
-                             f"{tuple(x.shape)}")
-        y = self.matmul(x.reshape(-1, self.in_features))
-        return y.reshape(*x.shape[:-1], self.out_features)
+    def say(self, text: str) -> None:
+        print(f"[{time.perf_counter() - self.started:7.1f} s] {text}", flush=True)
 
-    @classmethod
-    def from_linear(cls, linear):
-        return cls(linear.weight, linear.bias)
+    def build_base(self):
+        self.base = M.random_llama(self.config, self.args.device, torch.bfloat16, seed=self.args.seed)
+        self.bf16 = Variant("bf16", "bf16", self.base, decoder_linears(self.base), keep=True)
 
-    def extra_repr(self):
-        return f"in_features={self.in_features}, out_features={self.out_features}"
-
-
-class TorchInt8Linear(_TorchLinear):
-    """W8A8 as a torch user writes it: the weight quantized per output channel once, the activations per token on
-    every call (:func:`torch_quantize_int8`), ``torch._int_mm`` and the scale multiply in torch
-    (``anchors.int_mm_call``). ``torch._int_mm`` refuses M <= 16: smaller inputs are padded to 32 rows."""
-
-    MIN_ROWS = 32
-
-    def __init__(self, weight, bias=None):
-        super().__init__(weight, bias)
-        qw, sw = torch_quantize_int8(weight.detach())
-        self.register_buffer("weight", qw)
-        self.register_buffer("weight_scale", sw.reshape(1, -1))
-
-    def matmul(self, x2):
-        qx, sx = torch_quantize_int8(x2)
-        m = qx.shape[0]
-        if m < self.MIN_ROWS:
-            qx = torch.nn.functional.pad(qx, (0, 0, 0, self.MIN_ROWS - m))
-            sx = torch.nn.functional.pad(sx, (0, 0, 0, self.MIN_ROWS - m), value=1.0)
-        return int_mm_call(qx, self.weight.t(), sx, self.weight_scale, self.bias)()[:m]
+    def noop(self, names: list, head: str) -> Variant:
+        """The no-op model of ``names`` (one per set of names: it does not depend on the recipe)."""
+        key = tuple(names)
+        if key not in self._noops:
+            self._noops[key] = Variant(NOOP, head, S.noop_model(self.base, names), list(names), keep=True)
+        return self._noops[key]
 
 
-class TorchInt8WeightLinear(_TorchLinear):
-    """Weight-only int8 through ``torch._weight_int8pack_mm``: the weight quantized per output channel once
-    (``int_packing.quantize_weights``), bf16 activations, bf16 scales as the op takes them."""
-
-    def __init__(self, weight, bias=None):
-        super().__init__(weight, bias)
-        q, s, _ = IP.quantize_weights(weight.detach(), bits=8, group=IP.PER_CHANNEL)
-        self.register_buffer("weight", q)
-        self.register_buffer("weight_scale", s.reshape(-1).to(torch.bfloat16))
-
-    def matmul(self, x2):
-        y = torch._weight_int8pack_mm(x2, self.weight, self.weight_scale)
-        return y if self.bias is None else y + self.bias
+def _convert_head(model, recipe: str, make=None) -> str | None:
+    """Convert ``model``'s LM head (``make``: the torch path's layer, else ``cnn.convert``); why not, or None."""
+    if make is not None:
+        M.replace_modules(model, ["lm_head"], make)
+        return None
+    report = cnn.convert(model, recipe=recipe, filter=lambda name, module: name == "lm_head")
+    return None if "lm_head" in report.converted else report.skipped.get("lm_head", "not converted")
 
 
-class TorchInt4WeightLinear(_TorchLinear):
-    """Weight-only int4 through ``torch._weight_int4pack_mm`` (``_for_cpu`` on the CPU), group 128: the weight
-    quantized symmetrically once (``int_packing.quantize_weights``: codes c in [-8, 7], one fp32 scale per group),
-    stored as torch's unsigned codes c + 8 with (K / group, N, 2) bf16 (scale, zero = 0), since torch dequantizes
-    ``(u - 8) * scale + zero``. On CUDA torch packs two codes a byte, the even K index in the high nibble."""
-
-    GROUP = 128
-    INNER_K_TILES = 8
-
-    def __init__(self, weight, bias=None):
-        super().__init__(weight, bias)
-        codes, scales, _ = IP.quantize_weights(weight.detach(), bits=4, group=self.GROUP)
-        u = codes.to(torch.int32) + 8
-        if weight.is_cuda:
-            packed = torch._convert_weight_to_int4pack((u[:, ::2] << 4 | u[:, 1::2]).to(torch.uint8),
-                                                       self.INNER_K_TILES)
-        else:
-            packed = torch._convert_weight_to_int4pack_for_cpu(u, self.INNER_K_TILES)
-        self.register_buffer("weight", packed)
-        sz = torch.stack([scales, torch.zeros_like(scales)], dim=-1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_and_zeros", sz.to(torch.bfloat16))
-
-    def matmul(self, x2):
-        mm = torch._weight_int4pack_mm if x2.is_cuda else torch._weight_int4pack_mm_for_cpu
-        y = mm(x2, self.weight, self.GROUP, self.scales_and_zeros)
-        return y if self.bias is None else y + self.bias
-
-
-#: the torch-only layer of each recipe name: (recipe -> (make(linear) or None, what it runs))
-TORCH_PATHS = {
-    "int8": (TorchInt8Linear.from_linear, "torch-side per-token int8 quantization + torch._int_mm + scale multiply"),
-    "int8_weight": (TorchInt8WeightLinear.from_linear, "torch._weight_int8pack_mm (per-channel int8 weights)"),
-    "int4_weight": (TorchInt4WeightLinear.from_linear, "torch._weight_int4pack_mm (int4 weights, group 128)"),
-}
-
-
-def torch_path(recipe: str):
-    """(make(linear) -> torch-only layer, or None; what it runs) for a recipe of ``cnn.LINEAR_RECIPES``."""
-    if recipe in TORCH_PATHS:
-        return TORCH_PATHS[recipe]
-    r = cnn.linear_recipe(recipe)
-    scaling = r.scaling
-    if r.element == "e4m3" and getattr(scaling, "name", None) in TorchFp8Linear.RECIPES:
-        call = "torch._scaled_mm" if scaling.name in ("tensor", "row") else "F.scaled_mm"
-        return (lambda linear: TorchFp8Linear.from_linear(linear, scaling),
-                f"torch-side FP8 quantization + {call} ({scaling.name})")
-    return None, f"no torch path for {recipe!r}: ours is compared with bf16 only"
-
-
-# ---- the three variants ---------------------------------------------------------------------------------------
-def linear_filter(lm_head: bool):
-    """The layers to convert: every linear, the LM head only if asked (quantized deployments keep it in bf16)."""
-    return lambda name, module: lm_head or name != "lm_head"
-
-
-def build_variants(config, args, failed=None):
-    """({variant: model}, names of the converted linears, notes) from one random bf16 model. A variant whose
-    conversion raises goes to ``failed`` ({what: why}) and is left out."""
-    failed = {} if failed is None else failed
-    base = M.random_llama(config, args.device, torch.bfloat16, seed=args.seed)
-    keep = linear_filter(args.lm_head)
-    models, notes = {}, []
-    converted = [name for name, mod in base.named_modules() if isinstance(mod, torch.nn.Linear) and keep(name, mod)]
-    if "ours" in args.variants:
-        ours = M.sharing_copy(base)
+def build_recipe(run: Run, recipe: str) -> list:
+    """The variants of ``recipe``, in table order: bf16, then per LM head torch, ours and (``--split``) the no-op
+    model. Ours converts a sharing copy of the bf16 model; the converted-head variants convert the head on a copy
+    of that. A variant whose conversion raises goes to ``run.failed`` and is left out."""
+    args, heads, skip = run.args, lm_heads(run.args), getattr(run.args, "skip", {})
+    decoder = run.bf16.names
+    by_head = {head: [] for head in heads}
+    if "ours" in args.variants and (recipe, "ours") not in skip:
+        what = f"{recipe}: conversion, ours"
         try:
-            report = cnn.convert(ours, recipe=args.recipe, filter=keep)
-            converted = list(report.converted)
-            notes += [f"not converted: {name} ({why})" for name, why in report.skipped.items() if keep(name, None)]
-            models["ours"] = ours
+            model = M.sharing_copy(run.base)
+            report = cnn.convert(model, recipe=recipe, filter=lambda name, module: name != "lm_head")
+            decoder = list(report.converted)
+            run.notes += [f"{recipe}: not converted: {name} ({why})" for name, why in report.skipped.items()
+                          if name != "lm_head"]
+            if "bf16" in heads:
+                by_head["bf16"].append(Variant("ours", "bf16", model, decoder))
+            if "converted" in heads:
+                what = f"{recipe}: conversion, ours (LM head converted)"
+                model = M.sharing_copy(model) if "bf16" in heads else model
+                why = _convert_head(model, recipe)
+                if why is not None:
+                    run.notes.append(f"{recipe}: LM head not converted ({why})")
+                else:
+                    by_head["converted"].append(Variant("ours", "converted", model, decoder + ["lm_head"]))
         except Exception as e:
-            failed["conversion, ours"] = one_line(e)
-    make, what = torch_path(args.recipe)
-    if "torch" in args.variants:
+            run.failed[what] = one_line(e)
+    make, runs = torch_path(recipe)
+    if "torch" in args.variants and (recipe, "torch") not in skip:
         if make is None:
-            notes.append(what)
+            run.notes.append(f"{recipe}: {runs}")
         else:
-            theirs = M.sharing_copy(base)
             try:
-                M.replace_modules(theirs, converted, make)
-                models["torch"] = theirs
+                model = M.sharing_copy(run.base)
+                M.replace_modules(model, decoder, make)
+                for head in heads:
+                    if head == "converted":
+                        model = M.sharing_copy(model) if "bf16" in heads else model
+                        _convert_head(model, recipe, make)
+                    names = decoder + ["lm_head"] * (head == "converted")
+                    by_head[head].insert(0, Variant("torch", head, model, names))
             except Exception as e:
-                failed["conversion, torch"] = one_line(e)
-    if "bf16" in args.variants:
-        models["bf16"] = base
-    return {v: models[v] for v in VARIANTS if v in models}, converted, notes
+                run.failed[f"{recipe}: conversion, torch"] = one_line(e)
+    variants = [run.bf16] if "bf16" in args.variants and (recipe, "bf16") not in skip else []
+    for head in heads:
+        variants += by_head[head]
+        if args.split:
+            variants.append(run.noop(decoder + ["lm_head"] * (head == "converted"), head))
+    return variants
+
+
+def compiled_variants(variants: list, args) -> list:
+    """The variants ``--compile-variants`` names, with the first LM head of ``--lm-head`` (bf16 has only its own)."""
+    head = lm_heads(args)[0]
+    wanted = {NOOP if v == "noop" else v for v in args.compile_variants}
+    return [v for v in variants if v.name in wanted and (v.name == "bf16" or v.head == head)]
 
 
 # ---- measurements -----------------------------------------------------------------------------------------------
@@ -264,131 +233,345 @@ def guarded(what: str, failed: dict, device: str, fn, *args):
         return None
 
 
+class Prepared(NamedTuple):
+    run: object  # () -> logits (or None, the logits then in ``output``)
+    step: M.DecodeStep
+    output: torch.Tensor | None
 
 
-def _step_runner(step, args):
-    """(run, output) for a prefilled decode step: a CUDA graph replay, a torch.compile'd call, or (CPU) the step."""
+def step_runner(run: Run, step, mode: str, what: str):
+    """(run, output) for a prefilled decode step: the step itself (CPU), a CUDA graph replay ("graph"), or the
+    whole step compiled by torch.compile and then captured in a CUDA graph, or run by torch's own graphs
+    (``--compile-mode reduce-overhead``) ("compiled"); the compile's seconds go to ``run.compile_s[what]``."""
+    args = run.args
     if args.device == "cpu":
         return step, None
-    if args.compile:
-        compiled = torch.compile(step.forward, mode="reduce-overhead")
-
-        def run():
+    if mode == "graph":
+        graph, output = M.cuda_graph(step)
+        return graph.replay, output
+    step()  # eager first: the kernels' first calls and the no-op outputs, outside the compiled code
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    compiled = torch.compile(step.forward, mode=args.compile_mode, dynamic=False)
+    if args.compile_mode == "reduce-overhead":
+        def fn():
             torch.compiler.cudagraph_mark_step_begin()
             return compiled()
 
-        for _ in range(3):  # compile, record the CUDA graph, replay it
-            run()
-        return run, None
-    graph, output = M.cuda_graph(step)
-    return graph.replay, output
+        fn()
+        torch.cuda.synchronize()
+        run.compile_s[what] = round(time.perf_counter() - t0, 1)
+        for _ in range(2):  # record the graph, replay it
+            fn()
+        result = fn, None
+    else:
+        compiled()
+        torch.cuda.synchronize()
+        run.compile_s[what] = round(time.perf_counter() - t0, 1)
+        graph, output = M.cuda_graph(compiled)
+        result = graph.replay, output
+    run.say(f"compiled {what} in {run.compile_s[what]:.1f} s")
+    return result
 
 
-def _prepared_step(model, batch, prompt, nxt, args):
-    """(run, step, output): a prefilled step at position ``context`` whose runner passed ``check_replay``."""
-    step = M.DecodeStep(model, batch, args.context + 1)
-    step.prefill(prompt)
-    step.feed(nxt)
-    run, output = _step_runner(step, args)
-    step.check_replay(run, output, times=3, rtol=M.REPLAY_RTOL)
-    return run, step, output
+def prepare(run: Run, var: Variant, mode: str, batch: int, prompt, nxt, partner: Prepared | None,
+            what: str) -> Prepared:
+    """A step at position ``context`` whose runner passed ``check_replay``: prefilled from ``prompt``, or over the
+    cache of ``partner`` (the variant with the same layers and a bf16 head)."""
+    if partner is not None:
+        step = partner.step.with_model(var.model)
+    else:
+        step = M.DecodeStep(var.model, batch, run.args.context + 1)
+        step.prefill(prompt)
+        step.feed(nxt)
+    fn, output = step_runner(run, step, mode, what)
+    step.check_replay(fn, output, times=3, rtol=M.REPLAY_RTOL)
+    return Prepared(fn, step, output)
 
 
-def measure_decode(models, config, batch, args, failed):
-    """{variant: (ms per step, logits (batch, vocab))} for one decode step at ``batch``."""
-    prompt = M.random_tokens(config, batch, args.context, seed=args.seed + 1, device=args.device)
-    nxt = M.random_tokens(config, batch, 1, seed=args.seed + 2, device=args.device)
+def measure_decode(run: Run, variants: list, batch: int, mode: str, where: str) -> dict:
+    """{variant key: (ms per step, logits (batch, vocab))} for one decode step at ``batch``, the variants timed in
+    turns."""
+    args, failed = run.args, run.failed
+    prompt = M.random_tokens(run.config, batch, args.context, seed=args.seed + 1, device=args.device)
+    nxt = M.random_tokens(run.config, batch, 1, seed=args.seed + 2, device=args.device)
     prepared = {}
-    for name, model in models.items():
-        got = guarded(f"decode batch {batch}, {name}", failed, args.device, _prepared_step, model, batch, prompt, nxt,
-                      args)
-        if got is not None:
-            prepared[name] = got
-    runs = {name: run for name, (run, _, _) in prepared.items()}
-    times = guarded(f"decode batch {batch}", failed, args.device, common.time_interleaved, runs, args.rounds,
-                    args.reps, args.device != "cpu") or {}
+    for var in variants:
+        got = var.steps.get((mode, batch))
+        if got is None:
+            partner = prepared.get((var.name, "bf16")) if var.head == "converted" else None
+            what = f"{where} decode batch {batch}, {var.label}"
+            got = guarded(what, failed, args.device, prepare, run, var, mode, batch, prompt, nxt, partner, what)
+            if got is None:
+                continue
+            if var.keep:
+                var.steps[mode, batch] = got
+        prepared[var.key] = got
+    runs = {key: p.run for key, p in prepared.items()}
+    times = guarded(f"{where} decode batch {batch}", failed, args.device, common.time_interleaved, runs,
+                    args.rounds, args.reps, args.device != "cpu") or {}
     measured = {}
-    for name in times:  # the logits after the timing, checked once more: the replays left the cache as it was
-        run, step, output = prepared[name]
-        logits = guarded(f"decode batch {batch}, {name}", failed, args.device, step.check_replay, run, output, 1,
-                         M.REPLAY_RTOL)
+    for key in times:  # the logits after the timing, checked once more: the replays left the cache as it was
+        p = prepared[key]
+        logits = guarded(f"{where} decode batch {batch}, {key}", failed, args.device, p.step.check_replay, p.run,
+                         p.output, 1, M.REPLAY_RTOL)
         if logits is not None:
-            measured[name] = (times[name], logits)
+            measured[key] = (times[key], logits)
     return measured
 
 
-def measure_prefill(models, config, args, failed):
-    """{variant: (ms, last logits (1, vocab))} for a cache-free forward over ``--prefill`` tokens."""
-    prompt = M.random_tokens(config, 1, args.prefill, seed=args.seed + 3, device=args.device)
+def measure_prefill(run: Run, variants: list, where: str) -> dict:
+    """{variant key: (ms, last logits (1, vocab))} for a cache-free forward over ``--prefill`` tokens."""
+    args, failed = run.args, run.failed
+    prompt = M.random_tokens(run.config, 1, args.prefill, seed=args.seed + 3, device=args.device)
     runs = {}
-    for name, model in models.items():
-        if guarded(f"prefill, {name}", failed, args.device, M.last_logits, model, prompt) is not None:
-            runs[name] = lambda model=model: M.last_logits(model, prompt)
-    times = guarded("prefill", failed, args.device, common.time_interleaved, runs, max(1, args.rounds // 2), 1,
-                    args.device != "cpu") or {}
-    return {name: (times[name], runs[name]()) for name in times}
+    for var in variants:
+        if var.name != NOOP and guarded(f"{where} prefill, {var.label}", failed, args.device, M.last_logits,
+                                        var.model, prompt) is not None:
+            runs[var.key] = lambda model=var.model: M.last_logits(model, prompt)
+    times = guarded(f"{where} prefill", failed, args.device, common.time_interleaved, runs,
+                    max(1, args.rounds // 2), 1, args.device != "cpu") or {}
+    return {key: (times[key], runs[key]()) for key in times}
 
 
 def one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
 
 
-def table_rows(phase, batch, tokens, measured, floors=None):
-    """Rows of one phase: every variant's time, rate, ratios and error; ``floors`` {variant: (weights ms, with
-    KV ms)} for decode."""
-    t_bf16 = measured.get("bf16", (None,))[0]
-    t_torch = measured.get("torch", (None,))[0]
-    ref = measured.get("bf16", (None, None))[1]
+def _round(x, digits):
+    return None if x is None else round(x, digits)
+
+
+def table_rows(run: Run, recipe: str, mode: str, phase: str, batch: int, tokens: int, measured: dict,
+               variants: list) -> list:
+    """Rows of one phase: every variant's time, rate, ratios (to bf16, to torch of the same LM head), logit error,
+    fraction of the weight floor and, where a no-op step was timed beside it, the split of its time."""
+    by_key = {v.key: v for v in variants}
+    t_bf16, ref = measured.get(("bf16", "bf16"), (None, None))
     rows = []
-    for name, (ms, logits) in measured.items():
-        err = R.rel_error(logits, ref) if ref is not None and name != "bf16" else None
-        floor_w, floor_kv = floors[name] if floors else (None, None)
-        rows.append([phase, batch, name, round(ms, 4), round(tokens / ms * 1e3, 1),
-                     round(t_bf16 / ms, 3) if t_bf16 else None, round(t_torch / ms, 3) if t_torch else None,
+    for key, (ms, logits) in measured.items():
+        var = by_key[key]
+        noop = var.name == NOOP
+        t_torch = measured.get(("torch", var.head), (None,))[0]
+        err = R.rel_error(logits, ref) if ref is not None and var.name not in ("bf16", NOOP) else None
+        floor = S.floor_ms(S.streamed_bytes(var.model, tokens), run.hbm_tbps) if phase == "decode" else None
+        split = [None] * len(S.SPLIT_COLUMNS)
+        rest = [by_key[k] for k in ((NOOP, var.head), *((NOOP, h) for h in HEADS)) if k in measured]
+        if phase == "decode" and rest and not noop:  # bf16 (head "bf16") takes the no-op model it has
+            split = S.split_cells(ms, measured[rest[0].key][0], S.linear_bytes(var.model, rest[0].names),
+                                  run.hbm_tbps, t_bf16 if var.name != "bf16" else None)
+        rows.append([phase, batch, recipe, var.head, mode, var.name, round(ms, 4), round(tokens / ms * 1e3, 1),
+                     None if noop or not t_bf16 else round(t_bf16 / ms, 3),
+                     None if noop or not t_torch else round(t_torch / ms, 3),
                      None if err is None else float(f"{err:.3g}"),
-                     round(100 * floor_w / ms, 1) if floor_w else None,
-                     round(100 * floor_kv / ms, 1) if floor_kv else None])
+                     None if noop or floor is None else round(100 * floor / ms, 1), *split])
     return rows
 
 
-def summarize(rows) -> dict:
-    """Ours against bf16 and torch per phase, the logit errors at the first decode batch, and per decode batch the
-    ratio ours could reach against bf16 if both streamed their weights at the floor (bf16's weight floor over ours:
-    the bound on "ours x bf16" while the rest of the step costs the same in both)."""
+def run_recipe(run: Run, recipe: str) -> list:
+    """Every measurement of one recipe: decode at each batch and the prefill as graphs, then the compiled decode.
+    Each phase's rows go to ``run.rows`` and the result file as they come; returns the recipe's rows (ContextLost
+    propagates)."""
+    args, rows = run.args, []
+    run.say(f"{recipe}: converting")
+    variants = build_recipe(run, recipe)
+    run.say(f"{recipe}: variants {', '.join(v.label for v in variants)}")
+
+    def phase(mode, batch, chosen):
+        run.say(f"{recipe} {mode} {'prefill' if batch is None else f'decode batch {batch}'}: "
+                f"{len([v for v in chosen if batch is not None or v.name != NOOP])} variants")
+        if batch is None:
+            got = table_rows(run, recipe, mode, "prefill", 1, args.prefill, measure_prefill(run, chosen, recipe),
+                             chosen)
+        else:
+            got = table_rows(run, recipe, mode, "decode", batch, batch,
+                             measure_decode(run, chosen, batch, mode, f"{recipe} {mode}"), chosen)
+        for row in got:
+            cell = dict(zip(COLUMNS, row))
+            what = cell["variant"] if cell["variant"] == "bf16" else f"{cell['variant']} (LM head {cell['lm head']})"
+            ratio = "" if cell["x bf16"] is None else f", x bf16 {cell['x bf16']}"
+            run.say(f"{recipe} {mode} {cell['phase']} batch {cell['batch']}, {what}: {cell['ms']} ms{ratio}")
+        rows.extend(got)
+        run.rows.extend(got)
+        save(run)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+
+    graph = "eager" if args.device == "cpu" else "graph"  # on the CPU the steps run as they are
+    for batch in args.batches:
+        phase(graph, batch, variants)
+    if args.prefill:
+        phase(graph, None, variants)
+    if args.compile and recipe in args.compile_recipes:
+        chosen = compiled_variants(variants, args)
+        for batch in args.compile_batches:
+            phase("compiled", batch, chosen)
+    return rows
+
+
+def free_memory(device: str) -> None:
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- the plan: cells and a rough length ---------------------------------------------------------------------------
+#: rough costs on an H200 for the estimate printed before a GPU run (not measurements of this run): a decode step
+#: per layer (eager modules in a CUDA graph) = STEP_LAYER_MS + STEP_ROW_MS * batch, an eager forward per token and
+#: layer, an eager decode step's host cost per layer, a whole-model compile per layer, a recipe's conversion and
+#: kernel compiles, the start (imports, the bf16 model) and the tiny-config check
+STEP_LAYER_MS, STEP_ROW_MS = 0.21, 0.011
+FORWARD_TOKEN_LAYER_S = 0.8e-6
+EAGER_STEP_LAYER_S = 1.2e-3
+COMPILE_LAYER_S = 2.0
+RECIPE_S, START_S, CHECK_S, CHECK_RECIPE_S = 15.0, 20.0, 20.0, 8.0
+
+
+def variant_counts(args, recipe: str) -> dict:
+    """{name: count} of the variants ``build_recipe`` makes for ``recipe`` (before any failure)."""
+    heads = len(lm_heads(args))
+    has_torch = "torch" in args.variants and torch_path(recipe)[0] is not None
+    return {"bf16": int("bf16" in args.variants), "torch": heads * has_torch,
+            "ours": heads * ("ours" in args.variants), NOOP: heads * bool(args.split)}
+
+
+def plan(args) -> list:
+    """The (recipe, mode, phase, batch, variant, LM heads of that variant) cells of the run, in order."""
+    cells = []
+    for recipe in args.recipes:
+        counts = variant_counts(args, recipe)
+        for batch in args.batches:
+            cells += [(recipe, "graph", "decode", batch, name, n) for name, n in counts.items() if n]
+        if args.prefill:
+            cells += [(recipe, "graph", "prefill", 1, name, n) for name, n in counts.items() if n and name != NOOP]
+        if args.compile and recipe in args.compile_recipes:
+            wanted = {NOOP if v == "noop" else v for v in args.compile_variants}
+            for batch in args.compile_batches:
+                cells += [(recipe, "compiled", "decode", batch, name, min(n, 1)) for name, n in counts.items()
+                          if n and name in wanted]
+    return cells
+
+
+def estimate_s(args, cells) -> float:
+    """A rough length of the run in seconds on an H200 (the constants above): start, check, recipes, cells."""
+    layers = args.layers
+    total = START_S + (CHECK_S + CHECK_RECIPE_S * len(args.recipes)) * args.check + RECIPE_S * len(args.recipes)
+    compiled_anchor = set()
+    for recipe, mode, phase, batch, name, n in cells:
+        step_s = (layers * (STEP_LAYER_MS + STEP_ROW_MS * batch) + 0.3) / 1e3
+        if phase == "prefill":
+            total += n * (max(1, args.rounds // 2) + 3) * args.prefill * layers * FORWARD_TOKEN_LAYER_S
+            continue
+        total += n * (args.rounds * args.reps + 6) * step_s  # timing, warm-up and checks
+        total += n * 3 * layers * EAGER_STEP_LAYER_S  # eager calls: prefill's, warm-up, capture
+        if name != NOOP and (name != "bf16" or recipe == args.recipes[0] or mode == "compiled"):
+            total += batch * args.context * layers * FORWARD_TOKEN_LAYER_S  # the cache's prefill (one per head)
+        if mode == "compiled" and (name, batch) not in compiled_anchor:
+            total += n * layers * COMPILE_LAYER_S
+            if name in ("bf16", NOOP):  # kept across recipes: compiled once
+                compiled_anchor.add((name, batch))
+    return total
+
+
+# ---- the table, the summary, the result file --------------------------------------------------------------------
+def print_rows(rows) -> None:
+    """The rows, without the columns that no row fills."""
+    if not rows:
+        return
+    keep = [i for i, c in enumerate(COLUMNS) if any(row[i] is not None for row in rows)]
+    cells = [[COLUMNS[i] for i in keep]] + [["-" if row[i] is None else str(row[i]) for i in keep] for row in rows]
+    widths = [max(len(line[j]) for line in cells) for j in range(len(keep))]
+    for line in cells:
+        print(" ".join(f"{x:>{w}s}" for x, w in zip(line, widths)), flush=True)
+
+
+def summarize(rows, first_batch=None) -> dict:
+    """The headline figures per recipe, LM head and mode: ours x bf16 at each decode batch and at prefill; at the
+    first decode batch ours x torch, the logit error, "x bf16 at the weight floors" (bf16's weight floor over
+    ours': the bound while the rest of the step costs the same in both) and, with the split, the linears' % of
+    their floor (ours and bf16) and the bound the rest sets on ours x bf16."""
     out = {}
     cells = [dict(zip(COLUMNS, row)) for row in rows]
-    floor = {(c["batch"], c["variant"]): c["ms"] * c["% of weight floor"] / 100 for c in cells
-             if c["phase"] == "decode" and c["ms"] and c["% of weight floor"]}
+    decode = [c for c in cells if c["phase"] == "decode"]
+    first = first_batch if first_batch is not None else (decode[0]["batch"] if decode else None)
+    by = {(c["recipe"], c["mode"], c["phase"], c["batch"], c["lm head"], c["variant"]): c for c in cells}
     for c in cells:
-        where = f"decode batch {c['batch']}" if c["phase"] == "decode" else "prefill"
-        if c["variant"] == "ours":
-            out[f"{where}: ours x bf16"] = c["x bf16"]
-            out[f"{where}: ours x torch"] = c["x torch"]
-            if (c["batch"], "bf16") in floor and (c["batch"], "ours") in floor and c["phase"] == "decode":
-                out[f"{where}: x bf16 at the weight floors"] = round(
-                    floor[c["batch"], "bf16"] / floor[c["batch"], "ours"], 3)
-        if c["phase"] == "decode" and c["batch"] == cells[0]["batch"] and c["logit rel err"] is not None:
-            out[f"{where}: logit rel err {c['variant']}"] = c["logit rel err"]
+        if c["variant"] != "ours":
+            continue
+        at = f"{c['recipe']}, LM head {c['lm head']}, {c['mode']}"
+        if c["phase"] == "prefill":
+            out[f"{at}: prefill: ours x bf16"] = c["x bf16"]
+            continue
+        where = f"{at}: decode batch {c['batch']}"
+        out[f"{where}: ours x bf16"] = c["x bf16"]
+        if c["batch"] != first:
+            continue
+        bf16 = by.get((c["recipe"], c["mode"], "decode", c["batch"], "bf16", "bf16"))
+        out[f"{where}: ours x torch"] = c["x torch"]
+        out[f"{where}: logit rel err ours"] = c["logit rel err"]
+        if bf16 and bf16["% of weight floor"] and c["% of weight floor"]:
+            out[f"{where}: x bf16 at the weight floors"] = round(
+                bf16["ms"] * bf16["% of weight floor"] / (c["ms"] * c["% of weight floor"]), 3)
+        if c["linears % of floor"] is not None:
+            out[f"{where}: linears % of floor, ours"] = c["linears % of floor"]
+            if bf16 and bf16["linears % of floor"] is not None:
+                out[f"{where}: linears % of floor, bf16"] = bf16["linears % of floor"]
+        if c["bound x bf16"] is not None:
+            out[f"{where}: bound x bf16"] = c["bound x bf16"]
     return out
+
+
+def notes_line(run: Run) -> str:
+    args = run.args
+    mode = "eager" if args.device == "cpu" else "a CUDA graph"
+    floor = f"{run.hbm_tbps:g} TB/s (measured)" if run.hbm_tbps else "no HBM rate (floors not measured here)"
+    line = (f"{args.layers} Llama-3-8B-shaped layers{' (tiny config)' if args.tiny else ''}, random weights; recipes "
+            f"{', '.join(args.recipes)}, LM head {args.lm_head}; torch: each recipe's torch path; decode: "
+            f"{args.context} tokens in a static KV cache, the step run by {mode}, median of {args.rounds} rounds of "
+            f"{args.reps}, variants in turns; prefill eager, no cache; weight floor: every parameter and buffer once "
+            f"plus the step's embedding rows at {floor}; logit rel err: last position against bf16")
+    if args.split:
+        line += ("; split: linears ms = step - the step with every converted linear a no-op (bf16: the same layers),"
+                 " rest ms = that no-op step, bound x bf16 = bf16 ms / (rest ms + linears floor ms)")
+    if args.compile:
+        line += (f"; compiled: torch.compile(mode={args.compile_mode!r}) of the whole step"
+                 f"{'' if args.compile_mode == 'reduce-overhead' else ' captured in a CUDA graph'}, recipes "
+                 f"{', '.join(args.compile_recipes)}, batches {', '.join(map(str, args.compile_batches))}")
+        line += "".join(f"; compile {what}: {s:g} s" for what, s in run.compile_s.items())
+    line += "".join(f"; not measured: {what} ({why})" for what, why in run.failed.items())
+    line += "".join(f"; {note}" for note in dict.fromkeys(run.notes))
+    return line
+
+
+def save(run: Run) -> None:
+    """Write the result file with the rows so far (after each phase, and at the run's end)."""
+    args = run.args
+    if not (args.save and args.name):
+        return
+    title = (f"Llama-3-8B-shaped model, {args.layers} layers: decode and prefill, bf16 vs torch vs ours "
+             f"({', '.join(args.recipes)})")
+    common.write_result(args.name, title, COLUMNS, run.rows, summary=summarize(run.rows, args.batches[0]),
+                        notes=notes_line(run))
 
 
 # ---- the check on a tiny config in a child process ------------------------------------------------------------
 CHECK_ARGS = ["--tiny", "--layers", "1", "--batches", "2", "--context", "16", "--prefill", "32", "--rounds", "2",
-              "--reps", "20", "--no-save", "--no-check"]
+              "--reps", "5", "--no-save", "--no-check"]
 CHECK_TIMEOUT_S = 300
 
 
-def check_command(args, variants) -> list:
-    """The child process that runs ``variants`` through the same steps on the tiny config."""
-    cmd = [sys.executable, "-m", "benchmarks.bench_model", *CHECK_ARGS, "--recipe", args.recipe, "--variants",
-           ",".join(variants), "--device", args.device]
-    return cmd + ["--compile"] * args.compile + ["--lm-head"] * args.lm_head
+def check_command(args, recipes, variants) -> list:
+    """The child process that runs ``variants`` of ``recipes`` through the same graph-mode steps on the tiny
+    config."""
+    cmd = [sys.executable, "-m", "benchmarks.bench_model", *CHECK_ARGS, "--recipes", ",".join(recipes),
+           "--variants", ",".join(variants), "--device", args.device, "--lm-head", args.lm_head]
+    return cmd + ["--split"] * args.split
 
 
-def _check_run(args, variants):
+def _check_run(args, recipes, variants):
     """None if the child exits 0, else the last line it wrote (or why it did not finish)."""
     try:
-        done = subprocess.run(check_command(args, variants), cwd=ROOT, capture_output=True, text=True,
+        done = subprocess.run(check_command(args, recipes, variants), cwd=ROOT, capture_output=True, text=True,
                               timeout=CHECK_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         return f"the check did not finish in {CHECK_TIMEOUT_S} s"
@@ -399,11 +582,16 @@ def _check_run(args, variants):
 
 
 def precheck(args) -> dict:
-    """{variant: why} for each variant whose tiny-config run kills its process: all variants in one child, then,
-    if that one fails, each in its own child."""
-    if _check_run(args, args.variants) is None:
+    """{(recipe, variant): why} for each variant whose tiny-config run kills its process: everything in one child;
+    if that fails, each recipe in its own; for a recipe that fails, each of its variants alone."""
+    if _check_run(args, args.recipes, args.variants) is None:
         return {}
-    return {v: why for v in args.variants if (why := _check_run(args, [v])) is not None}
+    bad = {}
+    for recipe in args.recipes:
+        if len(args.recipes) > 1 and _check_run(args, [recipe], args.variants) is None:
+            continue
+        bad.update({(recipe, v): why for v in args.variants if (why := _check_run(args, [recipe], [v])) is not None})
+    return bad
 
 
 # ---- command line -----------------------------------------------------------------------------------------------
@@ -411,20 +599,34 @@ def positive_ints(text: str) -> list:
     return [positive_int(x) for x in text.split(",")]
 
 
-def variant_list(text: str) -> list:
+def _names(text: str, allowed, what: str) -> list:
     names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in names if x not in VARIANTS]
+    bad = [x for x in names if x not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected some of {', '.join(VARIANTS)}, got {text!r}")
-    return names
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(allowed)} ({what}), got {text!r}")
+    return list(dict.fromkeys(names))
+
+
+def variant_list(text: str) -> list:
+    return _names(text, VARIANTS, "variants")
+
+
+def recipe_list(text: str) -> list:
+    return _names(text, RECIPES, "recipes")
+
+
+def compile_variant_list(text: str) -> list:
+    return _names(text, COMPILE_VARIANTS, "variants; noop: the split's no-op step")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=positive_int, default=8, metavar="N",
-                   help="decoder layers (default 8; 32 is the whole Llama-3-8B)")
-    p.add_argument("--recipe", choices=RECIPES, default="row",
-                   help="cutedsl_gemm.nn recipe of the quantized variants (default row)")
+    p.add_argument("--layers", type=positive_int, default=None, metavar="N",
+                   help="decoder layers (default 32, the whole Llama-3-8B; 2 with --tiny)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--recipes", type=recipe_list, default=None, metavar="R,...",
+                       help=f"cutedsl_gemm.nn recipes, one after the other (default {','.join(DEFAULT_RECIPES)})")
+    which.add_argument("--recipe", choices=RECIPES, default=None, help="one recipe: the same as --recipes R")
     p.add_argument("--batches", type=positive_ints, default=[1, 16, 64], metavar="B,...",
                    help="decode batch sizes (default 1,16,64)")
     p.add_argument("--context", type=positive_int, default=512,
@@ -432,11 +634,23 @@ def parse_args(argv=None):
     p.add_argument("--prefill", type=int, default=4096, help="prefill length, batch 1; 0 skips it (default 4096)")
     p.add_argument("--variants", type=variant_list, default=None, metavar="V,...",
                    help="some of bf16,torch,ours (default all three; bf16 and torch with --device cpu)")
-    p.add_argument("--lm-head", action="store_true", help="convert the LM head too (default: it stays bf16)")
+    p.add_argument("--lm-head", nargs="?", const="converted", default="bf16", choices=(*HEADS, "both"),
+                   help="the LM head: bf16 (default), converted (also: --lm-head alone), or both, side by side")
+    p.add_argument("--split", action="store_true",
+                   help="decode: also time the step with every converted linear a no-op (linears vs the rest)")
     p.add_argument("--compile", action="store_true",
-                   help="decode through torch.compile(mode='reduce-overhead') instead of a captured CUDA graph")
-    p.add_argument("--rounds", type=positive_int, default=10, help="timing rounds, variants in turns (default 10)")
-    p.add_argument("--reps", type=positive_int, default=10, help="decode steps back to back per round (default 10)")
+                   help="also run the decode step through torch.compile of the whole model (mode 'compiled')")
+    p.add_argument("--compile-recipes", type=recipe_list, default=None, metavar="R,...",
+                   help="the recipes --compile runs (default all of --recipes)")
+    p.add_argument("--compile-batches", type=positive_ints, default=None, metavar="B,...",
+                   help="the decode batches --compile runs (default --batches)")
+    p.add_argument("--compile-variants", type=compile_variant_list, default=["bf16", "ours"], metavar="V,...",
+                   help="the variants --compile runs: some of bf16,torch,ours,noop (default bf16,ours)")
+    p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                   help="torch.compile's mode; reduce-overhead uses torch's graphs, the others are captured in one "
+                        "(default: default)")
+    p.add_argument("--rounds", type=positive_int, default=6, help="timing rounds, variants in turns (default 6)")
+    p.add_argument("--reps", type=positive_int, default=5, help="decode steps back to back per round (default 5)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="a small config of the same architecture (a check)")
     p.add_argument("--no-check", dest="check", action="store_false",
@@ -446,85 +660,81 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.prefill < 0:
         p.error("--prefill must be >= 0")
+    args.layers = args.layers or (2 if args.tiny else 32)
+    args.recipes = [args.recipe] if args.recipe else args.recipes or list(DEFAULT_RECIPES)
     if args.variants is None:
         args.variants = ["bf16", "torch"] if args.device == "cpu" else list(VARIANTS)
     if args.device == "cpu" and ("ours" in args.variants or args.compile):
         p.error("the library's kernels and --compile need a GPU; --device cpu runs --variants bf16,torch eagerly")
+    if not args.compile and (args.compile_recipes or args.compile_batches):
+        p.error("--compile-recipes / --compile-batches go with --compile")
+    args.compile_recipes = args.compile_recipes or list(args.recipes)
+    if args.compile:  # the recipes with compiled rows last: a run stopped during a compile keeps the others
+        args.recipes.sort(key=lambda r: r in args.compile_recipes)
+    args.compile_batches = args.compile_batches or list(args.batches)
+    if not set(args.compile_recipes) <= set(args.recipes):
+        p.error(f"--compile-recipes must be some of --recipes ({','.join(args.recipes)})")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("no GPU here: --device cpu --tiny runs the steps on the CPU")
     if args.name is None and not (args.tiny or args.device == "cpu"):
-        args.name = DEFAULT_NAME
+        args.name = default_name(args.layers)
+    args.skip = {}
     return args
 
 
 LOST = "the rest of the run"
 
 
-def run_all(models, config, args, failed) -> list:
-    """Every decode batch then the prefill; stops at a ContextLost (noted in ``failed``) with the rows so far."""
-    rows = []
-    try:
-        for batch in args.batches:
-            measured = measure_decode(models, config, batch, args, failed)
-            floors = {}
-            for name, model in models.items():
-                weights = streamed_bytes(model, batch)
-                kv = kv_cache_bytes(config, batch, args.context + 1)
-                floors[name] = (floor_ms(weights), floor_ms(weights + kv))
-            rows += table_rows("decode", batch, batch, measured, floors)
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-        if args.prefill:
-            rows += table_rows("prefill", 1, args.prefill, measure_prefill(models, config, args, failed))
-    except ContextLost as e:
-        failed[LOST] = f"the GPU is unusable after {e}"
-    return rows
+def _raise_recompile_limits(compiles: int) -> None:
+    """One compiled step per variant and batch, each a new DecodeStep: room for all of them in dynamo's caches."""
+    config = torch._dynamo.config
+    for names in (("recompile_limit", "cache_size_limit"), ("accumulated_recompile_limit",
+                                                            "accumulated_cache_size_limit")):
+        name = next((n for n in names if hasattr(config, n)), None)  # the first: the other is an older alias
+        if name is not None:
+            setattr(config, name, max(getattr(config, name), compiles + 8))
 
 
-def main(argv=None):
+def main(argv=None, floors=None):
+    """The run; ``floors`` (anything with ``hbm_tbps``) stands in for ``common.measured_floors()``, which a GPU run
+    of the full config reads and --tiny / --device cpu runs go without."""
     args = parse_args(argv)
-    failed, notes = {}, []
-    if args.check and args.device == "cuda" and not args.tiny:
-        for variant, why in precheck(args).items():
-            failed[f"{variant} (its tiny-config check crashed)"] = why
-            args.variants.remove(variant)
+    if floors is None and args.device == "cuda" and not args.tiny:
+        floors = common.measured_floors()
+    cells = plan(args)
+    gpu_run = args.device == "cuda" and not args.tiny
+    print(f"{sum(c[-1] for c in cells)} cells (variant, phase, batch) over {len(args.recipes)} recipe(s), "
+          f"{args.layers} layers"
+          + (f"; roughly {estimate_s(args, cells) / 60:.1f} min on an H200" if gpu_run else ""), flush=True)
     config = M.llama_config(args.layers, M.TINY_LLAMA if args.tiny else M.LLAMA3_8B)
-    if args.compile:  # one compiled step per variant and batch: raise dynamo's per-function recompile limit
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit,
-                                                    4 * len(args.variants) * len(args.batches))
-    models, converted, built_notes = build_variants(config, args, failed)
-    notes += built_notes
-    print(f"{args.layers} layers, recipe {args.recipe}: {len(converted)} linears converted; variants "
-          f"{', '.join(models)}")
-    rows = run_all(models, config, args, failed)
-    widths = [8, 5, 8, 9, 10, 7, 8, 13, 17, 18]
-    print(" ".join(f"{c:>{w}s}" for c, w in zip(COLUMNS, widths)))
-    for row in rows:
-        print(" ".join(f"{'-' if x is None else x!s:>{w}s}" for x, w in zip(row, widths)))
-    for what, why in failed.items():
+    run = Run(args, config, getattr(floors, "hbm_tbps", None))
+    if args.check and args.device == "cuda" and not args.tiny:
+        run.say("checking the steps on the tiny config in a child process")
+        for (recipe, variant), why in precheck(args).items():
+            run.failed[f"{recipe}: {variant} (its tiny-config check crashed)"] = why
+            args.skip[recipe, variant] = why
+    if args.compile:
+        _raise_recompile_limits(sum(1 for c in cells if c[1] == "compiled") * 2)
+    run.build_base()
+    run.say(f"bf16 model built: {args.layers} layers, {len(run.bf16.names)} linears below the LM head")
+    try:
+        for recipe in args.recipes:
+            rows = run_recipe(run, recipe)
+            free_memory(args.device)
+            print_rows(rows)
+    except ContextLost as e:
+        run.failed[LOST] = f"the GPU is unusable after {e}"
+    for what, why in run.failed.items():
         print(f"not measured: {what}: {why}")
-    for note in notes:
+    for note in dict.fromkeys(run.notes):
         print(note)
-    mode = "eager" if args.device == "cpu" else "torch.compile" if args.compile else "CUDA graph"
-    head = "LM head converted" if args.lm_head else "LM head bf16"
-    torch_what = torch_path(args.recipe)[1]
-    line = (f"{args.layers} Llama-3-8B-shaped layers{' (tiny config)' if args.tiny else ''}, random weights; "
-            f"{len(converted)} linears converted ({head}); torch: {torch_what}; decode: {args.context} tokens in a "
-            f"static KV cache, the step run by {mode}, median of {args.rounds} rounds of {args.reps}, variants in "
-            f"turns; prefill eager, no cache; weight floor: every parameter and buffer once plus the step's "
-            f"embedding rows at {HBM_TBPS:g} TB/s, 'with KV' adds the KV cache read; logit rel err: last position "
-            f"against bf16")
-    line += "".join(f"; not measured: {what} ({why})" for what, why in failed.items())
-    line += "".join(f"; {note}" for note in notes if note != torch_what)
-    title = (f"Llama-3-8B-shaped model, {args.layers} layers: decode and prefill, bf16 vs torch vs ours "
-             f"({args.recipe})")
-    if args.save and args.name:
-        common.write_result(args.name, title, COLUMNS, rows, summary=summarize(rows), notes=line)
-    elif args.save:
+    save(run)
+    if args.save and not args.name:
         print("no result file (--tiny / --device cpu runs are checks; --name keeps one)")
-    if LOST in failed:  # a nonzero exit: what tells the check's parent process this variant cannot run
-        raise SystemExit(f"stopped: {failed[LOST]}")
-    return rows
+    run.say("done")
+    if LOST in run.failed:  # a nonzero exit: what tells the check's parent process this variant cannot run
+        raise SystemExit(f"stopped: {run.failed[LOST]}")
+    return run.rows
 
 
 if __name__ == "__main__":
