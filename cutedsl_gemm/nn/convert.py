@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -13,16 +14,47 @@ from .recipes import linear_recipe
 
 @dataclass
 class ConversionReport:
-    """What ``convert`` did: ``converted`` module names, and ``skipped``: name -> why (one line each)."""
+    """What ``convert`` did: ``converted`` module names; ``skipped``: nn.Linear name -> why it was not converted (one
+    line each); ``kept``: every parameter left in its high-precision dtype that is not a converted layer's, name ->
+    why (embedding tables, norms and biases, MoE experts' 3-D weights, routers, skipped layers): nothing the model
+    holds goes unmentioned."""
 
     recipe: str
     converted: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
+    kept: dict = field(default_factory=dict)
+    kept_elements: int = 0
+    total_elements: int = 0
 
     def __str__(self) -> str:
         lines = [f"recipe {self.recipe!r}: {len(self.converted)} linear layers converted, {len(self.skipped)} skipped"]
         lines += [f"  {name or '(the model)'}: {why}" for name, why in self.skipped.items()]
+        if self.kept:
+            share = self.kept_elements / max(self.total_elements, 1)
+            lines.append(f"{len(self.kept)} parameters kept in high precision ({share:.1%} of the model's parameter "
+                         "elements):")
+            by_reason: dict = {}
+            for name, why in self.kept.items():
+                by_reason.setdefault(why, []).append(name)
+            for why, names in by_reason.items():
+                shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                lines.append(f"  {why}: {shown}")
         return "\n".join(lines)
+
+
+def _kept_reason(module: torch.nn.Module, name: str, p: torch.Tensor, skipped_why: Optional[str]) -> str:
+    """Why a parameter of ``module`` stays in its dtype (it is no converted layer's)."""
+    kind = type(module).__name__
+    if skipped_why is not None:
+        return f"of a skipped nn.Linear ({skipped_why})"
+    if isinstance(module, torch.nn.Embedding):
+        return "embedding table: looked up by row, not multiplied"
+    if p.dim() <= 1:
+        return f"{p.dim()}-D parameter ({kind}: a norm's scale, a bias or a scalar): not a GEMM operand"
+    if p.dim() == 3:
+        return (f"3-D weight of {kind} (experts x out x in): mixture-of-experts weights are not converted; they run "
+                f"in {str(p.dtype).replace('torch.', '')}")
+    return f"{p.dim()}-D weight of {kind}, which is not an nn.Linear: not converted"
 
 
 def _holders(model: torch.nn.Module) -> dict:
@@ -79,8 +111,34 @@ def convert(model: torch.nn.Module, recipe: str = "row",
             continue
         replacement[id(module)] = Fp8Linear.quantized(module, r)
         report.converted.append(name)
+    kept = _list_kept(model, report, replacement)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) in replacement:
                 setattr(parent, child_name, replacement[id(child)])
+    if any(p.dim() == 3 for p in kept):
+        warnings.warn(f"convert({report.recipe!r}) left mixture-of-experts weights in high precision ("
+                      f"{report.kept_elements / max(report.total_elements, 1):.0%} of the model's parameter elements "
+                      "kept): print the ConversionReport for the list", UserWarning, stacklevel=2)
     return report
+
+
+def _list_kept(model: torch.nn.Module, report: ConversionReport, replacement: dict) -> list:
+    """Fill ``report.kept`` with every parameter no converted layer takes, once each (tied ones under their first
+    name), with ``_kept_reason``; those parameters."""
+    skipped = {id(m): report.skipped[n] for n, m in model.named_modules() if n in report.skipped}
+    seen: set = set()
+    kept = []
+    for module_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            report.total_elements += p.numel()
+            if id(module) in replacement:
+                continue
+            name = f"{module_name}.{pname}" if module_name else pname
+            report.kept[name] = _kept_reason(module, pname, p, skipped.get(id(module)))
+            report.kept_elements += p.numel()
+            kept.append(p)
+    return kept
