@@ -655,3 +655,21 @@ def test_a_repeated_call_reuses_its_kept_launch(monkeypatch, which):
         Q.quantize_fp8(x, "row", scale_layout=["unhashable"])
         Q.quantize_fp8(x, "row", scale_layout=["unhashable"])
         assert len(plans) == 4 and len(Q._FP8_PLANS) == 1  # planned each time, nothing kept
+
+
+def test_granularity_is_positional_or_keyword_and_recipe_is_its_deprecated_alias():
+    import cutedsl_gemm
+
+    x = torch.randn(8, 256)
+    want = quantize_fp8(x, "row")
+    for got in (quantize_fp8(x, granularity="row"), cutedsl_gemm.quantize_fp8(x, granularity="row")):
+        assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(got[1], want[1])
+    with pytest.warns(DeprecationWarning, match=r"quantize_fp8\(recipe=\.\.\.\) is now quantize_fp8\(granularity="):
+        old = quantize_fp8(x, recipe="row")
+    assert torch.equal(old[1], want[1])
+    with pytest.raises(TypeError, match="both granularity and recipe"):
+        quantize_fp8(x, "tensor", recipe="row")
+    assert quantize_fp8(x)[1].shape == (8, 2)  # the default: 1x128 groups
+    # quantize_int8 takes the same keyword; the op keeps its schema (its granularity is passed by position)
+    assert cutedsl_gemm.quantize_int8(x, granularity="tensor")[1].shape == ()
+    assert torch.equal(torch.ops.cutedsl_gemm.quantize_fp8(x, "row")[1], want[1])

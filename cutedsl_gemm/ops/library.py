@@ -333,9 +333,10 @@ def traced_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, *, scale_recipe_b,
     return out
 
 
-def traced_quantize_fp8(x, recipe, *, fmt, block, scale_layout, operand):
-    """``cutedsl_gemm.quantize_fp8`` under ``torch.compile``: the op."""
-    return OPS.quantize_fp8(x, op_name(recipe), fmt=op_name(fmt), block=block, scale_layout=scale_layout,
+def traced_quantize_fp8(x, granularity, *, fmt, block, scale_layout, operand):
+    """``cutedsl_gemm.quantize_fp8`` under ``torch.compile``: the op (whose schema names the granularity
+    ``recipe``, passed by position)."""
+    return OPS.quantize_fp8(x, op_name(granularity), fmt=op_name(fmt), block=block, scale_layout=scale_layout,
                             operand=operand)
 
 

@@ -95,7 +95,7 @@ def resolve_granularity(gran, operand: str = "a") -> ScaleGranularity:
     if isinstance(gran, str) and gran.lower() == "256x256":
         return G.BLOCK_128x128  # the 2-D block family; block=256 selects the size
     if not isinstance(gran, (str, ScalingRecipe, ScaleGranularity)) and not isinstance(getattr(gran, "name", 0), str):
-        raise TypeError(f"recipe must be {_fp8_choices()}; got {type(gran).__name__}")
+        raise TypeError(f"granularity must be {_fp8_choices()}; got {type(gran).__name__}")
     if operand not in ("a", "b"):
         raise ValueError(f"operand must be 'a' or 'b', got {operand!r}")
     try:
@@ -189,38 +189,55 @@ def _layout_scales(plain: torch.Tensor, gran, scale_layout) -> torch.Tensor:
 
 def quantize_fp8(
     x: torch.Tensor,
-    recipe="1x128",
+    granularity="1x128",
     *,
     fmt="e4m3",
     block: int = 128,
     scale_layout: str | None = None,
     operand: str = "a",
     backend: str = "auto",
+    recipe=None,
 ):
     """Quantize a 2-D tensor (rows, K) to FP8. Returns ``(q, scales)`` (see the module docstring).
 
-    ``recipe``: a granularity ("tensor", "row", "1x128", "128x128", "256x256", a ScaleGranularity or a
-    ``F.ScalingType``), or a ScalingRecipe / recipe name together with ``operand`` ("a" for A (M, K), "b" for
-    W (N, K)); see :func:`resolve_granularity`. ``block``: 128 or 256 for 2-D blocks. ``backend``: "kernel"
-    (CuTe DSL, CUDA tensors), "reference" (torch, any device) or "auto" (kernel on CUDA, reference elsewhere).
-    The kernels need ``K % 16 == 0`` and a row-major x. Under ``torch.compile`` the kernel path is the op
-    ``torch.ops.cutedsl_gemm.quantize_fp8``.
+    ``granularity`` (positional or keyword; default ``"1x128"``): "tensor", "row", "1x128", "128x128", "256x256", a
+    ScaleGranularity or a ``F.ScalingType``, or a ScalingRecipe / recipe name together with ``operand`` ("a" for A
+    (M, K), "b" for W (N, K)); see :func:`resolve_granularity`. ``recipe=`` is the former name of ``granularity``:
+    it still works, with a DeprecationWarning, and goes away in the next release. ``fmt``: "e4m3" (default) or
+    "e5m2". ``block``: 128 (default) or 256 for 2-D blocks. ``scale_layout``: see the module docstring (default: the
+    first listed for the granularity). ``backend``: "kernel" (CuTe DSL, CUDA tensors), "reference" (torch, any
+    device) or "auto" (default: kernel on CUDA, reference elsewhere). The kernels need ``K % 16 == 0`` and a
+    row-major x. Under ``torch.compile`` the kernel path is the op ``torch.ops.cutedsl_gemm.quantize_fp8``.
     """
+    if recipe is not None:
+        granularity = _renamed_recipe(granularity, recipe)
     if _traced(x, backend):
         from cutedsl_gemm.ops.library import traced_quantize_fp8
 
-        return traced_quantize_fp8(x, recipe, fmt=fmt, block=block, scale_layout=scale_layout, operand=operand)
-    sig = (x.shape, x.dtype, x.get_device(), recipe, fmt, block, scale_layout, operand, backend) \
+        return traced_quantize_fp8(x, granularity, fmt=fmt, block=block, scale_layout=scale_layout, operand=operand)
+    sig = (x.shape, x.dtype, x.get_device(), granularity, fmt, block, scale_layout, operand, backend) \
         if type(x) is torch.Tensor else None
     sig, out = _run_kept(sig, x)
     if out is not None:
         return out
-    gran, fmt, block, scale_layout, use_kernel = _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, backend)
+    gran, fmt, block, scale_layout, use_kernel = _fp8_arguments(x, granularity, fmt, block, scale_layout, operand,
+                                                                backend)
     if x.numel() == 0 or not use_kernel:
         return _reference(x, gran, fmt, block, scale_layout)
     run = _plan(x, gran, fmt, block, scale_layout)
     _keep(sig, run)
     return run(x)
+
+
+def _renamed_recipe(granularity, recipe):
+    """quantize_fp8's granularity from its former keyword ``recipe=`` (a DeprecationWarning)."""
+    import warnings
+
+    if granularity != "1x128":
+        raise TypeError("quantize_fp8 got both granularity and recipe (its former name): pass granularity only")
+    warnings.warn("quantize_fp8(recipe=...) is now quantize_fp8(granularity=...) (or positional); recipe= goes away "
+                  "in the next release", DeprecationWarning, stacklevel=3)
+    return recipe
 
 
 # Call signature (x's shape, dtype and device, the arguments) -> the launch of a kernel-path call (``_plan``):
@@ -262,38 +279,40 @@ def _keep(sig, run) -> None:
         _FP8_PLANS[sig] = run
 
 
-def kernel_launch(x: torch.Tensor, recipe, *, fmt="e4m3"):
-    """The kernel launch of ``quantize_fp8(x, recipe, fmt=fmt)`` (``fmt`` "int8": ``quantize_int8(x, recipe)``) on
-    CUDA tensors of x's shape, dtype and device: a function x -> (q, scales), checked and kept once (what a
-    layer calls on every forward). Its kernels refuse a strided or misaligned x (TypeError / ValueError)."""
+def kernel_launch(x: torch.Tensor, granularity, *, fmt="e4m3"):
+    """The kernel launch of ``quantize_fp8(x, granularity, fmt=fmt)`` (``fmt`` "int8": ``quantize_int8(x,
+    granularity)``) on CUDA tensors of x's shape, dtype and device: a function x -> (q, scales), checked and kept
+    once (what a layer calls on every forward). Its kernels refuse a strided or misaligned x (TypeError /
+    ValueError)."""
     if fmt == "int8":
-        sig = ("int8", x.shape, x.dtype, x.get_device(), recipe, "kernel")
+        sig = ("int8", x.shape, x.dtype, x.get_device(), granularity, "kernel")
         run = _FP8_PLANS.get(sig)
         if run is None:
-            gran, _ = _int8_arguments(x, recipe, "kernel")
+            gran, _ = _int8_arguments(x, granularity, "kernel")
             run = _FP8_PLANS[sig] = _plan(x, gran, INT8, 128, None)
         return run
-    sig = (x.shape, x.dtype, x.get_device(), recipe, fmt, 128, None, "a", "kernel")
+    sig = (x.shape, x.dtype, x.get_device(), granularity, fmt, 128, None, "a", "kernel")
     run = _FP8_PLANS.get(sig)
     if run is None:
-        gran, fmt_, block, layout, _ = _fp8_arguments(x, recipe, fmt, 128, None, "a", "kernel")
+        gran, fmt_, block, layout, _ = _fp8_arguments(x, granularity, fmt, 128, None, "a", "kernel")
         run = _FP8_PLANS[sig] = _plan(x, gran, fmt_, block, layout)
     return run
 
 
-def _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, backend, pointers=True):
+def _fp8_arguments(x, granularity, fmt, block, scale_layout, operand, backend, pointers=True):
     """(granularity, fmt, block, scale layout, whether the kernel runs) of a quantize_fp8 call, checked."""
-    gran = resolve_granularity(recipe, operand)
-    if isinstance(recipe, str) and recipe.lower() == "256x256" and block == 128:
+    gran = resolve_granularity(granularity, operand)
+    if isinstance(granularity, str) and granularity.lower() == "256x256" and block == 128:
         block = 256
     fmt, scale_layout, use_kernel = _validate(x, gran, fmt, block, scale_layout, backend, pointers)
     return gran, fmt, block, scale_layout, use_kernel
 
 
-def quantize_fp8_like(x, recipe="1x128", *, fmt="e4m3", block=128, scale_layout=None, operand="a"):
+def quantize_fp8_like(x, granularity="1x128", *, fmt="e4m3", block=128, scale_layout=None, operand="a"):
     """Empty ``(q, scales)`` with the shapes, dtypes and strides ``quantize_fp8(x, ...)`` returns, after its
     checks on the arguments but x's address: the op's fake implementation (x a fake or meta tensor)."""
-    gran, fmt, block, scale_layout, _ = _fp8_arguments(x, recipe, fmt, block, scale_layout, operand, "auto", False)
+    gran, fmt, block, scale_layout, _ = _fp8_arguments(x, granularity, fmt, block, scale_layout, operand, "auto",
+                                                       False)
     q, _, scales = _allocator(gran, fmt, block, scale_layout, *x.shape)(x)
     return q, scales
 
@@ -324,9 +343,29 @@ TUNING = {}
 AMAX_CTAS_PER_SM = 4  # per-tensor pass 1: resident CTAs per SM of its grid-stride grid
 
 
-def _get(kind, x, fmt, *cfg):
+def fp8_quantizer_entry(kind, src, fmt, *cfg, **tune):
+    """(entry, fake arguments) of the FP8 / INT8 quantizer kernel ``kind`` from input format ``src`` to ``fmt``, with
+    the kind's configuration ``cfg`` as ``_plan`` passes it ("group": group columns and scale layout; "block": the
+    block; "row_block": threads and block columns) and ``tune`` (``TUNING``). Imports the DSL."""
     from cutedsl_gemm.kernels.sm90 import quantize_fp8 as K
 
+    ti, to = src.cutlass_dtype(), fmt.cutlass_dtype()
+    if kind == "group":
+        return K.group_entry(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major", **tune)
+    if kind == "block":
+        return K.block_entry(ti, to, fmt.max_finite, cfg[0], **tune)
+    if kind == "row_block":
+        return K.row_block_entry(ti, to, fmt.max_finite, cfg[1], threads=cfg[0], **tune)
+    if kind == "row":
+        return K.row_entry(ti, to, fmt.max_finite, **tune)
+    if kind == "tensor_amax":
+        return K.tensor_amax_entry(ti, **tune)
+    if kind == "tensor_cast":
+        return K.tensor_cast_entry(ti, to, fmt.max_finite, **tune)
+    raise ValueError(f"no FP8 quantizer kernel {kind!r}")
+
+
+def _get(kind, x, fmt, *cfg):
     tune = dict(TUNING.get(kind, {}))
     src = float_format(x.dtype)
     key = ("quantize_fp8", kind, src.cutlass_name, fmt.name) + tuple(cfg) + tuple(sorted(tune.items()))
@@ -334,21 +373,7 @@ def _get(kind, x, fmt, *cfg):
     def build():
         from cutedsl_gemm.runtime.compile import compile_entry  # imports the DSL: only when compiling
 
-        ti, to = src.cutlass_dtype(), fmt.cutlass_dtype()
-        if kind == "group":
-            mn_major = cfg[1] == "mn_major"
-            return compile_entry(*K.group_entry(ti, to, fmt.max_finite, cfg[0], scale_mn_major=mn_major, **tune))
-        if kind == "block":
-            return compile_entry(*K.block_entry(ti, to, fmt.max_finite, cfg[0], **tune))
-        if kind == "row_block":
-            return compile_entry(*K.row_block_entry(ti, to, fmt.max_finite, cfg[1], threads=cfg[0], **tune))
-        if kind == "row":
-            return compile_entry(*K.row_entry(ti, to, fmt.max_finite, **tune))
-        if kind == "tensor_amax":
-            return compile_entry(*K.tensor_amax_entry(ti, **tune))
-        if kind == "tensor_cast":
-            return compile_entry(*K.tensor_cast_entry(ti, to, fmt.max_finite, **tune))
-        raise AssertionError(kind)
+        return compile_entry(*fp8_quantizer_entry(kind, src, fmt, *cfg, **tune))
 
     return KERNEL_CACHE.get(key, build)
 
@@ -557,8 +582,9 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
 
 def quantize_int8(x: torch.Tensor, granularity="row", *, backend: str = "auto"):
     """Symmetric INT8 quantization of a 2-D (rows, K) bf16/fp16/fp32 tensor for the int8 ``scaled_mm``:
-    ``(q, scales)``, q torch.int8 (rows, K) row-major, scales fp32 (rows, 1) contiguous ("row", per token or per
-    output channel) or shape () ("tensor").
+    ``(q, scales)``, q torch.int8 (rows, K) row-major, scales fp32 (rows, 1) contiguous (``granularity`` "row", the
+    default: per token or per output channel) or shape () ("tensor"); ``granularity`` positional or keyword, as
+    quantize_fp8's.
 
     Numerics (:func:`~cutedsl_gemm.numerics.reference.quantize_int8_reference`, which the kernels match bit for
     bit): ``scale = amax / 127`` over the finite ``|x|`` of the row or tensor (1 where there is none or all are
