@@ -67,7 +67,7 @@ SAMPLE = (
 )
 
 #: The quantizer kernels, name -> (arch, kind, arguments): "fp8" kinds are ``ops.quantize``'s FP8 / INT8 kernels
-#: (kind, input, output, then the kind's configuration as ``ops.quantize`` passes it), "block" the MX / NVFP4
+#: (``fp8_quantizer_entry``'s kind, input, output and configuration), "block" the MX / NVFP4
 #: quantizer (recipe, element format, input dtype, whether it computes the global scale).
 QUANTIZERS = {
     "sm_90a_quantize_group_bf16_e4m3_mn_major": (SM90, "fp8", ("group", "bf16", "e4m3", 128, "mn_major")),
@@ -121,21 +121,12 @@ def _quantizer_ptx(arch: str, kind: str, args: tuple) -> str:
         recipe, fmt, src, compute_global = args
         dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[src]
         return compile_quantizer(recipe, fmt, dtype, compute_global, keep_ptx=True, arch=arch).__ptx__
-    from cutedsl_gemm.kernels.sm90 import quantize_fp8 as K
-    from cutedsl_gemm.runtime.compile import compile_entry
+    from cutedsl_gemm.ops.quantize import fp8_quantizer_entry
+    from cutedsl_gemm.runtime.compile import compile_entry, targeting
 
-    which, src, dst, *cfg = args
-    ti, fmt = float_format(src).cutlass_dtype(), element_format(dst)
-    to = fmt.cutlass_dtype()
-    entry = {
-        "group": lambda: K.group_entry(ti, to, fmt.max_finite, cfg[0], scale_mn_major=cfg[1] == "mn_major"),
-        "block": lambda: K.block_entry(ti, to, fmt.max_finite, cfg[0]),
-        "row_block": lambda: K.row_block_entry(ti, to, fmt.max_finite, cfg[1], threads=cfg[0]),
-        "row": lambda: K.row_entry(ti, to, fmt.max_finite),
-        "tensor_amax": lambda: K.tensor_amax_entry(ti),
-        "tensor_cast": lambda: K.tensor_cast_entry(ti, to, fmt.max_finite),
-    }[which]()
-    with tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_") as tmp:
+    kind, src, dst, *cfg = args
+    with targeting(arch), tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_") as tmp:
+        entry = fp8_quantizer_entry(kind, float_format(src), element_format(dst), *cfg)
         return compile_entry(*entry, arch=arch, ptx_dump_dir=tmp).__ptx__
 
 
