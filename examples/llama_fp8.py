@@ -7,8 +7,10 @@ converted one (each decode step replayed from a CUDA graph) and compare tokens/s
 
 Without --checkpoint the model is a random-weight Llama with Llama-3-8B dimensions and --layers layers (nothing is
 downloaded). With it, the checkpoint is loaded from that directory (local_files_only); when the directory holds a
-tokenizer, the prompt is text and both generations are printed. Needs a Hopper GPU and transformers
-(pip install -e ".[models]").
+tokenizer, the prompt is text and both generations are printed. Needs transformers (pip install -e ".[models]");
+generating needs a Hopper GPU. Without one the script converts a tiny random-weight Llama of the same architecture
+on the CPU (the weights quantized by the kernels' torch reference, the same bits) and prints what was converted,
+what was kept and the layers' quantized buffers.
 """
 
 import argparse
@@ -36,6 +38,20 @@ def load(args):
     return model.to("cuda").eval().requires_grad_(False), tokenizer
 
 
+def convert_only(args):
+    """No Hopper GPU: ``convert`` on a tiny random-weight Llama on the CPU, and what it made of each layer."""
+    model = M.random_llama(M.llama_config(2, M.TINY_LLAMA), "cpu")
+    report = cnn.convert(model, recipe=args.recipe, filter=lambda name, module: name != "lm_head")
+    print(f"No Hopper GPU here: converted a 2-layer Llama with hidden size {model.config.hidden_size} on the CPU "
+          f"({args.recipe}): {report}")
+    for name in report.converted[:7]:  # one decoder layer's linears
+        layer = model.get_submodule(name)
+        buffers = ", ".join(f"{k} {tuple(v.shape)} {str(v.dtype).replace('torch.', '')}"
+                            for k, v in layer.state_dict().items() if k != "_extra_state")
+        print(f"  {name}: {buffers}")
+    print("Generating with the converted model, and timing it against bf16, needs a Hopper GPU (H100, H200 or H800).")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", metavar="DIR", help="a local transformers checkpoint (default: random weights)")
@@ -48,8 +64,7 @@ def main():
     p.add_argument("--prompt-length", type=int, default=32, help="random prompt tokens without a tokenizer")
     args = p.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-        raise SystemExit("this example runs the library's kernels on a Hopper GPU (H100/H200); no Hopper GPU here. "
-                         "`cutedsl-gemm demo` shows what runs without one")
+        return convert_only(args)
     if args.tokens < 2:
         raise SystemExit("--tokens must be at least 2")
 

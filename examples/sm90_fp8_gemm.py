@@ -2,7 +2,9 @@
 
     python examples/sm90_fp8_gemm.py [--m 4096 --n 4608 --k 7168 --recipe row]
 
-Needs a Hopper GPU; elsewhere use `cutedsl-gemm demo`, which compiles and inspects the kernels.
+On a Hopper GPU it runs the GEMM. Without one it quantizes with the torch reference (the kernels' bits), finds the
+kernel ``scaled_mm`` runs for this call on an H100 (132 SMs), compiles it for sm_90a and prints what its PTX holds,
+and the quantization error of the float64 reference; nothing is executed then.
 """
 
 import argparse
@@ -10,6 +12,35 @@ import argparse
 import torch
 
 import cutedsl_gemm
+
+
+def compile_only(args):
+    """No Hopper GPU: the call described for an H100, its kernel compiled for sm_90a and inspected."""
+    from cutedsl_gemm import problem
+    from cutedsl_gemm.numerics.reference import rel_error
+    from cutedsl_gemm.selection import dispatch
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    m, n, k = args.m, args.n, args.k
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    w = torch.randn(n, k, dtype=torch.bfloat16)
+    qx, sx = cutedsl_gemm.quantize_fp8(x, args.recipe)  # on the CPU: the torch reference, the kernels' bits
+    qw, sw = cutedsl_gemm.quantize_fp8(w, args.recipe)
+    scale_w = sw if args.recipe == "tensor" else sw.reshape(1, n)
+    call, _ = problem.describe_scaled_mm(qx, qw.t(), sx, scale_w, None, torch.bfloat16, None, False, None, None, None,
+                                         None, x.device, target=("sm_90a", 132))
+    # (the K split is chosen on the GPU, from the clusters it holds at once)
+    inst = dispatch.select_gemm(call.arch, call.recipe, call.a_format, call.b_format, call.out_name, call.bias_name,
+                                call.m, call.accum, n=call.n, sms=call.sms, k=call.k)
+    print(f"No Hopper GPU here: on an H100 (132 SMs) scaled_mm runs {inst.name} for M={m} N={n} K={k}; "
+          "compiled for sm_90a, not executed:")
+    print("\n".join(inspect_instance(inst).summary_lines()))
+    rows = slice(0, 64)  # the float64 reference on a few rows
+    srows = sx if sx.dim() == 0 else sx[rows]
+    exact = (qx[rows].double() * srows.double()) @ (qw.double() * sw.double()).t()
+    print(f"quantization error ({args.recipe}, first 64 rows) of the float64 reference vs the bf16 inputs' product: "
+          f"{rel_error(exact, x[rows].double() @ w.double().t()):.2e}")
+    print("Running the GEMM and timing it against cuBLAS needs a Hopper GPU (H100, H200 or H800).")
 
 
 def main():
@@ -20,7 +51,7 @@ def main():
     p.add_argument("--recipe", choices=["tensor", "row"], default="row")
     args = p.parse_args()
     if not (torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9):
-        raise SystemExit("this example runs on a Hopper GPU; try `cutedsl-gemm demo` for the compile-only view")
+        return compile_only(args)
     m, n, k = args.m, args.n, args.k
 
     # Activations and weights in bf16, quantized to E4M3 on the GPU (scales: (M, 1) and (N, 1) per row).
