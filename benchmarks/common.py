@@ -138,37 +138,6 @@ def measured_floors() -> Floors:
     return read_floors(RESULTS_DIR / f"{FLOOR_NAME}.json", gpu_name())
 
 
-class _MeasuredHbm:
-    """``HBM_TBPS`` for modules that have not moved to ``measured_floors()``: it reads ``measured_floors().hbm_tbps``
-    when used in arithmetic or formatted, not when imported."""
-
-    def __float__(self):
-        return measured_floors().hbm_tbps
-
-    def __format__(self, spec):
-        return format(float(self), spec)
-
-    def __mul__(self, other):
-        return float(self) * other
-
-    __rmul__ = __mul__
-
-    def __truediv__(self, other):
-        return float(self) / other
-
-    def __rtruediv__(self, other):
-        return other / float(self)
-
-    def __repr__(self):
-        return "measured_floors().hbm_tbps"
-
-
-def __getattr__(name):
-    if name == "HBM_TBPS":  # deprecated: use measured_floors().hbm_tbps
-        return _MeasuredHbm()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 SETS = {
     "dsv3": [(m, n, k) for m in (1024, 6144) for (n, k) in (
         (1536, 7168), (3072, 1536), (576, 7168), (7168, 256), (7168, 2048),
