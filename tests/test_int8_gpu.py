@@ -16,7 +16,8 @@ from cutedsl_gemm.numerics.formats import INT8
 
 pytestmark = pytest.mark.gpu
 
-# The issue's shape set; K = 464 is a multiple of 16 (TMA rows) but not of the 128-deep K tile.
+# M from decode to prefill, N up to DeepSeek-V3's 4608 and 7168 (576: a partial last N tile); K = 464 is a multiple
+# of 16 (TMA rows) but not of the 128-deep K tile.
 MS = [1, 7, 64, 129, 1000, 6144]
 NS = [512, 576, 4608, 7168]
 KS = [256, 2048, 7168, 464]

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.gpu
 
 RECIPES = ["1x128_128x128", "128x128_128x128", "1x128_1x128"]
 
-# (M, N, K, A fmt, B fmt, out dtype, bias): the Hopper FP8 issue's shapes plus K = 7056 (a partial last K
-# block) and N = 576 / 1040 (a partial last N block).
+# (M, N, K, A fmt, B fmt, out dtype, bias): M from decode to prefill at DeepSeek-V3's N and K (4608, 7168, 2048),
+# plus K = 7056 (a partial last K block) and N = 576 / 1040 (a partial last N block).
 SHAPES = [
     (1, 512, 256, "e4m3", "e4m3", torch.bfloat16, False),
     (7, 576, 2048, "e4m3", "e4m3", torch.bfloat16, True),
