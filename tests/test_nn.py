@@ -291,9 +291,10 @@ def test_int4_recipes_cover_every_group_with_and_without_zero_points():
 
 def test_int4_recipe_archs_are_the_instance_tables_rows_of_its_group_and_zero_points(monkeypatch):
     from cutedsl_gemm.nn import recipes
-    from cutedsl_gemm.selection.instances import INSTANCES
+    from cutedsl_gemm.selection.instances import table
 
-    monkeypatch.setattr(recipes, "INSTANCES", [i for i in INSTANCES if i.recipe != "group64_zeros"])
+    rows = tuple(i for i in table() if i.recipe != "group64_zeros")
+    monkeypatch.setattr(recipes, "table", lambda: rows)
     assert {name: cnn.LINEAR_RECIPES[name].archs for name in INT4_RECIPES} == {
         name: () if name == "int4_weight_g64_zp" else ("sm_90a",) for name in INT4_RECIPES}
 

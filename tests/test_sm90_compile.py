@@ -178,7 +178,7 @@ def test_dispatch_counts_the_clusters_that_fit():
     assert clusters(pick(4096, 576, 7168)) == (128, 144, 2, 1)  # 128 tiles in one wave: 31.5 vs 43.0
     assert clusters(pick(2048, 576, 7168)) == (128, 96, 1, 1)  # 22.0 vs 23.5 (in 2x1 clusters then)
     assert clusters(pick(6144, 4096, 4096)) == (128, 192, 2, 1)
-    four = next(i for i in dispatch.INSTANCES if (i.cluster_m, i.cluster_n, i.recipe) == (4, 1, "tensor"))
+    four = next(i for i in table.table() if (i.cluster_m, i.cluster_n, i.recipe) == (4, 1, "tensor"))
     two = replace(four, cluster_m=2)
     # same tiles, the same two waves: the 4x1 rate gain decides
     assert dispatch.wave_cost(four, 6144, 576, 132) < dispatch.wave_cost(two, 6144, 576, 132)
@@ -229,19 +229,19 @@ def test_fast_accumulation_dispatch_uses_its_own_rates():
 def test_table_rejects_oversize_tiles_with_reason():
     bad = table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, accum="promoted")
     with pytest.raises(table.InstanceTableError, match="does not fit"):
-        table.expand([bad])
+        table.validate_table(table.expand([bad]))
     too_many = table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 256, stages=6, accum="fast")
     with pytest.raises(table.InstanceTableError, match="shared memory"):
-        table.expand([too_many])
+        table.validate_table(table.expand([too_many]))
 
 
 def test_table_rejects_bad_decode_tiles_with_reason():
     narrow = table.TileConfig("sm_90a", "gemm", "small_m", ("row",), 128, 8, swap_ab=True)
     with pytest.raises(table.InstanceTableError, match="multiple of 16"):
-        table.expand([narrow])
+        table.validate_table(table.expand([narrow]))
     deep_block = table.TileConfig("sm_90a", "gemm", "small_m", ("1x128_128x128",), 128, 16, swap_ab=True, tile_k=256)
     with pytest.raises(table.InstanceTableError, match="needs tile_k=128"):
-        table.expand([deep_block])
+        table.validate_table(table.expand([deep_block]))
 
 
 @pytest.mark.parametrize("recipe", ["1x128_128x128", "128x128_128x128", "1x128_1x128"])
@@ -277,7 +277,8 @@ def test_two_ctas_per_sm_compile_for_half_an_sm():
     assert 0 < rep.registers <= 128 and rep.frame_bytes == 0
     assert 2 * (Sm90Fp8Gemm(inst.sm90_config()).smem_bytes + 1024) <= 233472 == smem_capacity(1) + 1024
     with pytest.raises(table.InstanceTableError, match="tile_m=64"):
-        table.expand([table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128, ctas_per_sm=2)])
+        table.validate_table(table.expand([table.TileConfig("sm_90a", "gemm", "cooperative", ("row",), 128, 128,
+                                                            ctas_per_sm=2)]))
 
 
 def test_block_scaled_pairs_give_the_consumers_224_registers_and_do_not_spill():
@@ -424,7 +425,7 @@ def test_a_group_scales_may_come_by_tma():
     own_loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes"
 
     def row(recipe, tile_m, tile_n, ctas_per_sm=1):
-        return next(i for i in dispatch.INSTANCES if (i.arch, i.schedule, i.recipe, i.tile_m, i.tile_n, i.ctas_per_sm,
+        return next(i for i in table.table() if (i.arch, i.schedule, i.recipe, i.tile_m, i.tile_n, i.ctas_per_sm,
                                                       i.a_dtype, i.b_dtype, i.out_dtype, i.bias_dtype, i.split_tail)
                     == ("sm_90a", "cooperative", recipe, tile_m, tile_n, ctas_per_sm, "e4m3", "e4m3", "bf16", None,
                         False))

@@ -41,7 +41,8 @@ def test_decode_kernels_are_swapped_and_as_narrow_as_m(recipe):
 
 @pytest.mark.parametrize(
     "m,n,k,want",
-    [(1, 8192, 8192, 1), (128, 8192, 8192, 1), (16, 10240, 8192, 1), (64, 8192, 28672, 1), (1, 57344, 8192, 1),
+    [(1, 8192, 8192, 1), (128, 8192, 8192, 1), (16, 10240, 8192, 1), (1, 57344, 8192, 1),
+     (64, 8192, 28672, 2),  # 64 tiles at 224 K tiles: a whole wave (dispatch runs 128 tiles of 64x64 there)
      (1, 4096, 8192, 2), (1, 576, 7168, 12),  # swapped decode kernels: split below half a wave of tiles
      (1024, 1536, 7168, 2),  # cooperative 128x192 tiles: 64 tiles on 132 SMs
      (1024, 576, 7168, 5),
