@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from cutedsl_gemm.selection.instances import INSTANCES, SM90, SM100
+from cutedsl_gemm.selection.instances import SM90, SM100, table
 
 #: Instances of the table, one per kernel family (``generators.catalog.sample`` picked them; held fixed by name so
 #: that the sample compared stays the same while the table grows).
@@ -102,7 +102,7 @@ def fingerprint(ptx: str) -> str:
 
 
 def _instance(name: str):
-    for inst in INSTANCES:
+    for inst in table():
         if inst.name == name and not inst.stages:
             return inst
     raise LookupError(f"{name} is no longer in the instance table: pick its family's replacement in SAMPLE")
@@ -195,7 +195,7 @@ def uncovered_families() -> List[tuple]:
     from cutedsl_gemm.generators.catalog import family_key
 
     have = {family_key(_instance(n)) for n in SAMPLE}
-    return sorted({family_key(i) for i in INSTANCES} - have, key=str)
+    return sorted({family_key(i) for i in table()} - have, key=str)
 
 
 def main(argv=None) -> int:
