@@ -24,7 +24,9 @@ def max_active_clusters(index: int, cluster_size: int) -> int:
     from cutlass.utils import HardwareInfo
 
     with torch.cuda.device(index):
-        torch.cuda.init()
+        # The query goes through the driver API, which needs the device's context current on this thread;
+        # torch.cuda.init() does not make it so before the first CUDA call, a synchronize does.
+        torch.cuda.synchronize(index)
         try:
             return max(1, HardwareInfo().get_max_active_clusters(cluster_size))
         except Exception as e:  # the query needs the driver API; without it, assume every SM is usable
