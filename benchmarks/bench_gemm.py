@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.tools.anchors import cublas_call, int_mm_call, make_operands
+from cutedsl_gemm.tools.baselines import cublas_call, int_mm_call, make_operands
 
 from . import common
 from .common import SET_TITLES, SETS, bench, gbps, geomean, tflops

@@ -1,8 +1,8 @@
 """The linear layers of a Llama-3-8B stack without the rest of the model: per layer 4096->6144 (QKV), 4096->4096
 (O), 4096->28672 (gate+up), 14336->4096 (down), distinct weights, bf16 activations in and out; one forward of the
 stack runs every linear once on an (M, K) input of its K. Three ways, timed in turns in one process: bf16
-(``torch.matmul`` through ``nn.Linear``), torch FP8 (``anchors.TorchFp8Linear``: torch-side quantization +
-``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.Fp8Linear``: the quantizer, then ``scaled_mm``). For the recipes
+(``torch.matmul`` through ``nn.Linear``), torch FP8 (``baselines.TorchFp8Linear``: torch-side quantization +
+``torch._scaled_mm``) and ours (``cutedsl_gemm.nn.QuantizedLinear``: the quantizer, then ``scaled_mm``). For the recipes
 with one-kernel rows (DeepSeek's, per token), a variant runs the one kernel that quantizes the activations inside
 the GEMM at every M it takes (``quantize_scaled_mm(..., in_kernel=True)``; refused above its 32-token tiles).
 
@@ -23,7 +23,7 @@ import torch
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.selection.instances import INSTANCES, QUANT_GEMM
 from cutedsl_gemm.tools import models as M
-from cutedsl_gemm.tools.anchors import TorchFp8Linear
+from cutedsl_gemm.tools.baselines import TorchFp8Linear
 from cutedsl_gemm.tools.cli import positive_int
 
 from . import common
@@ -44,10 +44,11 @@ ONE_KERNEL_COLUMNS = ["1 kernel ms", "1 kernel x ours"]
 
 
 class OneKernelLinear(torch.nn.Module):
-    """An ``Fp8Linear`` run as ``quantize_scaled_mm(..., in_kernel=True)``: its activations quantized inside the GEMM
+    """A ``QuantizedLinear`` run as ``quantize_scaled_mm(..., in_kernel=True)``: its activations quantized inside the
+    GEMM
     whatever dispatch would choose (a ValueError above the one-kernel rows' 32-token tiles)."""
 
-    def __init__(self, layer: cnn.Fp8Linear):
+    def __init__(self, layer: cnn.QuantizedLinear):
         super().__init__()
         self.in_features, self.layer = layer.in_features, layer
         self.scale_recipe_b = cnn.linear_recipe(layer.recipe).scaling.b.scaling_type
@@ -85,7 +86,7 @@ def build_stacks(layers: int, recipe: str, variants, device="cuda", seed: int = 
     if "torch FP8" in variants:
         stacks["torch FP8"] = [TorchFp8Linear.from_linear(lin, cnn.linear_recipe(recipe).scaling) for lin in bf16]
     if "ours" in variants:
-        stacks["ours"] = [cnn.Fp8Linear.from_linear(lin, recipe=recipe) for lin in bf16]
+        stacks["ours"] = [cnn.QuantizedLinear.from_linear(lin, recipe=recipe) for lin in bf16]
         if "ours, 1 kernel" in variants and has_one_kernel_rows(recipe):
             stacks["ours, 1 kernel"] = [OneKernelLinear(layer) for layer in stacks["ours"]]
     return {v: stacks[v] for v in VARIANTS if v in variants and v in stacks}

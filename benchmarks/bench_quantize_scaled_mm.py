@@ -32,7 +32,7 @@ import cutedsl_gemm
 from cutedsl_gemm import problem as P
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.tools import models as M
-from cutedsl_gemm.tools.anchors import TorchFp8Linear
+from cutedsl_gemm.tools.baselines import TorchFp8Linear
 
 from . import common
 from .bench_model import TorchInt8Linear, positive_ints

@@ -6,7 +6,7 @@ M = 1..4096, the data behind the heatmaps of BENCHMARKS.md.
     python -m benchmarks.bench_sweep --audit --ms 32,64,128,256 --recipes tensor   (-> results/sweep_audit.json)
     python -m benchmarks.render              (BENCHMARKS.md and its heatmaps docs/sweep_ratio.png, sweep_floor.png)
 
-Per shape: our ``scaled_mm`` (into a NaN-poisoned ``out``) and cuBLAS for the same recipe (``tools.anchors``) on
+Per shape: our ``scaled_mm`` (into a NaN-poisoned ``out``) and cuBLAS for the same recipe (``tools.baselines``) on
 the same data, timed in ``--rounds`` interleaved rounds (ours, cuBLAS, ours, cuBLAS; ``common.bench``: L2
 emptied before each run); the ratio is cuBLAS us / ours us (above 1: faster than cuBLAS). Each row names the
 instance and K splits dispatch picked, its TFLOPS and GB/s, and its fraction of the shape's floor: the longer of
@@ -34,7 +34,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch, instances
-from cutedsl_gemm.tools.anchors import cublas_call, make_operands
+from cutedsl_gemm.tools.baselines import cublas_call, make_operands
 
 from . import common, render
 from .tune_tiles import direct_call, interleaved_times, tile_label

@@ -1,6 +1,6 @@
 """Shared benchmark plumbing: shape sets, the GPU's measured floors, timing, and the result files.
 
-Operands and the cuBLAS calls they are measured against come from ``cutedsl_gemm.tools.anchors``. Every "% of"
+Operands and the cuBLAS calls they are measured against come from ``cutedsl_gemm.tools.baselines``. Every "% of"
 and floor column is measured against ``measured_floors()``: what ``python -m benchmarks.measure_floor`` recorded
 on this GPU (``benchmarks/results/floor.json``), never a datasheet figure.
 """

@@ -26,7 +26,7 @@ import cutedsl_gemm
 from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.ops import scaled_mm as api
 from cutedsl_gemm.runtime import launch
-from cutedsl_gemm.tools.anchors import cublas_call, make_operands
+from cutedsl_gemm.tools.baselines import cublas_call, make_operands
 
 from . import common
 
@@ -159,7 +159,8 @@ def linear_paths(m, n, k):
     linear = torch.nn.Linear(k, n, bias=False).to("cuda", torch.bfloat16)
     x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
     x3 = x.view(1, m, k)
-    layers = {r: cnn.Fp8Linear.from_linear(linear, r) for r in ("row", "tensor", "deepseek", "int8", "int4_weight")}
+    layers = {r: cnn.QuantizedLinear.from_linear(linear, r)
+              for r in ("row", "tensor", "deepseek", "int8", "int4_weight")}
     row = layers["row"]
     b, sb = row.weight.t(), row.weight_scale
     qa, sa = cutedsl_gemm.quantize_fp8(x, "row")
@@ -174,12 +175,12 @@ def linear_paths(m, n, k):
         "quantize_fp8 row": lambda: cutedsl_gemm.quantize_fp8(x, "row"),
         "scaled_mm row": lambda: cutedsl_gemm.scaled_mm(qa, b, sa, sb),
         "quantize_fp8 + scaled_mm by hand": by_hand,
-        "Fp8Linear row 2-D": lambda: row(x),
-        "Fp8Linear row 3-D": lambda: row(x3),
+        "QuantizedLinear row 2-D": lambda: row(x),
+        "QuantizedLinear row 3-D": lambda: row(x3),
         "torch.ops.cutedsl_gemm.fp8_linear row": lambda: op(x, row.weight, sb, None, None, "row"),
     }
     for r in ("tensor", "deepseek", "int8", "int4_weight"):
-        paths[f"Fp8Linear {r} 2-D"] = lambda layer=layers[r]: layer(x)
+        paths[f"QuantizedLinear {r} 2-D"] = lambda layer=layers[r]: layer(x)
     paths["bf16 F.linear"] = lambda: torch.nn.functional.linear(x, w)
     return paths
 

@@ -1,6 +1,6 @@
 """The "torch" variant of the model benchmarks: for each recipe of ``cutedsl_gemm.nn``, the linear layer a torch
 user writes with torch's own kernels (``TORCH_PATHS``, ``torch_path``): FP8 recipes through
-``anchors.TorchFp8Linear`` (torch-side quantization + ``torch._scaled_mm``, ``F.scaled_mm`` for block scales);
+``baselines.TorchFp8Linear`` (torch-side quantization + ``torch._scaled_mm``, ``F.scaled_mm`` for block scales);
 "int8": torch-side per-token int8 quantization + ``torch._int_mm`` + the scale multiply; "int8_weight":
 ``torch._weight_int8pack_mm``; "int4_weight": ``torch._weight_int4pack_mm`` (group 128). Other recipes have none.
 """
@@ -11,7 +11,7 @@ import torch
 
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.numerics import int_packing as IP
-from cutedsl_gemm.tools.anchors import TorchFp8Linear, int_mm_call
+from cutedsl_gemm.tools.baselines import TorchFp8Linear, int_mm_call
 
 
 # ---- torch's integer linear layers ------------------------------------------------------------------------------
@@ -48,7 +48,7 @@ class _TorchLinear(torch.nn.Module):
 class TorchInt8Linear(_TorchLinear):
     """W8A8 as a torch user writes it: the weight quantized per output channel once, the activations per token on
     every call (:func:`torch_quantize_int8`), ``torch._int_mm`` and the scale multiply in torch
-    (``anchors.int_mm_call``). ``torch._int_mm`` refuses M <= 16: smaller inputs are padded to 32 rows."""
+    (``baselines.int_mm_call``). ``torch._int_mm`` refuses M <= 16: smaller inputs are padded to 32 rows."""
 
     MIN_ROWS = 32
 

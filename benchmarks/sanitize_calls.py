@@ -19,7 +19,7 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.tools.anchors import make_operands
+from cutedsl_gemm.tools.baselines import make_operands
 
 from .common import dispatched, require_gpu
 

@@ -28,7 +28,7 @@ from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection.instances import KernelInstance
-from cutedsl_gemm.tools.anchors import cublas_call, make_operands
+from cutedsl_gemm.tools.baselines import cublas_call, make_operands
 
 from . import common
 from .common import bench

@@ -16,7 +16,7 @@ from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.numerics import int_packing as IP
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ScaleGranularity
-from cutedsl_gemm.tools import anchors, cli
+from cutedsl_gemm.tools import baselines, cli
 from cutedsl_gemm.tools import models as M
 
 pytest.importorskip("transformers")
@@ -48,7 +48,7 @@ def test_streamed_bytes_counts_every_weight_once_and_the_steps_embedding_rows():
     assert S.linear_bytes(model, names) == 2 * linears and S.linear_bytes(model, ["lm_head"]) == 2 * v * h
 
     # the same model with torch's FP8 row-wise layers: one byte per weight plus an fp32 scale per output channel
-    M.replace_modules(model, names, lambda lin: anchors.TorchFp8Linear.from_linear(lin, "row"))
+    M.replace_modules(model, names, lambda lin: baselines.TorchFp8Linear.from_linear(lin, "row"))
     scales = layers * sum(4 * n for n, _ in linear_shapes(config))
     assert S.streamed_bytes(model, 3) == linears + scales + norms + 2 * v * h + 3 * h * 2 + rotary
     assert S.linear_bytes(model, names) == linears + scales
@@ -83,7 +83,7 @@ def test_linear_stacks_share_one_set_of_weights():
     assert [(m.out_features, m.in_features) for m in ours] == [(n, k) for n, k in shapes] * 2
     assert not torch.equal(bf16[0].weight, bf16[2].weight)  # distinct layers
     for lin, t, o in zip(bf16, theirs, ours):  # quantized from the same weights, the same bits
-        qw, sw = anchors.torch_quantize_fp8(lin.weight, "row")
+        qw, sw = baselines.torch_quantize_fp8(lin.weight, "row")
         for layer in (t, o):
             assert torch.equal(layer.weight.view(torch.uint8), qw.view(torch.uint8))
             assert torch.equal(layer.weight_scale, sw.reshape(1, -1))
@@ -99,7 +99,7 @@ def test_linear_stacks_share_one_set_of_weights():
 def test_torch_fp8_linear_against_the_float64_reference(recipe):
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 384, bias=True).to(torch.bfloat16).requires_grad_(False)
-    layer = anchors.TorchFp8Linear.from_linear(linear, recipe)
+    layer = baselines.TorchFp8Linear.from_linear(linear, recipe)
     x = 3 * torch.randn(2, 5, 256, dtype=torch.bfloat16)
     y = layer(x)
     assert y.shape == (2, 5, 384) and y.dtype == torch.bfloat16
@@ -108,10 +108,10 @@ def test_torch_fp8_linear_against_the_float64_reference(recipe):
 
     # torch's quantization is the library's reference quantizer, bit for bit, on groups that are not all zero
     x2 = x.reshape(-1, 256)
-    qx, sx = anchors.torch_quantize_fp8(x2, recipe)
+    qx, sx = baselines.torch_quantize_fp8(x2, recipe)
     rq, rs = R.quantize(x2, ScaleGranularity.named(recipe))
     assert torch.equal(qx.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(sx, rs)
-    qw, sw = anchors.torch_quantize_fp8(linear.weight, recipe)
+    qw, sw = baselines.torch_quantize_fp8(linear.weight, recipe)
     exact = R.reference_gemm(qx, sx, qw, sw, recipe, bias=linear.bias)
     assert R.rel_error(y.reshape(-1, 384), exact) < 4e-3  # the bf16 output's rounding
     unquantized = x2.double() @ linear.weight.double().t() + linear.bias.double()
@@ -120,17 +120,17 @@ def test_torch_fp8_linear_against_the_float64_reference(recipe):
 
 def test_torch_fp8_linear_deepseek_layouts_and_refusals():
     w = torch.randn(256, 384, dtype=torch.bfloat16)
-    layer = anchors.TorchFp8Linear(w, None, "1x128_128x128")
+    layer = baselines.TorchFp8Linear(w, None, "1x128_128x128")
     # F.scaled_mm's BlockWise128x128 operand: (N/128, Kb padded to 4) transposed
     assert layer.weight_scale.shape == (4, 2) and layer.weight_scale.stride() == (1, 4)
-    _, sw = anchors.torch_quantize_fp8(w, "128x128")
+    _, sw = baselines.torch_quantize_fp8(w, "128x128")
     assert torch.equal(layer.weight_scale[:3], sw.t()) and bool((layer.weight_scale[3:] == 1).all())
     with pytest.raises(ValueError, match="runs the recipes"):
-        anchors.TorchFp8Linear(w, None, "mx")
+        baselines.TorchFp8Linear(w, None, "mx")
     with pytest.raises(ValueError, match="whole 128x128 groups"):
-        anchors.TorchFp8Linear(torch.randn(200, 384), None, "1x128_128x128")
+        baselines.TorchFp8Linear(torch.randn(200, 384), None, "1x128_128x128")
     with pytest.raises(ValueError, match="expects bf16 input"):
-        anchors.TorchFp8Linear(w, None, "row")(torch.randn(3, 384))
+        baselines.TorchFp8Linear(w, None, "row")(torch.randn(3, 384))
 
 
 def test_torch_int8_linear_against_the_float64_reference():
@@ -171,7 +171,7 @@ def test_torch_weight_only_linears_against_the_float64_reference(cls, bits, grou
 
 def test_each_recipe_has_a_torch_path_or_a_note():
     make, what = T.torch_path("row")
-    assert isinstance(make(torch.nn.Linear(256, 128).to(torch.bfloat16)), anchors.TorchFp8Linear)
+    assert isinstance(make(torch.nn.Linear(256, 128).to(torch.bfloat16)), baselines.TorchFp8Linear)
     assert "torch._scaled_mm" in what and "F.scaled_mm" in T.torch_path("deepseek")[1]
     assert T.torch_path("int8")[0] == T.TorchInt8Linear.from_linear
     assert bench_model.TorchInt8Linear is T.TorchInt8Linear  # other benchmarks import it from bench_model
@@ -216,7 +216,7 @@ def test_the_tiny_check_runs_in_a_child_and_drops_the_variants_that_crash_it(mon
 
 @pytest.mark.parametrize("recipe", ["tensor", "row", "1x128_128x128", "128x128_128x128"])
 def test_make_operands_scale_layouts(recipe):
-    qa, qw, sa, sb, (_, sa_plain, _, sw_plain) = anchors.make_operands(3, 256, 384, recipe, device="cpu")
+    qa, qw, sa, sb, (_, sa_plain, _, sw_plain) = baselines.make_operands(3, 256, 384, recipe, device="cpu")
     expect = {"tensor": ((), ()), "row": ((3, 1), (1, 256)), "1x128_128x128": ((3, 3), (4, 2)),
               "128x128_128x128": ((1, 4), (4, 2))}[recipe]
     assert (tuple(sa.shape), tuple(sb.shape)) == expect
@@ -322,10 +322,11 @@ def test_the_variants_of_a_recipe_convert_the_same_layers_of_one_model(lm_head):
         assert theirs.names == ours.names == noop.names == decoder + ["lm_head"] * (head == "converted")
         for name in decoder:
             assert type(bf16.get_submodule(name)) is torch.nn.Linear
-            assert isinstance(theirs.model.get_submodule(name), anchors.TorchFp8Linear)
-            assert isinstance(ours.model.get_submodule(name), cnn.Fp8Linear)
+            assert isinstance(theirs.model.get_submodule(name), baselines.TorchFp8Linear)
+            assert isinstance(ours.model.get_submodule(name), cnn.QuantizedLinear)
             assert isinstance(noop.model.get_submodule(name), S.NoopLinear)
-        kinds = (anchors.TorchFp8Linear, cnn.Fp8Linear, S.NoopLinear) if head == "converted" else (torch.nn.Linear,) * 3
+        kinds = ((baselines.TorchFp8Linear, cnn.QuantizedLinear, S.NoopLinear) if head == "converted"
+                 else (torch.nn.Linear,) * 3)
         for v, kind in zip((theirs, ours, noop), kinds):
             assert type(v.model.lm_head) is kind
             assert v.model.model.embed_tokens.weight is bf16.model.embed_tokens.weight

@@ -100,6 +100,6 @@ HOPPER_RECIPES = [name for name, r in cnn.LINEAR_RECIPES.items() if "sm_90a" in 
 @pytest.mark.parametrize("recipe", HOPPER_RECIPES)
 def test_layer_replays_like_eager(recipe):
     torch.manual_seed(0)
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(K, N).to("cuda", torch.bfloat16), recipe)
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(K, N).to("cuda", torch.bfloat16), recipe)
     with torch.no_grad():
         _replays_like_eager(lambda: (torch.randn(4, 6, K, device="cuda", dtype=torch.bfloat16),), layer)

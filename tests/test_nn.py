@@ -84,7 +84,7 @@ def test_convert_tiny_llama_says_what_it_skipped(recipe):
     assert all("\n" not in why for why in report.skipped.values())
     for name, module in model.named_modules():
         if name in converted:
-            assert type(module) is cnn.Fp8Linear and module.recipe == recipe
+            assert type(module) is cnn.QuantizedLinear and module.recipe == recipe
         elif name in report.skipped:
             assert type(module) is torch.nn.Linear
     assert f"{len(converted)} linear layers converted, {len(report.skipped)} skipped" in str(report)
@@ -107,13 +107,13 @@ def test_a_module_shared_by_two_parents_is_converted_once():
     model = torch.nn.ModuleDict({"a": torch.nn.Sequential(shared), "b": torch.nn.Sequential(shared)})
     report = cnn.convert(model, "tensor")
     assert report.converted == ["a.0"]
-    assert model["a"][0] is model["b"][0] and isinstance(model["b"][0], cnn.Fp8Linear)
+    assert model["a"][0] is model["b"][0] and isinstance(model["b"][0], cnn.QuantizedLinear)
 
 
 def test_convert_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="unknown linear recipe 'fp8'; expected one of 'row', 'deepseek'"):
         cnn.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), "fp8")
-    with pytest.raises(TypeError, match="Fp8Linear.from_linear"):
+    with pytest.raises(TypeError, match="QuantizedLinear.from_linear"):
         cnn.convert(torch.nn.Linear(64, 64))
     with pytest.raises(TypeError, match="bfloat16, float16 or float32, got torch.float64"):
         cnn.convert(torch.nn.Sequential(torch.nn.Linear(64, 64, dtype=torch.float64)))
@@ -132,23 +132,23 @@ def test_a_recipe_the_gpu_does_not_run_is_refused(monkeypatch):
         cnn.convert(torch.nn.Sequential(torch.nn.Linear(64, 64)), "nvfp4")
     monkeypatch.setattr(layer_module, "device_info", lambda index: ("sm_80", 108))
     with pytest.raises(ValueError, match="it has no kernels for this GPU"):
-        cnn.Fp8Linear.from_linear(torch.nn.Linear(64, 64), "row")
+        cnn.QuantizedLinear.from_linear(torch.nn.Linear(64, 64), "row")
 
 
 def test_from_linear_errors():
     with pytest.raises(TypeError, match="expected a torch.nn.Linear"):
-        cnn.Fp8Linear.from_linear(torch.nn.Conv1d(4, 4, 1))
+        cnn.QuantizedLinear.from_linear(torch.nn.Conv1d(4, 4, 1))
     with pytest.raises(ValueError, match=r"cannot run recipe 'row' on sm_90a: K=120, N=64: K \(x.shape\[1\]\) must be"):
-        cnn.Fp8Linear.from_linear(torch.nn.Linear(120, 64))
+        cnn.QuantizedLinear.from_linear(torch.nn.Linear(120, 64))
     with pytest.raises(ValueError, match="unknown linear recipe"):
-        cnn.Fp8Linear(64, 64, recipe="int3")
+        cnn.QuantizedLinear(64, 64, recipe="int3")
 
 
 @pytest.mark.parametrize("recipe", ["row", "deepseek", "tensor"])
 def test_quantized_weight_is_the_reference_in_scaled_mm_layout(recipe):
     torch.manual_seed(0)
     linear = torch.nn.Linear(320, 272).to(torch.bfloat16)
-    layer = cnn.Fp8Linear.from_linear(linear, recipe)
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe)
     gran = RECIPES[layer.recipe if recipe != "deepseek" else "1x128_128x128"].b
     q, plain = R.quantize(linear.weight.detach(), gran)
     assert torch.equal(_bits(layer.weight), _bits(q))
@@ -161,11 +161,11 @@ def test_integer_weights_are_the_reference_in_kernel_layout():
     torch.manual_seed(0)
     linear = torch.nn.Linear(256, 192).to(torch.float16)
     w = linear.weight.detach()
-    layer = cnn.Fp8Linear.from_linear(linear, "int8")
+    layer = cnn.QuantizedLinear.from_linear(linear, "int8")
     q, s = R.quantize_int8_reference(w, "row")
     assert torch.equal(layer.weight, q) and torch.equal(layer.weight_scale, s.t())
     for recipe, bits, group in (("int8_weight", 8, 0), ("int4_weight", 4, 128)):
-        layer = cnn.Fp8Linear.from_linear(linear, recipe)
+        layer = cnn.QuantizedLinear.from_linear(linear, recipe)
         w_int, scales, _ = IP.quantize_weights(w, bits, group)
         got_int, got_scales, _ = IP.unpack_weights(layer.weight, layer.weight_scale, k=256, group=group, bits=bits)
         assert torch.equal(got_int, w_int)
@@ -177,13 +177,13 @@ def test_integer_weights_are_the_reference_in_kernel_layout():
 
 
 def test_weight_only_layers_keep_the_activation_dtype_of_their_scales():
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight")
-    fp16 = cnn.Fp8Linear(256, 128, recipe="int4_weight", dtype=torch.float16)
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight")
+    fp16 = cnn.QuantizedLinear(256, 128, recipe="int4_weight", dtype=torch.float16)
     assert fp16.weight_scale.dtype == torch.float16 and layer.weight_scale.dtype == torch.bfloat16
     with pytest.raises(ValueError, match=r"weight_scale: expected torch.float16 \(recipe 'int4_weight'\)"):
         fp16.load_state_dict(layer.state_dict())
     with pytest.raises(TypeError, match="x must be torch.bfloat16 or torch.float16"):  # the kernel's own rule
-        cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128), "int4_weight")
+        cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 128), "int4_weight")
     with pytest.raises(ValueError, match="leaves the activations unquantized"):
         r = cnn.LINEAR_RECIPES["int4_weight"]
         r.quantize(torch.zeros(4, 256), "a", r, L.EAGER)
@@ -224,8 +224,8 @@ def test_state_dict_round_trip_through_safetensors(recipe, tmp_path):
 
 @pytest.mark.parametrize("recipe", RECIPE_NAMES)
 def test_an_empty_layer_has_the_converted_layout(recipe):
-    converted = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe)
-    empty = cnn.Fp8Linear(256, 384, bias=True, recipe=recipe)
+    converted = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe)
+    empty = cnn.QuantizedLinear(256, 384, bias=True, recipe=recipe)
     assert {k: (v.dtype, v.shape, v.stride()) for k, v in empty.state_dict().items()} == \
         {k: (v.dtype, v.shape, v.stride()) for k, v in converted.state_dict().items()}
     empty.load_state_dict(converted.state_dict())
@@ -248,7 +248,7 @@ def test_loading_refuses_another_recipe_or_unconverted_weights():
 
 
 def test_casting_the_model_keeps_the_quantized_dtypes():
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), "deepseek")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), "deepseek")
     dtypes = {k: v.dtype for k, v in layer.state_dict().items()}
     layer.half()
     layer.to(torch.bfloat16)
@@ -258,13 +258,13 @@ def test_casting_the_model_keeps_the_quantized_dtypes():
 
 
 def test_forward_on_the_cpu_is_refused():
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), "row")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), "row")
     with pytest.raises(ValueError, match="runs on CUDA tensors"):
         layer(torch.randn(2, 64, dtype=torch.bfloat16))
 
 
 def test_forward_shapes_and_input_errors_from_metadata():
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), "row").to("meta")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(64, 32).to(torch.bfloat16), "row").to("meta")
     with L.fake_target("sm_90a"):
         assert layer(torch.empty(2, 3, 64, dtype=torch.float16, device="meta")).shape == (2, 3, 32)
         with pytest.raises(ValueError, match="inner dimensions differ"):
@@ -313,7 +313,7 @@ def test_a_misspelt_int4_recipe_is_refused_with_the_names(typo):
     with pytest.raises(ValueError, match=rf"unknown linear recipe '{typo}'; expected one of .*'int4_weight_g64_zp'"):
         cnn.convert(torch.nn.Sequential(torch.nn.Linear(128, 64)), typo)
     with pytest.raises(ValueError, match=f"unknown linear recipe '{typo}'"):
-        cnn.Fp8Linear(128, 64, recipe=typo)
+        cnn.QuantizedLinear(128, 64, recipe=typo)
 
 
 @pytest.mark.parametrize("recipe,k", [("int4_weight_g64", 96), ("int4_weight_g64_zp", 160), ("int4_weight_g32", 80),
@@ -322,7 +322,7 @@ def test_k_not_a_multiple_of_the_group_is_refused(recipe, k):
     group = cnn.LINEAR_RECIPES[recipe].group
     with pytest.raises(ValueError, match=rf"cannot run recipe '{recipe}' on sm_90a: K={k}, N=64: K must be a "
                                          rf"multiple of the group size: K={k}, group={group}$"):
-        cnn.Fp8Linear.from_linear(torch.nn.Linear(k, 64).to(torch.bfloat16), recipe)
+        cnn.QuantizedLinear.from_linear(torch.nn.Linear(k, 64).to(torch.bfloat16), recipe)
 
 
 def test_convert_skips_the_layers_whose_k_the_group_does_not_divide():
@@ -352,7 +352,7 @@ def test_int4_weights_are_the_reference_and_dequantize_within_half_a_step(recipe
         linear.weight.normal_()  # Gaussian: the groups' ranges differ
     linear = linear.to(dtype)
     w = linear.weight.detach()
-    layer = cnn.Fp8Linear.from_linear(linear, recipe)
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe)
     w_int, scales, zeros = IP.quantize_weights(w, 4, r.group, symmetric=not r.zeros)
     got_int, got_scales, got_zeros = IP.unpack_weights(layer.weight, layer.weight_scale, layer.weight_zero, k=256,
                                                        group=r.group, bits=4)
@@ -379,7 +379,7 @@ def test_smaller_groups_and_zero_points_quantize_closer():
     linear = linear.to(torch.bfloat16)
     err = {}
     for recipe in INT4_RECIPES:
-        r, layer = cnn.LINEAR_RECIPES[recipe], cnn.Fp8Linear.from_linear(linear, recipe)
+        r, layer = cnn.LINEAR_RECIPES[recipe], cnn.QuantizedLinear.from_linear(linear, recipe)
         unpacked = IP.unpack_weights(layer.weight, layer.weight_scale, layer.weight_zero, k=512, group=r.group, bits=4)
         err[r.group, r.zeros] = R.rel_error(R.dequantize_weights(*unpacked, r.group), linear.weight.detach().double())
     for zeros in (False, True):  # (Gaussian weights: 0.118, 0.108, 0.097 symmetric; 0.101, 0.091, 0.081 with zeros)
@@ -388,22 +388,22 @@ def test_smaller_groups_and_zero_points_quantize_closer():
 
 
 def test_zero_points_are_saved_and_checked_on_load(tmp_path):
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_zp")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_zp")
     state = layer.state_dict()
     zero = state["weight_zero"]
     assert list(state) == ["weight", "weight_scale", "weight_zero", "bias", "_extra_state"]
     assert (zero.dtype, tuple(zero.shape)) == (torch.bfloat16, (2, 128)) and torch.equal(zero, zero.round())
-    empty = cnn.Fp8Linear(256, 128, recipe="int4_weight_zp")
+    empty = cnn.QuantizedLinear(256, 128, recipe="int4_weight_zp")
     with pytest.raises(RuntimeError, match='Missing key\\(s\\) in state_dict: "weight_zero"'):
         empty.load_state_dict({k: v for k, v in state.items() if k != "weight_zero"})
-    fp16 = cnn.Fp8Linear(256, 128, recipe="int4_weight_zp", dtype=torch.float16)
+    fp16 = cnn.QuantizedLinear(256, 128, recipe="int4_weight_zp", dtype=torch.float16)
     with pytest.raises(ValueError, match=r"weight_zero: expected torch.float16 \(recipe 'int4_weight_zp'\), got "
                                          "torch.bfloat16"):
         fp16.load_state_dict(state | {"weight_scale": state["weight_scale"].half()})
     with pytest.raises(ValueError, match="holds recipe 'int4_weight_zp' weights and this layer runs recipe "
                                          "'int4_weight'"):
-        cnn.Fp8Linear(256, 128, recipe="int4_weight").load_state_dict(state)
-    symmetric = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight")
+        cnn.QuantizedLinear(256, 128, recipe="int4_weight").load_state_dict(state)
+    symmetric = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight")
     with pytest.raises(ValueError, match="holds recipe 'int4_weight' weights and this layer runs recipe "
                                          "'int4_weight_zp'"):
         empty.load_state_dict(symmetric.state_dict())
@@ -411,13 +411,13 @@ def test_zero_points_are_saved_and_checked_on_load(tmp_path):
     assert _same_state(empty.state_dict(), state)
     st = pytest.importorskip("safetensors.torch")
     st.save_file(state, tmp_path / "layer.safetensors")
-    loaded = cnn.Fp8Linear(256, 128, recipe="int4_weight_zp")
+    loaded = cnn.QuantizedLinear(256, 128, recipe="int4_weight_zp")
     loaded.load_state_dict(st.load_file(tmp_path / "layer.safetensors"))
     assert _same_state(loaded.state_dict(), state)
 
 
 def test_reassigned_zero_points_drop_the_kept_operands():
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_g32_zp")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_g32_zp")
     assert layer._eager_operands()[3] is layer.weight_zero
     layer.weight_zero = layer.weight_zero.clone()
     assert "_eager" not in layer.__dict__ and layer._eager_operands()[3] is layer.weight_zero
@@ -441,7 +441,7 @@ def test_the_layer_hands_its_zero_points_to_every_weight_only_call(monkeypatch):
 
     monkeypatch.setattr(recipes.W, "mm_weight_only", mm_weight_only)
     monkeypatch.setattr(recipes.W, "cached_plan", lambda x, packed_w, scales, zeros, **kw: (Plan(), (x.shape[0], 128)))
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_g64_zp")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 128).to(torch.bfloat16), "int4_weight_g64_zp")
     b, scale, global_scale, zero, bias, r = layer._eager_operands()
     x = torch.randn(2, 3, 256, dtype=torch.bfloat16)
     ops = types.SimpleNamespace(mm_weight_only=mm_weight_only)
@@ -480,7 +480,7 @@ def test_fp8_linear_fake_takes_the_zero_points():
 
 @pytest.mark.parametrize("recipe", ["int4_weight_g32_zp", "int4_weight_g64"])
 def test_compile_int4_layer_records_one_op_with_its_zero_points(recipe):
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
     backend = EagerAndRecordGraphs()
     compiled = torch.compile(layer, fullgraph=True, backend=backend)
     with L.fake_target("sm_90a"):
@@ -534,7 +534,7 @@ def _check_layer(recipe, dtype=torch.bfloat16):
 
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384).to("cuda", dtype)
-    layer = cnn.Fp8Linear.from_linear(linear, recipe)
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe)
     layer_recipe = cnn.LINEAR_RECIPES[recipe]
     for shape in ((1, 512), (33, 512), (2, 7, 512)):
         x = torch.randn(shape, dtype=dtype, device="cuda")
@@ -568,7 +568,7 @@ def test_int4_layer_matches_its_dequantized_weight(recipe, dtype):
     r = cnn.LINEAR_RECIPES[recipe]
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384).to("cuda", dtype)
-    layer = cnn.Fp8Linear.from_linear(linear, recipe)
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe)
     assert (layer.weight_zero is not None) == r.zeros
     for shape in ((1, 512), (33, 512), (2, 7, 512), (300, 512)):
         x = torch.randn(shape, dtype=dtype, device="cuda")
@@ -593,7 +593,7 @@ def test_zero_point_layer_compiled_and_graph_captured(capture):
     captured by hand in a CUDA graph after one eager call: the eager layer's bits, for new inputs too."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(512, 384).to("cuda", torch.bfloat16)
-    layer = cnn.Fp8Linear.from_linear(linear, "int4_weight_g64_zp")
+    layer = cnn.QuantizedLinear.from_linear(linear, "int4_weight_g64_zp")
     xs = [torch.randn(4, 8, 512, dtype=torch.bfloat16, device="cuda") for _ in range(3)]
     with torch.no_grad():
         eager = [layer(x) for x in xs]
@@ -623,7 +623,7 @@ def test_repeated_layer_calls_take_the_kept_launch(recipe):
     from cutedsl_gemm.nn.recipes import quantized_matmul
 
     torch.manual_seed(0)
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(512, 384).to("cuda", torch.bfloat16), recipe)
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(512, 384).to("cuda", torch.bfloat16), recipe)
     for shape in ((5, 512), (2, 3, 512)):
         x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
         with torch.no_grad():
@@ -652,7 +652,7 @@ def _with_torch_fp8(model, names, recipe):
     """A copy of ``model`` whose layers ``names`` run torch's own FP8 path for ``recipe`` (the anchor)."""
     import copy
 
-    from cutedsl_gemm.tools.anchors import TorchFp8Linear
+    from cutedsl_gemm.tools.baselines import TorchFp8Linear
 
     other = copy.deepcopy(model)
     for name in names:
@@ -708,3 +708,7 @@ def test_converted_llama_reduce_overhead_matches_eager(recipe, monkeypatch):
 @pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "tensor"])
 def test_blackwell_layer_matches_reference_and_unconverted(recipe):
     _check_layer(recipe)
+
+
+def test_the_earlier_layer_name_is_the_same_class():
+    assert cnn.Fp8Linear is cnn.QuantizedLinear

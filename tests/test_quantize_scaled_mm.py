@@ -230,7 +230,7 @@ def test_layers_run_the_quantizer_and_the_gemm(recipe, monkeypatch):
     calls = []  # quantize_scaled_mm calls, seen where the op's fake describes them
     real = P.describe_quantize_scaled_mm
     monkeypatch.setattr(P, "describe_quantize_scaled_mm", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
     x = torch.empty(2, 3, 256, dtype=torch.bfloat16, device="meta")
     with L.fake_target("sm_90a"):
         y = layer(x)

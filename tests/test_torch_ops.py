@@ -343,7 +343,7 @@ def test_compile_traces_the_integer_functions_without_graph_breaks():
 
 @pytest.mark.parametrize("recipe", ["int8", "int8_weight", "int4_weight"])
 def test_compile_integer_layer(recipe):
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 384).to(torch.bfloat16), recipe).to("meta")
     graphs = []
     compiled = torch.compile(layer, fullgraph=True, backend=_recording_backend(graphs))
     with L.fake_target("sm_90a"):
@@ -365,7 +365,7 @@ def test_compiled_out_argument_is_filled():
 
 @pytest.mark.parametrize("recipe", ["row", "deepseek"])
 def test_compile_layer_with_dynamic_shapes(recipe):
-    layer = cnn.Fp8Linear.from_linear(torch.nn.Linear(256, 512).to(torch.bfloat16), recipe).to("meta")
+    layer = cnn.QuantizedLinear.from_linear(torch.nn.Linear(256, 512).to(torch.bfloat16), recipe).to("meta")
     graphs = []
     compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=_recording_backend(graphs))
     with L.fake_target("sm_90a"):  # the fakes check what a Hopper GPU runs

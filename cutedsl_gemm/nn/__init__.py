@@ -1,15 +1,16 @@
-"""Models: ``Fp8Linear`` (a linear layer on the low-precision kernels: FP8, MX, NVFP4, INT8 W8A8, int8 / int4
+"""Models: ``QuantizedLinear`` (a linear layer on the low-precision kernels: FP8, MX, NVFP4, INT8 W8A8, int8 / int4
 weight-only), ``convert`` (swap a model's ``nn.Linear``
 layers in place) and the recipes they run (``LINEAR_RECIPES``).
 
     from cutedsl_gemm import nn as cnn
     report = cnn.convert(model, recipe="row")      # report.converted, report.skipped (name -> why)
-    layer = cnn.Fp8Linear.from_linear(linear, recipe="deepseek")
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe="deepseek")
     torch.compile(model, fullgraph=True)           # one torch.ops.cutedsl_gemm.fp8_linear per layer
 """
 
 from .convert import ConversionReport, convert
-from .linear import Fp8Linear
+from .linear import Fp8Linear, QuantizedLinear
 from .recipes import LINEAR_RECIPES, LinearRecipe, linear_recipe
 
-__all__ = ["Fp8Linear", "convert", "ConversionReport", "LINEAR_RECIPES", "LinearRecipe", "linear_recipe"]
+__all__ = ["QuantizedLinear", "Fp8Linear", "convert", "ConversionReport", "LINEAR_RECIPES", "LinearRecipe",
+           "linear_recipe"]

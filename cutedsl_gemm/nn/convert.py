@@ -1,4 +1,5 @@
-"""``convert``: swap a model's ``nn.Linear`` layers for ``Fp8Linear`` in place, and say which were skipped and why."""
+"""``convert``: swap a model's ``nn.Linear`` layers for ``QuantizedLinear`` in place, and say what was skipped or
+kept in high precision, and why."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .linear import Fp8Linear, check_linear, target_arch, unsupported
+from .linear import QuantizedLinear, check_linear, target_arch, unsupported
 from .recipes import linear_recipe
 
 
@@ -69,7 +70,7 @@ def _holders(model: torch.nn.Module) -> dict:
 def convert(model: torch.nn.Module, recipe: str = "row",
             filter: Optional[Callable[[str, torch.nn.Module], bool]] = None) -> ConversionReport:
     """Replace, in place, every ``nn.Linear`` of ``model`` for which ``filter(name, module)`` (default: all) is
-    true by an :class:`Fp8Linear` of ``recipe`` ("row", "deepseek", "tensor", "int8", "int8_weight", and the int4
+    true by an :class:`QuantizedLinear` of ``recipe`` ("row", "deepseek", "tensor", "int8", "int8_weight", and the int4
     weight-only "int4_weight[_g32 | _g64][_zp]"; on Blackwell "tensor", "mxfp8", "nvfp4": ``recipes.LINEAR_RECIPES``),
     its weight quantized where it lives (the kernels on a GPU, their torch reference, the same bits, elsewhere).
 
@@ -82,11 +83,12 @@ def convert(model: torch.nn.Module, recipe: str = "row",
     """
     r = linear_recipe(recipe)
     if type(model) is torch.nn.Linear:
-        raise TypeError("convert replaces the layers inside a model; convert one nn.Linear with Fp8Linear.from_linear")
+        raise TypeError("convert replaces the layers inside a model; convert one nn.Linear with "
+                        "QuantizedLinear.from_linear")
     report = ConversionReport(r.name)
     holders = _holders(model)
     checked: dict = {}  # layer shape and arch -> why it cannot run (or None)
-    replacement: dict = {}  # id(nn.Linear) -> its Fp8Linear
+    replacement: dict = {}  # id(nn.Linear) -> its QuantizedLinear
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -109,7 +111,7 @@ def convert(model: torch.nn.Module, recipe: str = "row",
         if checked[key] is not None:
             report.skipped[name] = checked[key]
             continue
-        replacement[id(module)] = Fp8Linear.quantized(module, r)
+        replacement[id(module)] = QuantizedLinear.quantized(module, r)
         report.converted.append(name)
     kept = _list_kept(model, report, replacement)
     for parent in list(model.modules()):

@@ -1,4 +1,4 @@
-"""``Fp8Linear``: a linear layer whose weight is quantized once and whose activations are quantized on every
+"""``QuantizedLinear``: a linear layer whose weight is quantized once and whose activations are quantized on every
 call, then multiplied by ``scaled_mm``, for the recipes of :mod:`cutedsl_gemm.nn.recipes`."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def check_linear(linear) -> None:
         raise ValueError("the weight is on the meta device: load or materialize the weights before converting")
 
 
-class Fp8Linear(torch.nn.Module):
+class QuantizedLinear(torch.nn.Module):
     """``y = x @ W.T + bias`` with W quantized once (:meth:`from_linear`, ``cutedsl_gemm.nn.convert``) and x
     quantized on every call by the recipe (``recipes.LINEAR_RECIPES``), multiplied by ``scaled_mm``.
 
@@ -81,7 +81,7 @@ class Fp8Linear(torch.nn.Module):
     checked on load: weights load only into a layer of the same recipe. Casting the model (``.to(torch.float16)``,
     ``.half()``) leaves these dtypes alone.
 
-    ``Fp8Linear(in_features, out_features, bias, recipe, dtype=...)`` builds an empty layer to load a checkpoint
+    ``QuantizedLinear(in_features, out_features, bias, recipe, dtype=...)`` builds an empty layer to load a checkpoint
     into (``dtype``: the activations', which the group-wise weight-only scales and zero points are stored in;
     default bf16). Buffers a recipe has none of are None and absent from the saved format.
     """
@@ -98,7 +98,7 @@ class Fp8Linear(torch.nn.Module):
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device) if bias else None)
 
     @classmethod
-    def from_linear(cls, linear: torch.nn.Linear, recipe: str = "row") -> Fp8Linear:
+    def from_linear(cls, linear: torch.nn.Linear, recipe: str = "row") -> QuantizedLinear:
         """The quantized copy of ``linear`` (on its device; the bias kept in fp32). A layer the kernels cannot
         run (its shape, or a recipe the GPU does not run) is refused with the reason."""
         check_linear(linear)
@@ -111,7 +111,7 @@ class Fp8Linear(torch.nn.Module):
         return cls.quantized(linear, r)
 
     @classmethod
-    def quantized(cls, linear: torch.nn.Linear, recipe: LinearRecipe) -> Fp8Linear:
+    def quantized(cls, linear: torch.nn.Linear, recipe: LinearRecipe) -> QuantizedLinear:
         """``from_linear`` without its checks (``convert`` makes them once per layer shape). The weight is
         quantized where it lives: by the kernels on a GPU, by their torch reference (the same bits) elsewhere."""
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe.name, device="meta",
@@ -191,7 +191,7 @@ class Fp8Linear(torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        where = prefix[:-1] or "Fp8Linear"
+        where = prefix[:-1] or "QuantizedLinear"
         saved = state_dict.get(prefix + "_extra_state")
         if isinstance(saved, torch.Tensor):
             name = bytes(saved.to("cpu", torch.uint8).tolist()).decode("ascii", "replace")
@@ -214,3 +214,7 @@ class Fp8Linear(torch.nn.Module):
                 self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
         self._forget_launches()
         return self
+
+
+#: The layer's earlier name, kept for one release.
+Fp8Linear = QuantizedLinear

@@ -89,7 +89,7 @@ def packed_operand(w, operand, recipe, ops):
     return packed, w.new_empty(group_wise, dtype=act), w.new_empty(group_wise, dtype=act) if recipe.zeros else None
 
 
-#: The layer's quantized weight, as ``LinearRecipe.quantize_weight`` returns it and ``Fp8Linear`` stores it (the
+#: The layer's quantized weight, as ``LinearRecipe.quantize_weight`` returns it and ``QuantizedLinear`` stores it (the
 #: buffers whose dtypes the recipe fixes).
 QUANTIZED = ("weight", "weight_scale", "weight_global_scale", "weight_zero")
 
@@ -280,7 +280,8 @@ FP8_LINEAR_SCHEMA = (
 
 
 def _fp8_linear_cpu(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None):
-    raise ValueError(f"Fp8Linear runs on CUDA tensors (the {' and '.join(map(P.GPU_NAMES.get, P.ARCHS))} kernels); "
+    raise ValueError("QuantizedLinear runs on CUDA tensors (the "
+                     f"{' and '.join(map(P.GPU_NAMES.get, P.ARCHS))} kernels); "
                      f"got an input on {x.device}: move the model to the GPU (model.cuda())")
 
 

@@ -58,7 +58,7 @@ def _demo_gpu() -> int:
 
     import cutedsl_gemm
     from cutedsl_gemm.numerics import reference as R
-    from cutedsl_gemm.tools.anchors import cublas_call, int_mm_call, make_operands
+    from cutedsl_gemm.tools.baselines import cublas_call, int_mm_call, make_operands
 
     print(f"{'recipe':13s} {'M':>5s} {'N':>5s} {'K':>5s} | {'rel err':>8s} | {'ours TFLOPS':>11s} "
           f"{'cuBLAS TFLOPS':>13s} {'ratio':>6s}")
@@ -96,7 +96,7 @@ def _demo_fused_quantization() -> bool:
     """quantize_scaled_mm with the activations quantized in the GEMM (decode sizes) and scaled_mm_fp8_out (prefill),
     each against its two-kernel form: the bits must agree."""
     import cutedsl_gemm
-    from cutedsl_gemm.tools.anchors import make_operands
+    from cutedsl_gemm.tools.baselines import make_operands
 
     def same(a, b):
         def raw(t):
@@ -232,7 +232,7 @@ def _demo_model() -> bool:
     from cutedsl_gemm import nn as cnn
     from cutedsl_gemm.numerics import reference as R
     from cutedsl_gemm.tools import models as M
-    from cutedsl_gemm.tools.anchors import TorchFp8Linear
+    from cutedsl_gemm.tools.baselines import TorchFp8Linear
 
     config, context = M.llama_config(2), 128
     variants = {"bf16": M.random_llama(config)}
