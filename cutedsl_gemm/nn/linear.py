@@ -177,6 +177,20 @@ class QuantizedLinear(torch.nn.Module):
             launches[(x.shape, x.dtype, x.get_device())] = run
         return y
 
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight W (out_features, in_features) the kernels multiply, in ``dtype``, on the layer's device: the
+        quantized codes times their scales (per tensor, per channel, per 128x128 block with ragged edges; MX / NVFP4
+        block scales times NVFP4's global scale; int8 per channel; int4 ``(q - z) * s`` per group), computed in
+        fp32, then cast. ``y ~= x @ layer.dequantize().T + bias`` up to the activations' quantization.
+
+        The group-wise int4 kernels round ``(q - z) * s`` to the activations' dtype in registers before the MMA:
+        ``dequantize(dtype)`` with the layer's activation dtype (its scales' dtype) is those values bit for bit."""
+        r = linear_recipe(self.recipe)
+        with torch.no_grad():
+            w = r.dequantize_weight(self.weight, self.weight_scale, self.weight_global_scale, self.weight_zero,
+                                    self.in_features)
+        return w.to(dtype)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
                 f"recipe={self.recipe!r}")

@@ -23,7 +23,9 @@ import torch
 
 from cutedsl_gemm import problem as P
 from cutedsl_gemm.numerics import int_packing as IP
+from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm.numerics.codecs import as_bytes
 from cutedsl_gemm.numerics.formats import RECIPES, ScalingRecipe, ceil_div, element_format
 from cutedsl_gemm.ops import library
 from cutedsl_gemm.ops import quantize as Q
@@ -158,6 +160,24 @@ class LinearRecipe:
         weight_global_scale, weight_zero), None for those the recipe has none of."""
         data, scales, third = self.quantize(w, "b", self, ops)
         return (data, scales, None, third) if self.weight_only else (data, scales, third, None)
+
+    def dequantize_weight(self, weight, weight_scale, weight_global_scale, weight_zero, k: int) -> torch.Tensor:
+        """W (N, K) in fp32 from the buffers of ``quantize_weight`` (K: the layer's in_features): the codes times
+        their scales, by the references of :mod:`cutedsl_gemm.numerics.reference` (per tensor, per channel or per
+        128x128 block; MX / NVFP4 block scales, NVFP4's global scale; ``int_packing.unpack_weights`` and
+        ``(q - z) * s`` for the weight-only recipes). They compute in float64, where every such product is exact
+        (at most 30 significant bits), so the one rounding to fp32 is the fp32 product's."""
+        if self.weight_only:
+            unpacked = IP.unpack_weights(weight, weight_scale, weight_zero, k=k, group=self.group, bits=self.bits)
+            return R.dequantize_weights(*unpacked, self.group).float()
+        if self.scaling.scale_format == "fp32":  # FP8 and int8: the plain (R, C) group scales, transposed here
+            gran = self.scaling.b
+            plain = weight_scale.reshape(1, 1) if weight_scale.dim() == 0 else weight_scale.t()
+            return R.dequantize(weight, plain, gran).float()
+        data = as_bytes(weight)
+        blocks = R.BlockScaledTensor(data, weight_scale, element_format(self.element), self.scaling.k_block,
+                                     (data.shape[0], k), weight_global_scale)
+        return blocks.dequantize().float()
 
     def kernel_weight(self, weight: torch.Tensor) -> torch.Tensor:
         """The stored weight as the kernel takes it: ``scaled_mm``'s B = W.t(), or the packed weight itself."""

@@ -1,0 +1,120 @@
+"""QuantizedLinear's weight in high precision (``dequantize``) against the reference quantizers and dequantizers, for
+every recipe. `-m gpu`: the Hopper layers' outputs against ``x @ dequantize().T``."""
+
+import pytest
+import torch
+
+from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.numerics import int_packing as IP
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.numerics.formats import ScaleGranularity
+
+G = ScaleGranularity
+RECIPE_NAMES = list(cnn.LINEAR_RECIPES)
+HOPPER_RECIPES = [name for name, r in cnn.LINEAR_RECIPES.items() if "sm_90a" in r.archs]
+# the weight's relative error (Frobenius) after quantization, on nn.Linear's uniform weights (measured: 0.026 for
+# the E4M3 recipes and MXFP8, 0.10 for NVFP4, 0.004 for int8, 0.064-0.070 for int4 groups), with some margin
+WEIGHT_ERROR = {"row": 0.035, "deepseek": 0.035, "tensor": 0.035, "mxfp8": 0.035, "nvfp4": 0.13, "int8": 0.006,
+                "int8_weight": 0.006} | {name: 0.09 for name, r in cnn.LINEAR_RECIPES.items() if r.element == "int4"}
+
+
+@pytest.fixture(autouse=True)
+def _as_without_a_gpu(request, monkeypatch):
+    """The CPU tier converts as a machine without a GPU does (the recipe's first arch), whatever GPU it has."""
+    if "gpu" not in request.keywords and "blackwell" not in request.keywords:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _k(recipe: str) -> int:
+    """K a multiple of every recipe's group but not of 128 where the recipe allows it (ragged 128x128 blocks)."""
+    return 384 if cnn.LINEAR_RECIPES[recipe].group == 128 else 320
+
+
+def _linear(k: int, n: int = 272, dtype=torch.bfloat16, device="cpu"):
+    torch.manual_seed(0)
+    return torch.nn.Linear(k, n).to(device, dtype)
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def _reference_weight(recipe: str, w: torch.Tensor) -> torch.Tensor:
+    """float64 W from the reference quantizer of the recipe run on the original weight (plain-layout scales), and
+    the reference dequantization of what it returns."""
+    r = cnn.LINEAR_RECIPES[recipe]
+    if r.weight_only:
+        w_int, scales, zeros = IP.quantize_weights(w, r.bits, r.group, symmetric=not r.zeros)
+        if r.group:  # group-wise scales and zero points are stored in the activations' dtype
+            scales, zeros = scales.to(w.dtype), None if zeros is None else zeros.to(w.dtype)
+        return R.dequantize_weights(w_int, scales, zeros, r.group)
+    if r.element == "int8":
+        return R.dequantize(*R.quantize_int8_reference(w, "row"), G.ROW)
+    if r.scaling.scale_format == "fp32":
+        return R.dequantize(*R.quantize(w, r.scaling.b), r.scaling.b)
+    blocks = R.quantize_mx_reference(w, r.element) if r.scaling.name == "mx" else R.quantize_nvfp4_reference(w)
+    return blocks.dequantize()
+
+
+@pytest.mark.parametrize("recipe", RECIPE_NAMES)
+def test_dequantize_is_the_reference_dequantization_of_the_same_bits(recipe):
+    k = _k(recipe)
+    linear = _linear(k)
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe)
+    w = linear.weight.detach()
+    got = layer.dequantize()
+    assert (got.dtype, tuple(got.shape), got.device) == (torch.float32, (272, k), w.device)
+    assert torch.equal(got, _reference_weight(recipe, w).float())
+    assert R.rel_error(got, w.double()) <= WEIGHT_ERROR[recipe]
+    assert torch.equal(layer.dequantize(torch.bfloat16), got.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe", ["deepseek", "int4_weight_g32_zp", "nvfp4"])
+def test_dequantize_reads_a_loaded_layer(recipe):
+    """An empty layer filled by load_state_dict dequantizes to the converted layer's weight."""
+    k = _k(recipe)
+    converted = cnn.QuantizedLinear.from_linear(_linear(k, dtype=torch.float16 if recipe.startswith("int4")
+                                                        else torch.bfloat16), recipe)
+    empty = cnn.QuantizedLinear(k, 272, recipe=recipe, dtype=converted.weight_scale.dtype
+                                if recipe.startswith("int4") else None)
+    empty.load_state_dict(converted.state_dict())
+    assert torch.equal(empty.dequantize(), converted.dequantize())
+
+
+def test_dequantize_block_scales_with_ragged_edges():
+    """128x128 weight blocks cut at N = 200 and K = 176: each element times its own block's scale."""
+    linear = _linear(176, 200)
+    layer = cnn.QuantizedLinear.from_linear(linear, "deepseek")
+    assert tuple(layer.weight_scale.shape) == (2, 2)  # (ceil(K / 128), ceil(N / 128)), scaled_mm's scale_b
+    got = layer.dequantize()
+    for rows, cols in ((slice(0, 128), slice(0, 128)), (slice(128, 200), slice(0, 128)),
+                       (slice(0, 128), slice(128, 176)), (slice(128, 200), slice(128, 176))):
+        s = layer.weight_scale[cols.start // 128, rows.start // 128]
+        assert torch.equal(got[rows, cols], layer.weight[rows, cols].float() * s)
+
+
+# ------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------
+
+# the output against x @ W.T with W the dequantized weight: the activations' quantization (E4M3 per token, tensor or
+# 1x128 group: ~0.03; int8 per token: ~0.005) and the output's rounding to bf16 (weight-only: 16-bit products)
+OUTPUT_ERROR = {"row": 0.05, "deepseek": 0.05, "tensor": 0.05, "int8": 0.012} | {
+    name: 8e-3 for name, r in cnn.LINEAR_RECIPES.items() if r.weight_only}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", HOPPER_RECIPES)
+def test_layer_output_is_the_product_with_its_dequantized_weight(recipe):
+    k = _k(recipe)
+    linear = _linear(k, 384, device="cuda")
+    layer = cnn.QuantizedLinear.from_linear(linear, recipe)
+    w = layer.dequantize()
+    assert w.is_cuda and torch.equal(w.cpu(), layer.to("cpu").dequantize())
+    layer.to("cuda")
+    for shape in ((1, k), (33, k), (2, 7, k)):
+        x = torch.randn(shape, dtype=torch.bfloat16, device="cuda")
+        with torch.no_grad():
+            y = layer(x)
+        want = x.double() @ w.double().t() + layer.bias.double()
+        assert R.rel_error(y, want) <= OUTPUT_ERROR[recipe], (recipe, shape)
