@@ -94,6 +94,64 @@ def test_dequantize_block_scales_with_ragged_edges():
 
 
 # ------------------------------------------------------------------------------------------------
+# saved format: its version
+# ------------------------------------------------------------------------------------------------
+
+
+def _tag(layer_state: dict, key: str = "_extra_state") -> str:
+    return bytes(layer_state[key].tolist()).decode("ascii")
+
+
+def _with_tag(state: dict, text: str, key: str = "_extra_state") -> dict:
+    return state | {key: torch.tensor(list(text.encode("ascii")), dtype=torch.uint8)}
+
+
+@pytest.mark.parametrize("recipe", ["row", "nvfp4", "int4_weight_g64_zp"])
+def test_versioned_state_round_trips_through_safetensors(recipe, tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    k = _k(recipe)
+    layer = cnn.QuantizedLinear.from_linear(_linear(k), recipe)
+    state = layer.state_dict()
+    assert cnn.FORMAT_VERSION == 2
+    assert state["_extra_state"].dtype == torch.uint8 and _tag(state) == f"cutedsl_gemm/2/{recipe}"
+    st.save_file(state, tmp_path / "layer.safetensors")
+    loaded = cnn.QuantizedLinear(k, 272, recipe=recipe)
+    loaded.load_state_dict(st.load_file(tmp_path / "layer.safetensors"))
+    assert loaded.state_dict().keys() == state.keys()
+    assert all(torch.equal(_bits(loaded.state_dict()[key]), _bits(v)) for key, v in state.items())
+    assert torch.equal(loaded.dequantize(), layer.dequantize())
+
+
+def test_a_state_without_a_version_loads_as_the_same_layout():
+    """Version 1 saved the recipe's bare name and the same buffers."""
+    layer = cnn.QuantizedLinear.from_linear(_linear(320), "deepseek")
+    old = _with_tag(layer.state_dict(), "deepseek")
+    loaded = cnn.QuantizedLinear(320, 272, recipe="deepseek")
+    loaded.load_state_dict(old)
+    assert torch.equal(loaded.dequantize(), layer.dequantize())
+    assert _tag(loaded.state_dict()) == "cutedsl_gemm/2/deepseek"  # saved again in this version
+
+
+def test_a_newer_version_or_another_recipe_is_refused_before_anything_loads():
+    model = torch.nn.Sequential(cnn.QuantizedLinear.from_linear(_linear(320), "row"))
+    state = model.state_dict()
+    fresh = torch.nn.Sequential(cnn.QuantizedLinear(320, 272, recipe="row"))
+    before = {key: v.clone() for key, v in fresh.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^0: the checkpoint holds format version 3 of cutedsl_gemm's QuantizedLinear "
+                                         r"and this cutedsl_gemm reads versions up to 2; upgrade cutedsl_gemm, or "
+                                         r"convert again from the high-precision model$"):
+        fresh.load_state_dict(_with_tag(state, "cutedsl_gemm/3/row", "0._extra_state"))
+    with pytest.raises(ValueError, match=r"^0: the checkpoint holds recipe 'tensor' weights and this layer runs recipe "
+                                         r"'row'; convert with recipe='tensor' before loading$"):
+        fresh.load_state_dict(_with_tag(state, "cutedsl_gemm/2/tensor", "0._extra_state"))
+    with pytest.raises(ValueError, match="holds recipe 'tensor' weights"):  # version 1, another recipe
+        fresh.load_state_dict(_with_tag(state, "tensor", "0._extra_state"))
+    with pytest.raises(ValueError, match=r"unreadable format tag 'cutedsl_gemm/two/row'"):
+        fresh.load_state_dict(_with_tag(state, "cutedsl_gemm/two/row", "0._extra_state"))
+    assert all(torch.equal(_bits(fresh.state_dict()[key]), _bits(v)) for key, v in before.items())
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------
 

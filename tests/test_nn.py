@@ -201,7 +201,8 @@ def test_state_dict_round_trip_through_safetensors(recipe, tmp_path):
     cnn.convert(model, recipe)
     state = model.state_dict()
     q = state["model.layers.0.self_attn.q_proj.weight"]
-    assert bytes(state["model.layers.0.self_attn.q_proj._extra_state"].tolist()).decode() == recipe
+    assert bytes(state["model.layers.0.self_attn.q_proj._extra_state"].tolist()).decode() == \
+        f"cutedsl_gemm/{cnn.FORMAT_VERSION}/{recipe}"
     assert (q.dtype, tuple(q.shape)) == {"nvfp4": (torch.float4_e2m1fn_x2, (128, 64)), "int8": (torch.int8, (128, 128)),
                                          "int8_weight": (torch.int32, (2, 1, 2048))}.get(
                                              recipe, (torch.int32, (2, 1, 1024)) if recipe in INT4_RECIPES

@@ -9,8 +9,8 @@ layers in place) and the recipes they run (``LINEAR_RECIPES``).
 """
 
 from .convert import ConversionReport, convert
-from .linear import Fp8Linear, QuantizedLinear
+from .linear import FORMAT_VERSION, Fp8Linear, QuantizedLinear
 from .recipes import LINEAR_RECIPES, LinearRecipe, linear_recipe
 
 __all__ = ["QuantizedLinear", "Fp8Linear", "convert", "ConversionReport", "LINEAR_RECIPES", "LinearRecipe",
-           "linear_recipe"]
+           "linear_recipe", "FORMAT_VERSION"]

@@ -17,6 +17,29 @@ from .recipes import LINEAR_RECIPES, QUANTIZED, LinearRecipe, kept_launch, linea
 WEIGHT_DTYPES = tuple(f.torch_dtype for f in FLOAT_FORMATS)  # what a layer to convert may hold
 OPERANDS = (*QUANTIZED, "bias", "recipe")
 
+#: The saved format's version, in ``_extra_state`` as ``"cutedsl_gemm/<version>/<recipe>"``. Version 1 is the
+#: recipe's bare name with the same buffers (read as version 2); 2 adds the version to the tag.
+FORMAT_VERSION = 2
+FORMAT_TAG = "cutedsl_gemm"
+
+
+def format_tag(recipe: str) -> str:
+    """The ``_extra_state`` text of a layer of ``recipe`` in this format version."""
+    return f"{FORMAT_TAG}/{FORMAT_VERSION}/{recipe}"
+
+
+def read_format_tag(raw: bytes, where: str = "QuantizedLinear") -> tuple:
+    """(format version, recipe name) of a saved ``_extra_state``: ``"cutedsl_gemm/<version>/<recipe>"``, or a bare
+    recipe name (version 1). Anything else is refused (ValueError)."""
+    text = raw.decode("ascii", "replace")
+    if not text.startswith(FORMAT_TAG + "/"):
+        return 1, text
+    version, sep, name = text[len(FORMAT_TAG) + 1:].partition("/")
+    if not sep or not version.isdigit() or int(version) < 1:
+        raise ValueError(f"{where}: unreadable format tag {text!r} in _extra_state; expected "
+                         f"'{FORMAT_TAG}/<version>/<recipe>'")
+    return int(version), name
+
 
 def target_arch(recipe: LinearRecipe, device: torch.device) -> str:
     """The arch a layer on ``device`` is checked for: its GPU's, or the current GPU's for a layer on the CPU,
@@ -77,8 +100,10 @@ class QuantizedLinear(torch.nn.Module):
     128x128 block; MX / NVFP4: SWIZZLE_32_4_4 block scales; weight-only: (1, N) fp32 per channel or
     (K / group, N) in the activations' dtype); ``weight_global_scale`` (NVFP4's fp32 decode scale);
     ``weight_zero`` (the "_zp" int4 recipes' integer zero points, (K / group, N) in the activations' dtype, as
-    ``pack_weights`` returns them); ``bias`` (N,) fp32; and ``_extra_state`` the recipe's name (uint8 ASCII),
-    checked on load: weights load only into a layer of the same recipe. Casting the model (``.to(torch.float16)``,
+    ``pack_weights`` returns them); ``bias`` (N,) fp32; and ``_extra_state`` the format version and the recipe,
+    ``"cutedsl_gemm/<FORMAT_VERSION>/<recipe>"`` (uint8 ASCII), checked on load: weights load only into a layer of
+    the same recipe, a bare recipe name (format version 1, the same buffers) loads, and a newer version than this
+    code reads is refused. Casting the model (``.to(torch.float16)``,
     ``.half()``) leaves these dtypes alone.
 
     ``QuantizedLinear(in_features, out_features, bias, recipe, dtype=...)`` builds an empty layer to load a checkpoint
@@ -198,7 +223,7 @@ class QuantizedLinear(torch.nn.Module):
     # --- saved format -------------------------------------------------------------------------------
 
     def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor(list(self.recipe.encode("ascii")), dtype=torch.uint8)
+        return torch.tensor(list(format_tag(self.recipe).encode("ascii")), dtype=torch.uint8)
 
     def set_extra_state(self, state) -> None:
         pass  # checked before anything loads (_load_from_state_dict)
@@ -208,7 +233,11 @@ class QuantizedLinear(torch.nn.Module):
         where = prefix[:-1] or "QuantizedLinear"
         saved = state_dict.get(prefix + "_extra_state")
         if isinstance(saved, torch.Tensor):
-            name = bytes(saved.to("cpu", torch.uint8).tolist()).decode("ascii", "replace")
+            version, name = read_format_tag(bytes(saved.to("cpu", torch.uint8).tolist()), where)
+            if version > FORMAT_VERSION:
+                raise ValueError(f"{where}: the checkpoint holds format version {version} of cutedsl_gemm's "
+                                 f"QuantizedLinear and this cutedsl_gemm reads versions up to {FORMAT_VERSION}; "
+                                 "upgrade cutedsl_gemm, or convert again from the high-precision model")
             if name != self.recipe:
                 raise ValueError(f"{where}: the checkpoint holds recipe {name!r} weights and this layer runs recipe "
                                  f"{self.recipe!r}; convert with recipe={name!r} before loading")
