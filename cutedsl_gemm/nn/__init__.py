@@ -8,9 +8,10 @@ layers in place) and the recipes they run (``LINEAR_RECIPES``).
     torch.compile(model, fullgraph=True)           # one torch.ops.cutedsl_gemm.fp8_linear per layer
 """
 
+from .checkpoint import from_pretrained
 from .convert import ConversionReport, convert
 from .linear import FORMAT_VERSION, Fp8Linear, QuantizedLinear
 from .recipes import LINEAR_RECIPES, LinearRecipe, linear_recipe
 
-__all__ = ["QuantizedLinear", "Fp8Linear", "convert", "ConversionReport", "LINEAR_RECIPES", "LinearRecipe",
-           "linear_recipe", "FORMAT_VERSION"]
+__all__ = ["QuantizedLinear", "Fp8Linear", "convert", "ConversionReport", "from_pretrained", "LINEAR_RECIPES",
+           "LinearRecipe", "linear_recipe", "FORMAT_VERSION"]

@@ -1,0 +1,443 @@
+"""``from_pretrained``: a causal language model from a local transformers checkpoint (``config.json`` and
+``*.safetensors``), its linear layers as ``QuantizedLinear``: an FP8 checkpoint's layers adopted as stored (the FP8
+bytes and their scales, no re-quantization), or a bf16 / fp16 / fp32 checkpoint's layers quantized one by one while
+loading, so that the high-precision model never sits in memory whole.
+
+FP8 formats adopted (``quantization_config`` in ``config.json``):
+
+* transformers' FineGrainedFP8 (``quant_method "fp8"``, ``weight_block_size [128, 128]``; DeepSeek-V3 / R1,
+  Qwen3-FP8): ``weight`` e4m3 (N, K), ``weight_scale_inv`` (ceil(N/128), ceil(K/128)), which multiplies the codes
+  (W = weight * weight_scale_inv per 128x128 block) -> recipe "deepseek", ``weight_scale`` = its transpose;
+* compressed-tensors FP8 (``quant_method "compressed-tensors"``, 8-bit float weights): ``weight`` e4m3 and
+  ``weight_scale`` (N, 1) per channel -> "row" ((1, N)); a per-tensor ``weight_scale`` -> "tensor" where the
+  activations are per tensor, "row" (the one scale on every channel) where they are dynamic per token; 128x128
+  blocks with per-token groups of 128 -> "deepseek";
+* transformers' fbgemm FP8 (``quant_method "fbgemm_fp8"``): ``weight`` e4m3, ``weight_scale`` (N, 1), dynamic
+  per-token activations -> "row" (the checkpoint's ``activation_scale_ub`` clamp is not applied).
+
+Static activation scales (``input_scale``, ``activation_scale``) load into a layer built with a static input scale
+where ``QuantizedLinear`` takes one, and are refused otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import json
+import os
+import re
+import warnings
+from typing import Callable, Optional
+
+import torch
+
+from .convert import ConversionReport, _holders, _list_kept
+from .linear import QuantizedLinear, target_arch, unsupported
+from .recipes import linear_recipe
+
+FP8_DTYPES = ("F8_E4M3",)  # safetensors names of the FP8 weights adopted
+BLOCK = 128  # the "deepseek" recipe's weight block (128 x 128)
+DEQUANTIZED = "dequantized from the checkpoint's FP8 to {dtype}"
+
+
+# --- the checkpoint's format ---------------------------------------------------------------------------------------
+
+
+class Fp8Format:
+    """An FP8 checkpoint format: the recipe its layers run, the name of the weight's scale tensor, of a static
+    activation scale (None: dynamic), the module names the config leaves unquantized (patterns) and why."""
+
+    def __init__(self, name: str, recipe: str, scale_key: str, input_scale_key: Optional[str], unquantized: list,
+                 source: str, scale_dtypes=(torch.float32, torch.bfloat16, torch.float16)):
+        self.name, self.recipe, self.scale_key, self.input_scale_key = name, recipe, scale_key, input_scale_key
+        self.unquantized, self.source, self.scale_dtypes = list(unquantized or ()), source, scale_dtypes
+
+
+def _fine_grained_fp8(q: dict) -> Fp8Format:
+    block = q.get("weight_block_size")
+    if block is None or list(block) != [BLOCK, BLOCK]:
+        raise ValueError(f"FineGrainedFP8 checkpoint with weight_block_size {block}: the kernels run 128x128 weight "
+                         "blocks (recipe 'deepseek') only")
+    if q.get("expert_dtype", "fp8") != "fp8":
+        raise ValueError(f"FineGrainedFP8 checkpoint with expert_dtype {q['expert_dtype']!r}: only FP8 is taken")
+    scheme = str(q.get("activation_scheme", "dynamic")).lower()
+    if scheme not in ("dynamic", "static"):
+        raise ValueError(f"FineGrainedFP8 activation_scheme {scheme!r}: expected 'dynamic' or 'static'")
+    skip = q.get("modules_to_not_convert", q.get("ignored_layers"))
+    return Fp8Format("FineGrainedFP8 (128x128 blocks)", "deepseek", "weight_scale_inv",
+                     "activation_scale" if scheme == "static" else None, skip,
+                     "quantization_config.modules_to_not_convert",
+                     scale_dtypes=(torch.float32, torch.bfloat16, getattr(torch, "float8_e8m0fnu", torch.float32)))
+
+
+def _fbgemm_fp8(q: dict) -> Fp8Format:
+    return Fp8Format("fbgemm FP8 (per-channel weights, per-token activations)", "row", "weight_scale", None,
+                     q.get("modules_to_not_convert"), "quantization_config.modules_to_not_convert")
+
+
+def _ct_recipe(group: str, scheme: dict) -> tuple:
+    """(recipe, static) for one compressed-tensors config group: FP8 weights and dynamic or static activations."""
+    w, a = scheme.get("weights") or {}, scheme.get("input_activations")
+    if w.get("type") != "float" or w.get("num_bits") != 8:
+        raise ValueError(f"compressed-tensors group {group!r} quantizes weights to {w.get('num_bits')}-bit "
+                         f"{w.get('type')}: only FP8 weights (type 'float', num_bits 8) are adopted")
+    if a is None:
+        raise ValueError(f"compressed-tensors group {group!r} leaves the activations unquantized (FP8 weight-only): "
+                         "the kernels quantize the activations, which would change the checkpoint's numerics")
+    if a.get("type") != "float" or a.get("num_bits") != 8:
+        raise ValueError(f"compressed-tensors group {group!r}: activations {a.get('num_bits')}-bit {a.get('type')}, "
+                         "expected FP8")
+    ws, as_, dynamic = w.get("strategy"), a.get("strategy"), bool(a.get("dynamic"))
+    if ws == "block":
+        if list(w.get("block_structure") or ()) != [BLOCK, BLOCK] or as_ != "group" or a.get("group_size") != BLOCK \
+                or not dynamic:
+            raise ValueError(f"compressed-tensors group {group!r}: block weights {w.get('block_structure')} with "
+                             f"{as_} activations; the kernels run 128x128 blocks with dynamic groups of 128")
+        return "deepseek", False
+    if ws not in ("channel", "tensor"):
+        raise ValueError(f"compressed-tensors group {group!r}: weight strategy {ws!r}; expected 'channel', 'tensor' "
+                         "or 'block'")
+    if as_ == "token" and dynamic:
+        return "row", False
+    if as_ == "tensor":
+        return ("tensor" if ws == "tensor" else "row"), not dynamic
+    raise ValueError(f"compressed-tensors group {group!r}: {'dynamic' if dynamic else 'static'} {as_!r} activations; "
+                     "expected dynamic per-token or per-tensor activations")
+
+
+def _compressed_tensors(q: dict) -> Fp8Format:
+    fmt = q.get("format", "dense")
+    if fmt not in ("float-quantized", "naive-quantized", "dense"):
+        raise ValueError(f"compressed-tensors format {fmt!r}: only FP8 weights stored as they are "
+                         "('float-quantized', 'naive-quantized') are adopted")
+    groups = q.get("config_groups") or {}
+    if not groups:
+        raise ValueError("compressed-tensors checkpoint with no config_groups")
+    found = {name: _ct_recipe(name, scheme) for name, scheme in groups.items()}
+    if len(set(found.values())) > 1:
+        raise ValueError(f"compressed-tensors groups of different schemes ({found}): one recipe per model is taken")
+    recipe, static = next(iter(found.values()))
+    return Fp8Format(f"compressed-tensors FP8 ({recipe!r})", recipe, "weight_scale", "input_scale" if static else None,
+                     q.get("ignore"), "quantization_config.ignore")
+
+
+FORMATS = {"fp8": _fine_grained_fp8, "fbgemm_fp8": _fbgemm_fp8, "compressed-tensors": _compressed_tensors}
+
+
+def checkpoint_format(config) -> Optional[Fp8Format]:
+    """The FP8 format ``config``'s ``quantization_config`` declares, None for an unquantized checkpoint; a format
+    or layout the kernels cannot run raises ValueError."""
+    q = getattr(config, "quantization_config", None)
+    if q is None:
+        return None
+    q = q if isinstance(q, dict) else q.to_dict()
+    method = q.get("quant_method", "")
+    method = str(getattr(method, "value", method))
+    if method not in FORMATS:
+        raise ValueError(f"quantization_config.quant_method {method!r} is not adopted; FP8 checkpoints of "
+                         f"quant_method {', '.join(map(repr, FORMATS))} are, and unquantized ones are quantized while "
+                         "loading")
+    return FORMATS[method](q)
+
+
+def _unquantized_by_config(name: str, patterns: list) -> bool:
+    """transformers' module matching (``should_convert_module``): a prefix at a module boundary, a regex (a
+    compressed-tensors ``re:`` pattern) or a suffix."""
+    for p in patterns:
+        p = p[3:] if p.startswith("re:") else p
+        if re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", name) or name.endswith(p):
+            return True
+    return False
+
+
+# --- reading the checkpoint ----------------------------------------------------------------------------------------
+
+
+class Checkpoint:
+    """The tensors of a local safetensors checkpoint (one file or shards with ``model.safetensors.index.json``),
+    read one at a time."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        else:
+            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+        if not files:
+            raise ValueError(f"{path}: no *.safetensors files")
+        self._stack = contextlib.ExitStack()
+        self.where: dict = {}
+        for name in files:
+            f = self._stack.enter_context(safe_open(os.path.join(path, name), framework="pt", device="cpu"))
+            self.where.update((key, f) for key in f.keys())
+
+    def __contains__(self, key) -> bool:
+        return key in self.where
+
+    def get(self, key: str) -> torch.Tensor:
+        return self.where[key].get_tensor(key)
+
+    def dtype(self, key: str) -> str:
+        """The stored dtype's safetensors name ("F8_E4M3", "BF16", ...)."""
+        return self.where[key].get_slice(key).get_dtype()
+
+    def close(self):
+        self._stack.close()
+
+
+@contextlib.contextmanager
+def _parameters_on_meta():
+    """Build modules with their parameters on the meta device (nothing allocated) and their buffers as their code
+    computes them (rotary frequencies and the like, which no checkpoint holds)."""
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None and param.device.type != "meta":
+            module._parameters[name] = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
+
+
+def _skeleton(config, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# --- filling the layers --------------------------------------------------------------------------------------------
+
+
+def kernel_scale(recipe: str, scale: torch.Tensor, n: int, k: int, where: str) -> torch.Tensor:
+    """A checkpoint's FP8 weight scale (multiplying the codes) in the layout ``QuantizedLinear.weight_scale`` holds
+    for ``recipe``: "deepseek" (ceil(N/128), ceil(K/128)) -> its transpose; "row" (N, 1), (1, N), (N,) or one
+    scale -> (1, N); "tensor" one scale -> (). fp32, exactly the checkpoint's values."""
+    s = scale.to(torch.float32)
+    if recipe == "deepseek":
+        want = (-(-n // BLOCK), -(-k // BLOCK))
+        if tuple(s.shape) != want:
+            raise ValueError(f"{where}: block scales of shape {tuple(s.shape)}, expected {want} for a ({n}, {k}) "
+                             "weight in 128x128 blocks")
+        return s.t().contiguous()
+    if recipe == "row" and s.numel() in (n, 1) and (s.numel() == 1 or max(s.shape, default=1) == n):
+        return s.reshape(1, -1).expand(1, n).contiguous()
+    if recipe == "tensor" and s.numel() == 1:
+        return s.reshape(())
+    raise ValueError(f"{where}: a scale of shape {tuple(s.shape)} is not recipe {recipe!r}'s for a ({n}, {k}) weight")
+
+
+def dequantized(q: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tensor:
+    """W = codes x scales in fp32, ``scale`` in the checkpoint's layout (``kernel_scale``'s input)."""
+    w, s = q.to(torch.float32), scale.to(torch.float32)
+    if recipe == "deepseek":
+        s = s.repeat_interleave(BLOCK, 0)[: w.shape[0]].repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
+    elif s.numel() > 1:
+        s = s.reshape(-1, 1)
+    return w * s
+
+
+def _static_input_scale_taken() -> bool:
+    return "input_scale" in inspect.signature(QuantizedLinear.__init__).parameters
+
+
+def _set(model, holders: dict, param, value: torch.Tensor):
+    """Put ``value`` in place of ``param`` in every module that holds it (tied parameters stay tied)."""
+    new = torch.nn.Parameter(value, requires_grad=False)
+    for name, module in holders.get(id(param), ()):
+        module._parameters[name.rsplit(".", 1)[-1]] = new
+
+
+def _replace(model, name: str, module: torch.nn.Module):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype: torch.dtype = torch.bfloat16,
+                    filter: Optional[Callable[[str, torch.nn.Module], bool]] = None):
+    """A causal language model (``transformers.AutoModelForCausalLM``) from the local checkpoint ``path`` (a
+    directory with ``config.json`` and ``*.safetensors``), its linear layers ``QuantizedLinear`` on ``device``:
+    ``(model, report)``, the report a :class:`ConversionReport` (``converted``: the layers adopted or quantized;
+    ``skipped`` and ``kept``: everything left in high precision, with the reason).
+
+    An FP8 checkpoint (the module docstring lists the formats) is adopted bit for bit: each quantized layer's FP8
+    bytes and scales as stored, the scales mapped once into the kernel's layout; ``recipe`` may be None or the
+    format's recipe (another is refused). An unquantized checkpoint is quantized while loading with ``recipe``
+    (required), one layer at a time: the same bits as ``convert(model, recipe)`` on the model loaded whole, the
+    peak memory about the quantized model plus one layer in high precision. Every other tensor (embeddings, norms,
+    the LM head, the layers the checkpoint leaves unquantized) loads as stored, floating point cast to ``dtype``;
+    tied weights stay tied. ``filter(name, module)`` false leaves a linear layer in ``dtype`` (an FP8 one
+    dequantized). An FP8 layer whose shape the kernels refuse is dequantized to ``dtype``, with a warning and the
+    reason in the report; a layout they cannot run (blocks other than 128x128, weight-only FP8, a static activation
+    scale the layer cannot hold) or an unknown ``quant_method`` raises ValueError.
+    """
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    fmt = checkpoint_format(config)
+    if fmt is not None and recipe is not None and linear_recipe(recipe).name != fmt.recipe:
+        raise ValueError(f"{path}: the checkpoint is {fmt.name}, which runs as recipe {fmt.recipe!r}; pass "
+                         f"recipe=None (or {fmt.recipe!r}) to adopt its FP8 weights as they are")
+    if fmt is None and recipe is None:
+        raise ValueError(f"{path}: the checkpoint is not quantized; pass recipe= (e.g. 'row', 'deepseek') to quantize "
+                         "it while loading")
+    if fmt is not None and fmt.input_scale_key is not None and not _static_input_scale_taken():
+        raise ValueError(f"{path}: {fmt.name} with static activation scales ({fmt.input_scale_key}): static input "
+                         "scales are not taken by QuantizedLinear; the kernels quantize activations dynamically")
+    r = linear_recipe(fmt.recipe if fmt is not None else recipe)
+    device = torch.device(device)
+    arch = target_arch(r, device)
+    ckpt = Checkpoint(path)
+    try:
+        model = _skeleton(config, dtype)
+        report = _load(model, ckpt, fmt, r, arch, device, dtype, filter)
+    finally:
+        ckpt.close()
+    return model, report
+
+
+def _plan(model, ckpt: Checkpoint, fmt: Optional[Fp8Format], r, arch, dtype, filter, holders) -> tuple:
+    """(layers to fill as QuantizedLinear: name -> module, skipped: name -> why, FP8 layers to dequantize)."""
+    take, skipped, dequantize, checked = {}, {}, set(), {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        key = f"{name}.weight"
+        fp8 = fmt is not None and key in ckpt and ckpt.dtype(key) in FP8_DTYPES
+        others = [n for n, holder in holders.get(id(module.weight), ()) if holder is not module]
+        if fmt is not None and not fp8:
+            if others:
+                skipped[name] = f"its weight is tied to {', '.join(others)}, stored unquantized in the checkpoint"
+            elif _unquantized_by_config(name, fmt.unquantized):
+                skipped[name] = f"left unquantized by the checkpoint ({fmt.source})"
+            else:
+                skipped[name] = f"stored unquantized in the checkpoint ({ckpt.dtype(key) if key in ckpt else 'absent'})"
+            continue
+        if fp8 and f"{name}.{fmt.scale_key}" not in ckpt:
+            raise ValueError(f"{key} is FP8 in the checkpoint and {name}.{fmt.scale_key} is absent")
+        why = None
+        if type(module) is not torch.nn.Linear:
+            why = (f"{type(module).__name__} subclasses nn.Linear and its owner may read .weight: only nn.Linear "
+                   "itself is converted")
+        elif filter is not None and not filter(name, module):
+            why = "excluded by filter"
+        elif others:
+            why = f"its weight is tied to {', '.join(others)}: quantizing it would untie them"
+        if why is None:
+            shape = (module.out_features, module.in_features, dtype, module.bias is not None, arch)
+            if shape not in checked:
+                checked[shape] = unsupported(r, *shape)
+            why = checked[shape]
+        if why is None:
+            take[name] = module
+            continue
+        if fp8:
+            dequantize.add(name)
+            why = f"{why}; {DEQUANTIZED.format(dtype=str(dtype).replace('torch.', ''))}"
+        skipped[name] = why
+    return take, skipped, dequantize
+
+
+def _load(model, ckpt: Checkpoint, fmt, r, arch, device, dtype, filter) -> ConversionReport:
+    holders = _holders(model)
+    take, skipped, dequantize = _plan(model, ckpt, fmt, r, arch, dtype, filter, holders)
+    report = ConversionReport(r.name, converted=list(take), skipped=skipped)
+    _list_kept(model, report, {id(m): None for m in take.values()})
+    if dequantize:
+        warnings.warn(f"{len(dequantize)} FP8 layers of the checkpoint are loaded dequantized to {dtype} (print the "
+                      "report for why)", UserWarning, stacklevel=3)
+    used = set()
+    for name, module in take.items():
+        _replace(model, name, _fill(ckpt, name, module, fmt, r, device, dtype, used))
+    for name in dequantize:
+        module = model.get_submodule(name)
+        q, s = ckpt.get(f"{name}.weight"), ckpt.get(f"{name}.{fmt.scale_key}")
+        _set(model, holders, module.weight, dequantized(q, s, fmt.recipe).to(device, dtype))
+        used.update((f"{name}.weight", f"{name}.{fmt.scale_key}"))
+    _load_rest(model, ckpt, holders, device, dtype, used)
+    model.to(device)  # the buffers the code computed
+    return report
+
+
+def _fill(ckpt: Checkpoint, name: str, module: torch.nn.Linear, fmt, r, device, dtype, used: set) -> QuantizedLinear:
+    """The QuantizedLinear of ``module`` from the checkpoint: adopted (FP8) or quantized from its weight."""
+    n, k, has_bias = module.out_features, module.in_features, module.bias is not None
+    keys = [f"{name}.weight"] + ([f"{name}.bias"] if has_bias else [])
+    missing = [key for key in keys if key not in ckpt]
+    if missing:
+        raise ValueError(f"the checkpoint has no {', '.join(missing)}")
+    bias = ckpt.get(f"{name}.bias").to(device, torch.float32) if has_bias else None
+    used.update(keys)
+    if fmt is None:  # quantize while loading: only this layer's weight in high precision
+        with torch.device("meta"):
+            linear = torch.nn.Linear(k, n, bias=False)
+        linear.weight = torch.nn.Parameter(ckpt.get(keys[0]).to(device, dtype), requires_grad=False)
+        layer = QuantizedLinear.quantized(linear, r)
+        del linear
+        layer.bias = bias
+        return layer
+    static = fmt.input_scale_key is not None
+    layer = QuantizedLinear(k, n, has_bias, r.name, device=device, dtype=dtype, **({"input_scale": True} if static
+                                                                                   else {}))
+    q, s = ckpt.get(keys[0]), ckpt.get(f"{name}.{fmt.scale_key}")
+    used.add(f"{name}.{fmt.scale_key}")
+    if tuple(q.shape) != (n, k):
+        raise ValueError(f"{keys[0]}: shape {tuple(q.shape)}, the model's layer is ({n}, {k})")
+    if s.dtype not in fmt.scale_dtypes:
+        raise ValueError(f"{name}.{fmt.scale_key}: scales in {s.dtype}, expected one of {fmt.scale_dtypes}")
+    with torch.no_grad():
+        layer.weight.copy_(q)
+        layer.weight_scale.copy_(kernel_scale(r.name, s, n, k, f"{name}.{fmt.scale_key}"))
+        if bias is not None:
+            layer.bias.copy_(bias)
+        if static:
+            key = f"{name}.{fmt.input_scale_key}"
+            if key not in ckpt:
+                raise ValueError(f"the checkpoint declares static activation scales and has no {key}")
+            layer.input_scale.copy_(ckpt.get(key).to(torch.float32).reshape(layer.input_scale.shape))
+            used.add(key)
+    return layer
+
+
+def _load_rest(model, ckpt: Checkpoint, holders: dict, device, dtype, used: set):
+    """Every other parameter and persistent buffer, as stored (floating point cast to the skeleton's dtype, which
+    is ``dtype``); then nothing may be left on the meta device, and no checkpoint tensor unread."""
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())]
+    loaded: set = set()
+    for name, t in list(model.named_parameters(remove_duplicate=False)) + list(model.named_buffers()):
+        if id(t) in loaded and name in ckpt:
+            used.add(name)  # a tied parameter's second name
+        if name in used or id(t) in loaded:
+            continue
+        if name not in ckpt:
+            continue
+        value = ckpt.get(name)
+        if tuple(value.shape) != tuple(t.shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} in the checkpoint, {tuple(t.shape)} in the model")
+        if value.element_size() == 1 and value.dtype.is_floating_point and t.dtype != value.dtype:
+            raise ValueError(f"{name} is {value.dtype} in the checkpoint and {t.dtype} in the model: FP8 tensors are "
+                             "taken only as the weights of the linear layers the checkpoint's format quantizes")
+        value = value.to(device, t.dtype if t.dtype.is_floating_point and value.dtype.is_floating_point else None)
+        if isinstance(t, torch.nn.Parameter):
+            _set(model, holders, t, value)
+        else:
+            parent, _, buf = name.rpartition(".")
+            (model.get_submodule(parent) if parent else model)._buffers[buf] = value
+        loaded.add(id(t))
+        used.add(name)
+    left = sorted(name for name, t in model.named_parameters() if t.device.type == "meta")
+    if left:
+        raise ValueError(f"the checkpoint has no {', '.join(left[:5])}{' ...' if len(left) > 5 else ''} "
+                         f"({len(left)} tensors)")
+    extra = sorted(key for key in ckpt.where if key not in used and not any(p.search(key) for p in ignored))
+    if extra:
+        raise ValueError(f"checkpoint tensors the model has no place for: {', '.join(extra[:5])}"
+                         f"{' ...' if len(extra) > 5 else ''} ({len(extra)} tensors)")

@@ -1,0 +1,350 @@
+"""from_pretrained on CPU: FP8 checkpoints (FineGrainedFP8, compressed-tensors, fbgemm) adopted bit for bit, an
+unquantized one quantized while loading (the same bits as convert, the peak memory one layer above the quantized
+model), and the checkpoints it refuses. Every checkpoint is written here: tiny transformers models, config.json
+and safetensors."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cutedsl_gemm import nn as cnn
+
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
+IGNORED = "model.layers.0.self_attn.o_proj"  # a layer each FP8 checkpoint leaves in bf16 (its config says so)
+
+
+def _config(kind, **over):
+    if kind == "llama":
+        c = transformers.LlamaConfig(hidden_size=256, intermediate_size=384, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                     tie_word_embeddings=True)
+    elif kind == "qwen2":
+        c = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+                                     tie_word_embeddings=False)
+    else:
+        c = transformers.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                          moe_intermediate_size=128, num_hidden_layers=2, first_k_dense_replace=1,
+                                          n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                          num_attention_heads=4, num_key_value_heads=4, q_lora_rank=128,
+                                          kv_lora_rank=128, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+                                          n_group=1, topk_group=1)
+    for k, v in over.items():
+        setattr(c, k, v)
+    return c
+
+
+def _model(kind, **over):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(_config(kind, **over), dtype=torch.bfloat16)
+    with torch.no_grad():  # norms and biases away from their initial ones and zeros
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.copy_(torch.randn_like(p))
+    return model.eval()
+
+
+def _state(model) -> dict:
+    """The model's tensors as a checkpoint stores them (a tied LM head once, under the embedding's name)."""
+    seen, out = set(), {}
+    for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
+                                                      if n.rsplit(".", 1)[-1] not in
+                                                      model.get_submodule(n.rpartition(".")[0])
+                                                      ._non_persistent_buffers_set]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t.detach().contiguous()
+    return out
+
+
+def _quantize(w, how):
+    """(codes, scale) of w (N, K) in a checkpoint's layout: 'block' (ceil(N/128), ceil(K/128)), 'channel' (N, 1),
+    'tensor' (1,); the scale multiplies the codes."""
+    w = w.float()
+    n, k = w.shape
+    if how == "block":
+        pad = torch.zeros(-(-n // 128) * 128, -(-k // 128) * 128)
+        pad[:n, :k] = w
+        amax = pad.unflatten(0, (-1, 128)).unflatten(2, (-1, 128)).abs().amax(dim=(1, 3))
+        s = amax.clamp(min=1e-12) / E4M3_MAX
+        full = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    elif how == "channel":
+        s = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX
+        full = s
+    else:
+        s = (w.abs().amax().clamp(min=1e-12) / E4M3_MAX).reshape(1)
+        full = s
+    return (w / full).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+
+
+def _linears(model):
+    return [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+
+
+FORMATS = {  # name -> (quantization_config, how the weights are quantized, the scale's key, recipe)
+    "fp8": (dict(quant_method="fp8", activation_scheme="dynamic", weight_block_size=[128, 128],
+                 modules_to_not_convert=["lm_head", IGNORED]), "block", "weight_scale_inv", "deepseek"),
+    "ct_channel": (dict(quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head", IGNORED],
+                        config_groups={"group_0": dict(
+                            targets=["Linear"],
+                            weights=dict(num_bits=8, type="float", strategy="channel", symmetric=True, dynamic=False),
+                            input_activations=dict(num_bits=8, type="float", strategy="token", dynamic=True))}),
+                   "channel", "weight_scale", "row"),
+    "ct_tensor": (dict(quant_method="compressed-tensors", format="float-quantized", ignore=["lm_head", IGNORED],
+                       config_groups={"group_0": dict(
+                           targets=["Linear"],
+                           weights=dict(num_bits=8, type="float", strategy="tensor", symmetric=True, dynamic=False),
+                           input_activations=dict(num_bits=8, type="float", strategy="tensor", dynamic=True))}),
+                  "tensor", "weight_scale", "tensor"),
+    "fbgemm": (dict(quant_method="fbgemm_fp8", activation_scale_ub=1200.0, modules_to_not_convert=["lm_head", IGNORED]),
+               "channel", "weight_scale", "row"),
+}
+
+
+def _write_fp8(path, model, fmt, scale_dtype=torch.float32, **qc):
+    """An FP8 checkpoint of ``model`` in format ``fmt`` (FORMATS): every nn.Linear but the LM head and IGNORED
+    quantized; -> the checkpoint's tensors."""
+    qconfig, how, scale_key, _ = FORMATS[fmt]
+    state = _state(model)
+    for name in _linears(model):
+        if name == "lm_head" or name == IGNORED:
+            continue
+        q, s = _quantize(state[f"{name}.weight"], how)
+        state[f"{name}.weight"], state[f"{name}.{scale_key}"] = q, s.to(scale_dtype)
+    os.makedirs(path, exist_ok=True)
+    model.config.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {**qconfig, **qc}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file(state, os.path.join(path, "model.safetensors"))
+    return state
+
+
+def _layer_dequantized(layer):
+    """codes x scales in fp32 from a QuantizedLinear's buffers (weight_scale in the kernel's layout)."""
+    q, s = layer.weight.float(), layer.weight_scale
+    n, k = q.shape
+    if layer.recipe == "deepseek":
+        s = s.t().repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    elif s.dim() == 2:
+        s = s.t()
+    return q * s
+
+
+def _ckpt_dequantized(q, s, how):
+    n, k = q.shape
+    s = s.float()
+    if how == "block":
+        s = s.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]
+    return q.float() * s
+
+
+CASES = [(kind, fmt) for kind in ("llama", "qwen2") for fmt in FORMATS] + [("deepseek_v3", "fp8")]
+
+
+@pytest.mark.parametrize("kind,fmt", CASES)
+def test_fp8_checkpoint_adopted_bit_for_bit(tmp_path, kind, fmt):
+    model = _model(kind)
+    scale_dtype = torch.bfloat16 if fmt == "ct_channel" else torch.float32  # llm-compressor stores bf16 scales
+    state = _write_fp8(tmp_path, model, fmt, scale_dtype)
+    _, how, scale_key, recipe = FORMATS[fmt]
+    loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+
+    quantized = [n for n in _linears(model) if n not in ("lm_head", IGNORED)]
+    assert report.recipe == recipe and sorted(report.converted) == sorted(quantized)
+    assert "left unquantized by the checkpoint" in report.skipped[IGNORED]
+    assert "lm_head" in report.skipped
+    for name in quantized:
+        layer = loaded.get_submodule(name)
+        assert isinstance(layer, cnn.QuantizedLinear) and layer.recipe == recipe
+        q, s = state[f"{name}.weight"], state[f"{name}.{scale_key}"]
+        assert torch.equal(layer.weight.view(torch.uint8), q.view(torch.uint8))
+        want = s.float().t() if recipe == "deepseek" else s.float().reshape((1, -1) if recipe == "row" else ())
+        assert layer.weight_scale.shape == want.shape and torch.equal(layer.weight_scale, want)
+        assert torch.equal(_layer_dequantized(layer), _ckpt_dequantized(q, s, how))
+        if f"{name}.bias" in state:
+            assert layer.bias.dtype == torch.float32 and torch.equal(layer.bias, state[f"{name}.bias"].float())
+
+    params = dict(loaded.named_parameters(remove_duplicate=False))
+    for key, t in state.items():
+        if key.rpartition(".")[0] in quantized:
+            continue
+        got = params.get(key)
+        got = got if got is not None else loaded.get_buffer(key)
+        assert got.dtype == t.dtype and torch.equal(got, t), key
+    assert all(t.device.type == "cpu" for t in loaded.state_dict().values())
+    if model.config.tie_word_embeddings:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+        assert "tied to" in report.skipped["lm_head"]
+    torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq, rtol=0, atol=0)
+    if kind == "deepseek_v3":  # the routed experts stay bf16, listed with the reason
+        experts = [n for n in report.kept if ".experts." in n]
+        assert experts and all("mixture-of-experts" in report.kept[n] for n in experts)
+        assert "TopkRouter" in report.kept["model.layers.1.mlp.gate.weight"]
+
+
+def test_fp8_layer_the_kernels_refuse_is_dequantized_and_reported(tmp_path):
+    model = _model("llama", intermediate_size=200)  # down_proj K = 200: not a multiple of 16
+    state = _write_fp8(tmp_path, model, "fbgemm")
+    with pytest.warns(UserWarning, match="dequantized"):
+        loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+    name = "model.layers.1.mlp.down_proj"
+    assert "must be a multiple of 16" in report.skipped[name] and "dequantized" in report.skipped[name]
+    assert "dequantized" in report.kept[f"{name}.weight"]
+    layer = loaded.get_submodule(name)
+    assert type(layer) is torch.nn.Linear and layer.weight.dtype == torch.bfloat16
+    want = _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.weight_scale"], "channel").bfloat16()
+    assert torch.equal(layer.weight, want)
+    assert isinstance(loaded.get_submodule("model.layers.1.mlp.up_proj"), cnn.QuantizedLinear)
+
+
+def test_static_input_scales(tmp_path):
+    model = _model("qwen2")
+    state = _write_fp8(tmp_path, model, "ct_tensor")
+    with open(tmp_path / "config.json") as f:
+        config = json.load(f)
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(config, f)
+    for name in _linears(model):
+        if f"{name}.weight_scale" in state:
+            state[f"{name}.input_scale"] = torch.rand(1) + 0.5
+    save_file(state, str(tmp_path / "model.safetensors"))
+    import inspect
+
+    if "input_scale" not in inspect.signature(cnn.QuantizedLinear.__init__).parameters:
+        with pytest.raises(ValueError, match="static input scales are not taken"):
+            cnn.from_pretrained(str(tmp_path), device="cpu")
+        return
+    loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+    for name in report.converted:
+        assert torch.equal(loaded.get_submodule(name).input_scale.reshape(1), state[f"{name}.input_scale"])
+
+
+@pytest.mark.parametrize("qc,match", [
+    (dict(weight_block_size=[64, 64]), "128x128"),
+    (dict(quant_method="gptq"), "quant_method 'gptq' is not adopted"),
+])
+def test_layouts_and_methods_refused(tmp_path, qc, match):
+    _write_fp8(tmp_path, _model("llama"), "fp8", **qc)
+    with pytest.raises(ValueError, match=match):
+        cnn.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_compressed_tensors_schemes_refused(tmp_path):
+    model = _model("llama")
+    _write_fp8(tmp_path, model, "ct_channel")
+    path = tmp_path / "config.json"
+    base = json.loads(path.read_text())
+    for change, match in [(lambda g: g.update(input_activations=None), "leaves the activations unquantized"),
+                          (lambda g: g["weights"].update(type="int", num_bits=4), "only FP8 weights")]:
+        config = json.loads(json.dumps(base))
+        change(config["quantization_config"]["config_groups"]["group_0"])
+        path.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=match):
+            cnn.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_fp8_tensor_outside_the_format_refused(tmp_path):
+    """An FP8 tensor the format does not adopt (here an embedding table) is refused, not cast without its scale."""
+    state = _write_fp8(tmp_path, _model("llama"), "fbgemm")
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].to(torch.float8_e5m2)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="model.embed_tokens.weight is torch.float8_e5m2 in the checkpoint"):
+        cnn.from_pretrained(str(tmp_path), device="cpu")
+
+
+def test_conflicting_recipe_refused(tmp_path):
+    _write_fp8(tmp_path, _model("llama"), "fp8")
+    with pytest.raises(ValueError, match="runs as recipe 'deepseek'"):
+        cnn.from_pretrained(str(tmp_path), "row", device="cpu")
+    _, report = cnn.from_pretrained(str(tmp_path), "deepseek", device="cpu")  # the format's own recipe
+    assert report.converted
+
+
+def test_unquantized_checkpoint_needs_a_recipe(tmp_path):
+    _model("llama").save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="not quantized; pass recipe="):
+        cnn.from_pretrained(str(tmp_path), device="cpu")
+
+
+@pytest.mark.parametrize("kind,recipe", [("llama", "row"), ("qwen2", "deepseek")])
+def test_quantize_on_load_equals_convert(tmp_path, kind, recipe):
+    _model(kind).save_pretrained(tmp_path, max_shard_size="300KB")  # sharded, with model.safetensors.index.json
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    skip_down = lambda name, m: not name.endswith("layers.1.mlp.down_proj")  # noqa: E731
+    loaded, report = cnn.from_pretrained(str(tmp_path), recipe, device="cpu", filter=skip_down)
+
+    whole = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+    want = cnn.convert(whole, recipe, filter=skip_down)
+    assert report.converted == want.converted and report.skipped == want.skipped and report.kept == want.kept
+    assert (report.kept_elements, report.total_elements) == (want.kept_elements, want.total_elements)
+    mine, theirs = loaded.state_dict(), whole.state_dict()
+    assert mine.keys() == theirs.keys()
+    for key, t in theirs.items():
+        assert mine[key].dtype == t.dtype and torch.equal(mine[key].view(torch.uint8), t.view(torch.uint8)), key
+    assert dict(loaded.named_buffers()).keys() == dict(whole.named_buffers()).keys()
+    if whole.config.tie_word_embeddings:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+
+
+PEAK = textwrap.dedent("""
+    import sys, threading, time
+    import torch
+    from cutedsl_gemm import nn as cnn
+
+    def anon():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) * 1024
+
+    peak, done = [anon()], []
+    def sample():
+        while not done:
+            peak[0] = max(peak[0], anon())
+            time.sleep(0.0005)
+    warm, _ = cnn.from_pretrained(sys.argv[2], "row", device="cpu")  # the imports and first calls, done once
+    del warm
+    base = peak[0] = anon()
+    t = threading.Thread(target=sample)
+    t.start()
+    model, report = cnn.from_pretrained(sys.argv[1], "row", device="cpu")
+    done.append(1)
+    t.join()
+    held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    print(peak[0] - base, anon() - base, held)
+""")
+
+
+def test_quantize_on_load_peak_memory(tmp_path):
+    """The bf16 weights are ~90 MiB, the largest layer 2 MiB: the load's peak (anonymous memory above the process's
+    before it, large blocks handed back to the system when freed) stays near the quantized model (~47 MiB) plus the
+    scratch of quantizing one layer, well below the bf16 model."""
+    config = _config("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_key_value_heads=4,
+                     num_attention_heads=8)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "big")
+    _model("llama").save_pretrained(tmp_path / "tiny")
+    with safe_open(str(tmp_path / "big" / "model.safetensors"), "pt") as f:
+        sizes = [f.get_slice(k).get_shape() for k in f.keys()]
+    total = sum(torch.Size(s).numel() * 2 for s in sizes)
+    largest = max(torch.Size(s).numel() * 2 for s in sizes if len(s) == 2 and s[0] != config.vocab_size)
+    assert total > 15 * largest
+    out = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "big"), str(tmp_path / "tiny")],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+    assert out.returncode == 0, out.stderr
+    peak, after, held = map(int, out.stdout.split())
+    print(f"bf16 weights {total / 2**20:.1f} MiB, largest layer {largest / 2**20:.1f} MiB, quantized model "
+          f"{held / 2**20:.1f} MiB; load peak {peak / 2**20:.1f} MiB, {after / 2**20:.1f} MiB after")
+    assert peak < held + 8 * largest and peak < 0.75 * total
