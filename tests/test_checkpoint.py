@@ -209,12 +209,16 @@ def test_fp8_layer_the_kernels_refuse_is_dequantized_and_reported(tmp_path):
     assert isinstance(loaded.get_submodule("model.layers.1.mlp.up_proj"), cnn.QuantizedLinear)
 
 
-def test_static_input_scales(tmp_path):
+@pytest.mark.parametrize("fmt", ["ct_tensor", "ct_channel"])
+def test_static_input_scales(tmp_path, fmt):
+    """Per-tensor static activation scales load into layers holding one (recipe "tensor", where QuantizedLinear
+    takes input_scale=True), and are refused otherwise: never dropped."""
     model = _model("qwen2")
-    state = _write_fp8(tmp_path, model, "ct_tensor")
+    state = _write_fp8(tmp_path, model, fmt)
     with open(tmp_path / "config.json") as f:
         config = json.load(f)
-    config["quantization_config"]["config_groups"]["group_0"]["input_activations"]["dynamic"] = False
+    acts = config["quantization_config"]["config_groups"]["group_0"]["input_activations"]
+    acts.update(dynamic=False, strategy="tensor")
     with open(tmp_path / "config.json", "w") as f:
         json.dump(config, f)
     for name in _linears(model):
@@ -227,9 +231,15 @@ def test_static_input_scales(tmp_path):
         with pytest.raises(ValueError, match="static input scales are not taken"):
             cnn.from_pretrained(str(tmp_path), device="cpu")
         return
+    if fmt == "ct_channel":  # per-channel weights: the static per-tensor activation scale has no recipe
+        with pytest.raises(ValueError, match="static input scale is taken with recipe 'tensor'.*not 'row'"):
+            cnn.from_pretrained(str(tmp_path), device="cpu")
+        return
     loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+    assert report.recipe == "tensor" and report.converted
     for name in report.converted:
-        assert torch.equal(loaded.get_submodule(name).input_scale.reshape(1), state[f"{name}.input_scale"])
+        layer = loaded.get_submodule(name)
+        assert layer.input_scale.shape == () and torch.equal(layer.input_scale.reshape(1), state[f"{name}.input_scale"])
 
 
 @pytest.mark.parametrize("qc,match", [

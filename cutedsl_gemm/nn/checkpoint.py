@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import recipes
 from .convert import ConversionReport, _holders, _list_kept
 from .linear import QuantizedLinear, target_arch, unsupported
 from .recipes import linear_recipe
@@ -245,8 +246,16 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tens
     return w * s
 
 
-def _static_input_scale_taken() -> bool:
-    return "input_scale" in inspect.signature(QuantizedLinear.__init__).parameters
+def _static_input_scale_refused(recipe: str) -> Optional[str]:
+    """Why a layer of ``recipe`` cannot hold a static activation scale (``QuantizedLinear(..., input_scale=True)``),
+    or None."""
+    if "input_scale" not in inspect.signature(QuantizedLinear.__init__).parameters:
+        return "static input scales are not taken by QuantizedLinear; the kernels quantize activations dynamically"
+    takes = getattr(recipes, "STATIC_INPUT_RECIPES", ("tensor",))
+    if recipe not in takes:
+        return (f"a static input scale is taken with recipe {' or '.join(map(repr, takes))} (per-tensor weights and "
+                f"activations), not {recipe!r}")
+    return None
 
 
 def _set(model, holders: dict, param, value: torch.Tensor):
@@ -289,9 +298,9 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     if fmt is None and recipe is None:
         raise ValueError(f"{path}: the checkpoint is not quantized; pass recipe= (e.g. 'row', 'deepseek') to quantize "
                          "it while loading")
-    if fmt is not None and fmt.input_scale_key is not None and not _static_input_scale_taken():
-        raise ValueError(f"{path}: {fmt.name} with static activation scales ({fmt.input_scale_key}): static input "
-                         "scales are not taken by QuantizedLinear; the kernels quantize activations dynamically")
+    why = None if fmt is None or fmt.input_scale_key is None else _static_input_scale_refused(fmt.recipe)
+    if why is not None:
+        raise ValueError(f"{path}: {fmt.name} with static activation scales ({fmt.input_scale_key}): {why}")
     r = linear_recipe(fmt.recipe if fmt is not None else recipe)
     device = torch.device(device)
     arch = target_arch(r, device)
