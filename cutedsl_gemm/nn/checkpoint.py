@@ -286,7 +286,9 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     tied weights stay tied. ``filter(name, module)`` false leaves a linear layer in ``dtype`` (an FP8 one
     dequantized). An FP8 layer whose shape the kernels refuse is dequantized to ``dtype``, with a warning and the
     reason in the report; a layout they cannot run (blocks other than 128x128, weight-only FP8, a static activation
-    scale the layer cannot hold) or an unknown ``quant_method`` raises ValueError.
+    scale the layer cannot hold) or an unknown ``quant_method`` raises ValueError, and so do checkpoint tensors
+    the model has no place for under their stored names (those transformers renames or merges while loading, such
+    as per-expert MoE weights it fuses into 3-D tensors).
     """
     from transformers import AutoConfig
 
