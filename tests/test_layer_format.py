@@ -1,13 +1,18 @@
 """QuantizedLinear's weight in high precision (``dequantize``) against the reference quantizers and dequantizers, for
-every recipe. `-m gpu`: the Hopper layers' outputs against ``x @ dequantize().T``."""
+every recipe; the saved format's version; a static activation scale (``input_scale``). `-m gpu`: the Hopper layers'
+outputs against ``x @ dequantize().T``, and the static scale's."""
 
 import pytest
 import torch
+from torch._dynamo.testing import EagerAndRecordGraphs
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.nn.recipes import quantize_fp8_static
 from cutedsl_gemm.numerics import int_packing as IP
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.numerics.formats import ScaleGranularity
+from cutedsl_gemm.numerics.formats import E4M3, ScaleGranularity
+from cutedsl_gemm.ops import library as L
 
 G = ScaleGranularity
 RECIPE_NAMES = list(cnn.LINEAR_RECIPES)
@@ -152,6 +157,107 @@ def test_a_newer_version_or_another_recipe_is_refused_before_anything_loads():
 
 
 # ------------------------------------------------------------------------------------------------
+# a static activation scale
+# ------------------------------------------------------------------------------------------------
+
+
+def _static_layer(k=320, n=272, scale=0.01, device="cpu"):
+    """A "tensor" layer converted from a linear, loaded into a layer with a static input_scale."""
+    converted = cnn.QuantizedLinear.from_linear(_linear(k, n, device=device), "tensor")
+    layer = cnn.QuantizedLinear(k, n, recipe="tensor", device=device, input_scale=True)
+    layer.load_state_dict(converted.state_dict() | {"input_scale": torch.tensor(scale, device=device)})
+    return converted, layer
+
+
+def test_the_input_scale_buffer_is_there_only_when_asked_for():
+    plain = cnn.QuantizedLinear(320, 272, recipe="tensor")
+    assert plain.input_scale is None and "input_scale" not in plain.state_dict()
+    layer = cnn.QuantizedLinear(320, 272, recipe="tensor", input_scale=True)
+    assert (layer.input_scale.dtype, tuple(layer.input_scale.shape)) == (torch.float32, ())
+    assert list(layer.state_dict()) == ["weight", "weight_scale", "bias", "input_scale", "_extra_state"]
+    assert "input_scale=True" in repr(layer) and "input_scale" not in repr(plain)
+    layer.half()
+    assert layer.input_scale.dtype == torch.float32
+
+
+@pytest.mark.parametrize("recipe", ["row", "deepseek", "int8", "mxfp8", "nvfp4", "int4_weight"])
+def test_a_static_input_scale_is_refused_for_other_recipes(recipe):
+    with pytest.raises(ValueError, match=rf"input_scale=True \(a static activation scale\) works with recipe 'tensor' "
+                                         rf"\(per-tensor FP8 activations\), not '{recipe}'"):
+        cnn.QuantizedLinear(256, 128, recipe=recipe, input_scale=True)
+
+
+def test_the_input_scale_is_saved_and_loaded(tmp_path):
+    st = pytest.importorskip("safetensors.torch")
+    converted, layer = _static_layer(scale=0.015625)
+    state = layer.state_dict()
+    assert float(state["input_scale"]) == 0.015625 and _tag(state) == "cutedsl_gemm/2/tensor"
+    st.save_file(state, tmp_path / "layer.safetensors")
+    loaded = cnn.QuantizedLinear(320, 272, recipe="tensor", input_scale=True)
+    loaded.load_state_dict(st.load_file(tmp_path / "layer.safetensors"))
+    assert all(torch.equal(_bits(loaded.state_dict()[key]), _bits(v)) for key, v in state.items())
+    with pytest.raises(ValueError, match=r"the checkpoint has a static input_scale .* build the layer with "
+                                         r"QuantizedLinear\(\.\.\., recipe='tensor', input_scale=True\)"):
+        cnn.QuantizedLinear(320, 272, recipe="tensor").load_state_dict(state)
+    with pytest.raises(ValueError, match="this layer takes a static input_scale and the checkpoint has none"):
+        cnn.QuantizedLinear(320, 272, recipe="tensor", input_scale=True).load_state_dict(converted.state_dict())
+
+
+def test_static_quantization_is_the_per_tensor_quantizer_with_the_scale_given():
+    torch.manual_seed(0)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        x = (torch.randn(37, 320) * 3).to(dtype)
+        q, scale = R.quantize(x, G.TENSOR)  # the amax's scale: the same bits as quantize_fp8(x, "tensor")
+        assert torch.equal(_bits(quantize_fp8_static(x, scale.reshape(()))), _bits(q))
+        assert torch.equal(_bits(quantize_fp8_static(x, scale.reshape(1))), _bits(q))
+    # another scale: x / s correctly rounded in fp32, saturated to +-448, rounded to nearest even; NaN stays NaN
+    x = torch.tensor([[0.0, 1.0, -1.0, 3.0, 1e6, -float("inf"), float("inf"), float("nan"), 0.0021, 0.0019]])
+    q = quantize_fp8_static(x, torch.tensor(0.001))
+    want = torch.tensor([[0.0, 448.0, -448.0, 448.0, 448.0, -448.0, 448.0]]).to(E4M3.torch_dtype)
+    assert q.dtype == E4M3.torch_dtype and torch.equal(_bits(q[:, :7]), _bits(want[:, :7]))
+    assert torch.isnan(q[0, 7].float()) and q[0, 8:].float().tolist() == [2.0, 1.875]  # 2.1 and 1.9, rounded
+    ties = torch.tensor([[2.125, 2.375, 17.0, 19.0]])  # halfway between E4M3 neighbours: to the even mantissa
+    assert quantize_fp8_static(ties, torch.tensor(1.0)).float().tolist() == [[2.0, 2.5, 16.0, 20.0]]
+
+
+def test_the_traced_layer_passes_its_input_scale_to_the_op():
+    _, layer = _static_layer()
+    layer.to("meta")
+    backend = EagerAndRecordGraphs()
+    compiled = torch.compile(layer, fullgraph=True, backend=backend)
+    try:
+        with L.fake_target("sm_90a"):
+            y = compiled(torch.empty(3, 4, 320, dtype=torch.bfloat16, device="meta"))
+    finally:
+        torch._dynamo.reset()  # (the layer's forward is one code object: its compiled entries are shared)
+    assert (y.shape, y.dtype) == ((3, 4, 272), torch.bfloat16)
+    calls = [n for g in backend.graphs for n in g.graph.nodes if n.op == "call_function"
+             and str(n.target).startswith("cutedsl_gemm.fp8_linear")]
+    assert len(calls) == 1 and len(calls[0].args) == 8 and "input_scale" in str(calls[0].args[7])
+
+
+def test_the_op_fake_takes_an_input_scale_and_checks_it():
+    r = cnn.LINEAR_RECIPES["tensor"]
+    with L.fake_target("sm_90a"), FakeTensorMode():
+        qw, sw, _, _ = r.quantize_weight(torch.empty(272, 320, dtype=torch.bfloat16, device="cuda"), L.OPS)
+        scale = torch.empty((), dtype=torch.float32, device="cuda")
+        for shape in ((5, 320), (2, 3, 320), (320,)):
+            x = torch.empty(shape, dtype=torch.bfloat16, device="cuda")
+            y = L.OPS.fp8_linear(x, qw, sw, None, None, "tensor", None, scale)
+            assert y.shape == (*shape[:-1], 272) and y.dtype == torch.bfloat16
+        with pytest.raises(ValueError, match="a static input_scale works with recipe 'tensor' .* not 'row'"):
+            L.OPS.fp8_linear(x, qw, torch.empty(1, 272, device="cuda"), None, None, "row", None, scale)
+        with pytest.raises(TypeError, match="input_scale must be a one-element float32 tensor"):
+            L.OPS.fp8_linear(x, qw, sw, None, None, "tensor", None, scale.to(torch.bfloat16))
+
+
+def test_the_static_layer_on_the_cpu_is_refused():
+    _, layer = _static_layer()
+    with pytest.raises(ValueError, match="runs on CUDA tensors"):
+        layer(torch.randn(2, 320, dtype=torch.bfloat16))
+
+
+# ------------------------------------------------------------------------------------------------
 # GPU
 # ------------------------------------------------------------------------------------------------
 
@@ -176,3 +282,33 @@ def test_layer_output_is_the_product_with_its_dequantized_weight(recipe):
             y = layer(x)
         want = x.double() @ w.double().t() + layer.bias.double()
         assert R.rel_error(y, want) <= OUTPUT_ERROR[recipe], (recipe, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_static_input_scale_is_the_scale_the_layer_uses(dtype):
+    """With the input's own amax scale the static layer is the dynamic "tensor" layer, bit for bit; with a scale 16
+    times too small most activations saturate, and the output is the product of those saturated values."""
+    from gpu_operands import OUT_TOL
+
+    converted, layer = _static_layer(512, 384, device="cuda")
+    converted.to(dtype=dtype)  # (the buffers keep their dtypes)
+    w = layer.dequantize().double()
+    torch.manual_seed(1)
+    for shape in ((1, 512), (33, 512), (2, 7, 512)):
+        x = torch.randn(shape, dtype=dtype, device="cuda")
+        x2 = x.reshape(-1, 512)
+        _, own = R.quantize(x2, G.TENSOR)
+        for scale, exact in ((own.reshape(()), True), (own.reshape(()) / 16, False)):
+            layer.input_scale = scale.clone()
+            with torch.no_grad():
+                y, dynamic = layer(x), converted(x)
+            assert y.shape == dynamic.shape and y.dtype == dtype
+            qa = quantize_fp8_static(x2, scale).double() * scale.double()
+            want = (qa @ w.t() + layer.bias.double()).reshape(y.shape)
+            assert R.rel_error(y, want) <= OUT_TOL[dtype], (shape, exact)
+            ideal = x.double() @ w.t() + layer.bias.double()
+            if exact:
+                assert torch.equal(y, dynamic) and R.rel_error(y, ideal) <= OUTPUT_ERROR["tensor"]
+            else:
+                assert R.rel_error(y, ideal) > 0.2, shape  # saturated: the scale is the one in use

@@ -74,7 +74,8 @@ def test_schemas_have_real_types():
     assert str(OPS.mm_weight_only.default._schema) == (
         "cutedsl_gemm::mm_weight_only(Tensor x, Tensor packed_w, Tensor scales, Tensor? zeros=None, *, int group=128, "
         "int bits=4, int? split_k=None) -> Tensor")
-    assert "str recipe, Tensor? weight_zero=None) -> Tensor" in str(OPS.fp8_linear.default._schema)
+    assert "str recipe, Tensor? weight_zero=None, Tensor? input_scale=None) -> Tensor" in \
+        str(OPS.fp8_linear.default._schema)
 
 
 def test_op_names_of_public_arguments():

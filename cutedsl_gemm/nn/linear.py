@@ -12,13 +12,22 @@ from cutedsl_gemm.ops import library
 from cutedsl_gemm.ops.library import EAGER, OPS
 from cutedsl_gemm.runtime.device import device_info
 
-from .recipes import LINEAR_RECIPES, QUANTIZED, LinearRecipe, kept_launch, linear_recipe, quantized_matmul
+from .recipes import (
+    LINEAR_RECIPES,
+    QUANTIZED,
+    STATIC_INPUT_RECIPES,
+    LinearRecipe,
+    kept_launch,
+    linear_recipe,
+    quantized_matmul,
+)
 
 WEIGHT_DTYPES = tuple(f.torch_dtype for f in FLOAT_FORMATS)  # what a layer to convert may hold
-OPERANDS = (*QUANTIZED, "bias", "recipe")
+OPERANDS = (*QUANTIZED, "bias", "input_scale", "recipe")
 
 #: The saved format's version, in ``_extra_state`` as ``"cutedsl_gemm/<version>/<recipe>"``. Version 1 is the
-#: recipe's bare name with the same buffers (read as version 2); 2 adds the version to the tag.
+#: recipe's bare name with the same buffers (read as version 2); 2 adds the version to the tag and a static layer's
+#: ``input_scale``.
 FORMAT_VERSION = 2
 FORMAT_TAG = "cutedsl_gemm"
 
@@ -103,24 +112,37 @@ class QuantizedLinear(torch.nn.Module):
     ``pack_weights`` returns them); ``bias`` (N,) fp32; and ``_extra_state`` the format version and the recipe,
     ``"cutedsl_gemm/<FORMAT_VERSION>/<recipe>"`` (uint8 ASCII), checked on load: weights load only into a layer of
     the same recipe, a bare recipe name (format version 1, the same buffers) loads, and a newer version than this
-    code reads is refused. Casting the model (``.to(torch.float16)``,
+    code reads is refused. A layer built with ``input_scale=True`` also saves ``input_scale``, its activations'
+    static per-tensor decode scale (fp32, shape ()). Casting the model (``.to(torch.float16)``,
     ``.half()``) leaves these dtypes alone.
 
     ``QuantizedLinear(in_features, out_features, bias, recipe, dtype=...)`` builds an empty layer to load a checkpoint
     into (``dtype``: the activations', which the group-wise weight-only scales and zero points are stored in;
     default bf16). Buffers a recipe has none of are None and absent from the saved format.
+
+    ``input_scale=True`` (recipe "tensor" only; others are refused): the layer holds a static activation scale, the
+    buffer ``input_scale`` (fp32, shape (); e.g. a checkpoint's calibrated per-tensor FP8 activation scale), and
+    forward quantizes x with it (``recipes.quantize_fp8_static``: x / input_scale saturated to E4M3 and rounded to
+    nearest even, by torch element-wise ops) and passes it to ``scaled_mm`` as ``scale_a``, instead of computing the
+    activations' amax on every call.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, recipe: str = "row", device=None,
-                 dtype: Optional[torch.dtype] = None):
+                 dtype: Optional[torch.dtype] = None, input_scale: bool = False):
         super().__init__()
         r = linear_recipe(recipe)
+        if input_scale and r.name not in STATIC_INPUT_RECIPES:
+            raise ValueError(f"input_scale=True (a static activation scale) works with recipe "
+                             f"{' or '.join(map(repr, STATIC_INPUT_RECIPES))} (per-tensor FP8 activations), not "
+                             f"{r.name!r}, whose activation scales are computed on every call")
         self.in_features, self.out_features, self.recipe = in_features, out_features, r.name
         # the buffers' shapes and dtypes: the recipe's weight quantizer run on a meta weight (the ops' meta kernels)
         w = torch.empty(out_features, in_features, dtype=dtype or torch.bfloat16, device="meta")
         for name, t in zip(QUANTIZED, r.quantize_weight(w, OPS)):
             self.register_buffer(name, None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device))
         self.register_buffer("bias", torch.empty(out_features, dtype=torch.float32, device=device) if bias else None)
+        self.register_buffer("input_scale", torch.empty((), dtype=torch.float32, device=device) if input_scale
+                             else None)
 
     @classmethod
     def from_linear(cls, linear: torch.nn.Linear, recipe: str = "row") -> QuantizedLinear:
@@ -184,11 +206,15 @@ class QuantizedLinear(torch.nn.Module):
                         return quantized_matmul(x, *(self._eager or self._eager_operands()))
             return self._first_call(x)
         # traced, fake, meta or CPU tensors: the op (which refuses the CPU)
-        return OPS.fp8_linear(x, self.weight, self.weight_scale, self.weight_global_scale, self.bias, self.recipe,
-                              self.weight_zero)
+        args = (x, self.weight, self.weight_scale, self.weight_global_scale, self.bias, self.recipe, self.weight_zero)
+        input_scale = self.input_scale
+        return OPS.fp8_linear(*args) if input_scale is None else OPS.fp8_linear(*args, input_scale)
 
     def _first_call(self, x: torch.Tensor) -> torch.Tensor:
         b, scale, global_scale, zero, bias, r = self._eager or self._eager_operands()
+        input_scale = self._buffers.get("input_scale")
+        if input_scale is not None:  # a static scale: torch quantizes x, then the GEMM (no kept launch)
+            return quantized_matmul(x, b, scale, global_scale, zero, bias, r, input_scale=input_scale)
         if not x.is_contiguous() or not r.keeps_launch or x.numel() == 0:
             return quantized_matmul(x, b, scale, global_scale, zero, bias, r)
         try:
@@ -218,7 +244,7 @@ class QuantizedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"recipe={self.recipe!r}")
+                f"recipe={self.recipe!r}" + (", input_scale=True" if self.input_scale is not None else ""))
 
     # --- saved format -------------------------------------------------------------------------------
 
@@ -241,6 +267,15 @@ class QuantizedLinear(torch.nn.Module):
             if name != self.recipe:
                 raise ValueError(f"{where}: the checkpoint holds recipe {name!r} weights and this layer runs recipe "
                                  f"{self.recipe!r}; convert with recipe={name!r} before loading")
+        if strict and (prefix + "weight") in state_dict:
+            saved, mine = (prefix + "input_scale") in state_dict, self.input_scale is not None
+            if saved and not mine:
+                raise ValueError(f"{where}: the checkpoint has a static input_scale (the activations' per-tensor "
+                                 f"scale): build the layer with QuantizedLinear(..., recipe={self.recipe!r}, "
+                                 "input_scale=True)")
+            if mine and not saved:
+                raise ValueError(f"{where}: this layer takes a static input_scale and the checkpoint has none: "
+                                 "build it with input_scale=False (the activations' scale computed on every call)")
         for key in QUANTIZED:
             t, mine = state_dict.get(prefix + key), getattr(self, key)
             if isinstance(t, torch.Tensor) and mine is not None and t.dtype != mine.dtype:

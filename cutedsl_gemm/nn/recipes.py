@@ -25,7 +25,7 @@ from cutedsl_gemm import problem as P
 from cutedsl_gemm.numerics import int_packing as IP
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics import scale_layouts
-from cutedsl_gemm.numerics.codecs import as_bytes
+from cutedsl_gemm.numerics.codecs import as_bytes, cast_saturate
 from cutedsl_gemm.numerics.formats import RECIPES, ScalingRecipe, ceil_div, element_format
 from cutedsl_gemm.ops import library
 from cutedsl_gemm.ops import quantize as Q
@@ -57,6 +57,29 @@ def mx_operand(t, operand, recipe, ops):
     """``quantize_mx``: the data and its SWIZZLE_32_4_4 UE8M0 scales, the same for both operands."""
     q, s = ops.quantize_mx(t, recipe.element)
     return q, s, None
+
+
+#: The recipes a layer may run with a static (calibrated, stored) per-tensor activation scale.
+STATIC_INPUT_RECIPES = ("tensor",)
+
+
+def quantize_fp8_static(x: torch.Tensor, input_scale: torch.Tensor, fmt="e4m3") -> torch.Tensor:
+    """x (rows, K) in FP8 with a given per-tensor scale (a decode factor, fp32, one element): ``q = RNE(clamp(x /
+    input_scale, -fmax, fmax))`` in fp32, the arithmetic of ``quantize_fp8(x, "tensor")`` with the scale fixed
+    (+-inf saturate, NaN stays NaN). Computed by torch element-wise ops: the FP8 quantizer kernels compute their
+    scale from the input's amax and take none."""
+    return cast_saturate(torch.div(x.to(torch.float32), input_scale.reshape(())), fmt)
+
+
+def check_input_scale(input_scale, recipe) -> None:
+    """A static activation scale: a one-element fp32 tensor, for a recipe of ``STATIC_INPUT_RECIPES``."""
+    if recipe.name not in STATIC_INPUT_RECIPES:
+        raise ValueError(f"a static input_scale works with recipe {' or '.join(map(repr, STATIC_INPUT_RECIPES))} "
+                         f"(per-tensor FP8 activations), not {recipe.name!r}, whose activation scales are computed "
+                         "on every call")
+    if not isinstance(input_scale, torch.Tensor) or input_scale.dtype != torch.float32 or input_scale.numel() != 1:
+        raise TypeError("input_scale must be a one-element float32 tensor (the activations' per-tensor decode "
+                        f"scale), got {getattr(input_scale, 'dtype', type(input_scale).__name__)}")
 
 
 def nvfp4_operand(t, operand, recipe, ops):
@@ -218,16 +241,22 @@ def linear_recipe(name) -> LinearRecipe:
     return r
 
 
-def linear(x, weight, weight_scale, weight_global_scale, bias, recipe: str, weight_zero=None, *, ops=EAGER):
+def linear(x, weight, weight_scale, weight_global_scale, bias, recipe: str, weight_zero=None, input_scale=None, *,
+           ops=EAGER):
     """``x @ W.T + bias`` for the quantized weight W of ``recipe`` (its name): the op's function."""
     r = LINEAR_RECIPES.get(recipe) or linear_recipe(recipe)
-    return quantized_matmul(x, r.kernel_weight(weight), weight_scale, weight_global_scale, weight_zero, bias, r, ops)
+    return quantized_matmul(x, r.kernel_weight(weight), weight_scale, weight_global_scale, weight_zero, bias, r, ops,
+                            input_scale=input_scale)
 
 
-def quantized_matmul(x, b, weight_scale, weight_global_scale, weight_zero, bias, recipe: LinearRecipe, ops=EAGER):
+def quantized_matmul(x, b, weight_scale, weight_global_scale, weight_zero, bias, recipe: LinearRecipe, ops=EAGER, *,
+                     input_scale=None):
     """``x @ W.T + bias`` for ``b`` = ``recipe.kernel_weight(W)``, W the quantized weight of ``recipe`` (its
-    ``quantize_weight`` buffers): x (..., K) quantized by the recipe, then ``scaled_mm`` (out in x's dtype), or
-    ``mm_weight_only`` -> (..., N). ``ops``: EAGER launches, OPS records (traced, fake tensors)."""
+    ``quantize_weight`` buffers): x (..., K) quantized by the recipe (with ``input_scale``, a static per-tensor
+    scale: ``quantize_fp8_static``), then ``scaled_mm`` (out in x's dtype), or ``mm_weight_only`` -> (..., N).
+    ``ops``: EAGER launches, OPS records (traced, fake tensors)."""
+    if input_scale is not None:
+        check_input_scale(input_scale, recipe)
     if (weight_zero is not None) != recipe.zeros:  # the kernel would read the codes as the other format
         raise ValueError(f"recipe {recipe.name!r} " + ("takes zero points: weight_zero must be given" if recipe.zeros
                                                        else "has no zero points: weight_zero must be None"))
@@ -240,7 +269,10 @@ def quantized_matmul(x, b, weight_scale, weight_global_scale, weight_zero, bias,
         if bias is not None:
             y = y.add_(bias)
     else:
-        qa, sa, ga = recipe.quantize(x2, "a", recipe, ops)
+        if input_scale is None:
+            qa, sa, ga = recipe.quantize(x2, "a", recipe, ops)
+        else:
+            qa, sa, ga = quantize_fp8_static(x2, input_scale, recipe.element), input_scale.reshape(()), None
         y = ops.scaled_mm(qa, b, sa, weight_scale, bias, x.dtype, scale_recipe_a=recipe.scaling.a.scaling_type,
                           scale_recipe_b=recipe.scaling.b.scaling_type, global_scale_a=ga,
                           global_scale_b=weight_global_scale)
@@ -295,18 +327,18 @@ def kept_launch(x, b, weight_scale, weight_zero, bias, recipe: LinearRecipe):
 
 FP8_LINEAR_SCHEMA = (
     "(Tensor x, Tensor weight, Tensor weight_scale, Tensor? weight_global_scale, Tensor? bias, str recipe, "
-    "Tensor? weight_zero=None) -> Tensor"
+    "Tensor? weight_zero=None, Tensor? input_scale=None) -> Tensor"
 )
 
 
-def _fp8_linear_cpu(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None):
+def _fp8_linear_cpu(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None, input_scale=None):
     raise ValueError("QuantizedLinear runs on CUDA tensors (the "
                      f"{' and '.join(map(P.GPU_NAMES.get, P.ARCHS))} kernels); "
                      f"got an input on {x.device}: move the model to the GPU (model.cuda())")
 
 
-def _fp8_linear_fake(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None):
-    return linear(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero, ops=OPS)
+def _fp8_linear_fake(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero=None, input_scale=None):
+    return linear(x, weight, weight_scale, weight_global_scale, bias, recipe, weight_zero, input_scale, ops=OPS)
 
 
 library.define("fp8_linear", FP8_LINEAR_SCHEMA, linear, _fp8_linear_fake, cpu_impl=_fp8_linear_cpu)
