@@ -231,8 +231,9 @@ class QuantizedLinear(torch.nn.Module):
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The weight W (out_features, in_features) the kernels multiply, in ``dtype``, on the layer's device: the
         quantized codes times their scales (per tensor, per channel, per 128x128 block with ragged edges; MX / NVFP4
-        block scales times NVFP4's global scale; int8 per channel; int4 ``(q - z) * s`` per group), computed in
-        fp32, then cast. ``y ~= x @ layer.dequantize().T + bias`` up to the activations' quantization.
+        block scales times NVFP4's global scale; int8 per channel; int4 ``(q - z) * s`` per group) in fp32 (the fp32
+        products' bits: ``LinearRecipe.dequantize_weight``), then cast. ``y ~= x @ layer.dequantize().T + bias`` up
+        to the activations' quantization.
 
         The group-wise int4 kernels round ``(q - z) * s`` to the activations' dtype in registers before the MMA:
         ``dequantize(dtype)`` with the layer's activation dtype (its scales' dtype) is those values bit for bit."""
