@@ -289,9 +289,17 @@ def test_unquantized_checkpoint_needs_a_recipe(tmp_path):
         cnn.from_pretrained(str(tmp_path), device="cpu")
 
 
-@pytest.mark.parametrize("kind,recipe", [("llama", "row"), ("qwen2", "deepseek")])
-def test_quantize_on_load_equals_convert(tmp_path, kind, recipe):
-    _model(kind).save_pretrained(tmp_path, max_shard_size="300KB")  # sharded, with model.safetensors.index.json
+@pytest.mark.parametrize("kind,recipe,stored", [("llama", "row", torch.bfloat16), ("qwen2", "deepseek", torch.bfloat16),
+                                                ("qwen2", "row", torch.float32)])
+def test_quantize_on_load_equals_convert(tmp_path, kind, recipe, stored):
+    """Sharded checkpoints (model.safetensors.index.json); an fp32 one is read through bf16, as the model loaded
+    whole holds it (Qwen2's biases included)."""
+    model = _model(kind).to(stored)
+    if stored == torch.float32:
+        with torch.no_grad():  # values bf16 cannot hold
+            for p in model.parameters():
+                p.mul_(1 + 1e-3 * torch.rand_like(p))
+    model.save_pretrained(tmp_path, max_shard_size="300KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     skip_down = lambda name, m: not name.endswith("layers.1.mlp.down_proj")  # noqa: E731
     loaded, report = cnn.from_pretrained(str(tmp_path), recipe, device="cpu", filter=skip_down)

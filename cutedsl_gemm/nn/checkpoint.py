@@ -385,7 +385,9 @@ def _fill(ckpt: Checkpoint, name: str, module: torch.nn.Linear, fmt, r, device, 
     missing = [key for key in keys if key not in ckpt]
     if missing:
         raise ValueError(f"the checkpoint has no {', '.join(missing)}")
-    bias = ckpt.get(f"{name}.bias").to(device, torch.float32) if has_bias else None
+    # the bias in fp32: as stored (FP8 checkpoints), or through dtype as the model loaded whole holds it (convert)
+    bias = ckpt.get(f"{name}.bias").to(device, torch.float32 if fmt is not None else dtype) if has_bias else None
+    bias = bias.to(torch.float32) if bias is not None else None
     used.update(keys)
     if fmt is None:  # quantize while loading: only this layer's weight in high precision
         with torch.device("meta"):
