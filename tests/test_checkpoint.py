@@ -283,6 +283,14 @@ def test_conflicting_recipe_refused(tmp_path):
     assert report.converted
 
 
+def test_missing_directory_and_missing_gpu_refused(tmp_path):
+    with pytest.raises(ValueError, match="no local directory"):
+        cnn.from_pretrained(str(tmp_path / "absent"), "row", device="cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no GPU is visible: pass device='cpu'"):
+            cnn.from_pretrained(str(tmp_path), "row")
+
+
 def test_unquantized_checkpoint_needs_a_recipe(tmp_path):
     _model("llama").save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="not quantized; pass recipe="):

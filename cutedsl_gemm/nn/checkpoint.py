@@ -246,6 +246,21 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tens
     return w * s
 
 
+def _local_directory(path) -> str:
+    """``path`` if it is a directory, else the local hub cache's snapshot of the model id ``path`` (nothing is
+    downloaded)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as e:
+        raise ValueError(f"{path!r} is no local directory and no model in the local hub cache ({type(e).__name__}): "
+                         "from_pretrained reads a directory with config.json and *.safetensors") from None
+
+
 def _static_input_scale_refused(recipe: str) -> Optional[str]:
     """Why a layer of ``recipe`` cannot hold a static activation scale (``QuantizedLinear(..., input_scale=True)``),
     or None."""
@@ -273,7 +288,8 @@ def _replace(model, name: str, module: torch.nn.Module):
 def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype: torch.dtype = torch.bfloat16,
                     filter: Optional[Callable[[str, torch.nn.Module], bool]] = None):
     """A causal language model (``transformers.AutoModelForCausalLM``) from the local checkpoint ``path`` (a
-    directory with ``config.json`` and ``*.safetensors``), its linear layers ``QuantizedLinear`` on ``device``:
+    directory with ``config.json`` and ``*.safetensors``, or a model id in the local hub cache: nothing is
+    downloaded), its linear layers ``QuantizedLinear`` on ``device`` (the CPU builds and fills them; they run on GPUs):
     ``(model, report)``, the report a :class:`ConversionReport` (``converted``: the layers adopted or quantized;
     ``skipped`` and ``kept``: everything left in high precision, with the reason).
 
@@ -292,6 +308,11 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     """
     from transformers import AutoConfig
 
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={str(device)!r} and no GPU is visible: pass device='cpu' to build the model on the "
+                         "CPU (its QuantizedLinear layers run on GPUs)")
+    path = _local_directory(path)
     config = AutoConfig.from_pretrained(path)
     fmt = checkpoint_format(config)
     if fmt is not None and recipe is not None and linear_recipe(recipe).name != fmt.recipe:
@@ -304,7 +325,6 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     if why is not None:
         raise ValueError(f"{path}: {fmt.name} with static activation scales ({fmt.input_scale_key}): {why}")
     r = linear_recipe(fmt.recipe if fmt is not None else recipe)
-    device = torch.device(device)
     arch = target_arch(r, device)
     ckpt = Checkpoint(path)
     try:
