@@ -242,6 +242,23 @@ def test_static_input_scales(tmp_path, fmt):
         assert layer.input_scale.shape == () and torch.equal(layer.input_scale.reshape(1), state[f"{name}.input_scale"])
 
 
+@pytest.mark.parametrize("as_bytes", [False, True])
+def test_power_of_two_block_scales(tmp_path, as_bytes):
+    """FineGrainedFP8 with scale_fmt "ue8m0": E8M0 block scales (or their exponent bytes) adopted as fp32, exactly."""
+    model = _model("llama")
+    state = _write_fp8(tmp_path, model, "fp8", scale_fmt="ue8m0")
+    for key in [k for k in state if k.endswith("weight_scale_inv")]:
+        e8m0 = torch.exp2(torch.ceil(torch.log2(state[key]))).to(torch.float8_e8m0fnu)
+        state[key] = e8m0.view(torch.uint8) if as_bytes else e8m0
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+    assert report.converted
+    for name in report.converted:
+        s = state[f"{name}.weight_scale_inv"]
+        s = s.view(torch.float8_e8m0fnu) if as_bytes else s
+        assert torch.equal(loaded.get_submodule(name).weight_scale, s.float().t())
+
+
 @pytest.mark.parametrize("qc,match", [
     (dict(weight_block_size=[64, 64]), "128x128"),
     (dict(quant_method="gptq"), "quant_method 'gptq' is not adopted"),

@@ -7,7 +7,8 @@ FP8 formats adopted (``quantization_config`` in ``config.json``):
 
 * transformers' FineGrainedFP8 (``quant_method "fp8"``, ``weight_block_size [128, 128]``; DeepSeek-V3 / R1,
   Qwen3-FP8): ``weight`` e4m3 (N, K), ``weight_scale_inv`` (ceil(N/128), ceil(K/128)), which multiplies the codes
-  (W = weight * weight_scale_inv per 128x128 block) -> recipe "deepseek", ``weight_scale`` = its transpose;
+  (W = weight * weight_scale_inv per 128x128 block; fp32, or E8M0 with ``scale_fmt "ue8m0"``) -> recipe "deepseek",
+  ``weight_scale`` = its transpose in fp32;
 * compressed-tensors FP8 (``quant_method "compressed-tensors"``, 8-bit float weights): ``weight`` e4m3 and
   ``weight_scale`` (N, 1) per channel -> "row" ((1, N)); a per-tensor ``weight_scale`` -> "tensor" where the
   activations are per tensor, "row" (the one scale on every channel) where they are dynamic per token; 128x128
@@ -52,6 +53,7 @@ class Fp8Format:
                  source: str, scale_dtypes=(torch.float32, torch.bfloat16, torch.float16)):
         self.name, self.recipe, self.scale_key, self.input_scale_key = name, recipe, scale_key, input_scale_key
         self.unquantized, self.source, self.scale_dtypes = list(unquantized or ()), source, scale_dtypes
+        self.e8m0_bytes = False
 
 
 def _fine_grained_fp8(q: dict) -> Fp8Format:
@@ -65,10 +67,12 @@ def _fine_grained_fp8(q: dict) -> Fp8Format:
     if scheme not in ("dynamic", "static"):
         raise ValueError(f"FineGrainedFP8 activation_scheme {scheme!r}: expected 'dynamic' or 'static'")
     skip = q.get("modules_to_not_convert", q.get("ignored_layers"))
-    return Fp8Format("FineGrainedFP8 (128x128 blocks)", "deepseek", "weight_scale_inv",
-                     "activation_scale" if scheme == "static" else None, skip,
-                     "quantization_config.modules_to_not_convert",
-                     scale_dtypes=(torch.float32, torch.bfloat16, getattr(torch, "float8_e8m0fnu", torch.float32)))
+    fmt = Fp8Format("FineGrainedFP8 (128x128 blocks)", "deepseek", "weight_scale_inv",
+                    "activation_scale" if scheme == "static" else None, skip,
+                    "quantization_config.modules_to_not_convert",
+                    scale_dtypes=(torch.float32, torch.bfloat16, torch.float8_e8m0fnu))
+    fmt.e8m0_bytes = q.get("scale_fmt", "float") == "ue8m0"  # power-of-two scales, saved as their exponent bytes
+    return fmt
 
 
 def _fbgemm_fp8(q: dict) -> Fp8Format:
@@ -390,12 +394,17 @@ def _load(model, ckpt: Checkpoint, fmt, r, arch, device, dtype, filter) -> Conve
         _replace(model, name, _fill(ckpt, name, module, fmt, r, device, dtype, used))
     for name in dequantize:
         module = model.get_submodule(name)
-        q, s = ckpt.get(f"{name}.weight"), ckpt.get(f"{name}.{fmt.scale_key}")
+        q, s = ckpt.get(f"{name}.weight"), _scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
         _set(model, holders, module.weight, dequantized(q, s, fmt.recipe).to(device, dtype))
         used.update((f"{name}.weight", f"{name}.{fmt.scale_key}"))
     _load_rest(model, ckpt, holders, device, dtype, used)
     model.to(device)  # the buffers the code computed
     return report
+
+
+def _scale(ckpt: Checkpoint, key: str, fmt: Fp8Format) -> torch.Tensor:
+    s = ckpt.get(key)
+    return s.view(torch.float8_e8m0fnu) if s.dtype == torch.uint8 and fmt.e8m0_bytes else s
 
 
 def _fill(ckpt: Checkpoint, name: str, module: torch.nn.Linear, fmt, r, device, dtype, used: set) -> QuantizedLinear:
@@ -420,7 +429,7 @@ def _fill(ckpt: Checkpoint, name: str, module: torch.nn.Linear, fmt, r, device, 
     static = fmt.input_scale_key is not None
     layer = QuantizedLinear(k, n, has_bias, r.name, device=device, dtype=dtype, **({"input_scale": True} if static
                                                                                    else {}))
-    q, s = ckpt.get(keys[0]), ckpt.get(f"{name}.{fmt.scale_key}")
+    q, s = ckpt.get(keys[0]), _scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
     used.add(f"{name}.{fmt.scale_key}")
     if tuple(q.shape) != (n, k):
         raise ValueError(f"{keys[0]}: shape {tuple(q.shape)}, the model's layer is ({n}, {k})")
