@@ -16,14 +16,13 @@ FP8 formats adopted (``quantization_config`` in ``config.json``):
 * transformers' fbgemm FP8 (``quant_method "fbgemm_fp8"``): ``weight`` e4m3, ``weight_scale`` (N, 1), dynamic
   per-token activations -> "row" (the checkpoint's ``activation_scale_ub`` clamp is not applied).
 
-Static activation scales (``input_scale``, ``activation_scale``) load into a layer built with a static input scale
-where ``QuantizedLinear`` takes one, and are refused otherwise.
+Static per-tensor activation scales (``input_scale``, ``activation_scale``) load into layers built with
+``input_scale=True`` (recipe "tensor"), and are refused for the other recipes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import os
 import re
@@ -32,10 +31,9 @@ from typing import Callable, Optional
 
 import torch
 
-from . import recipes
 from .convert import ConversionReport, _holders, _list_kept
 from .linear import QuantizedLinear, target_arch, unsupported
-from .recipes import linear_recipe
+from .recipes import STATIC_INPUT_RECIPES, linear_recipe
 
 FP8_DTYPES = ("F8_E4M3",)  # safetensors names of the FP8 weights adopted
 BLOCK = 128  # the "deepseek" recipe's weight block (128 x 128)
@@ -268,12 +266,10 @@ def _local_directory(path) -> str:
 def _static_input_scale_refused(recipe: str) -> Optional[str]:
     """Why a layer of ``recipe`` cannot hold a static activation scale (``QuantizedLinear(..., input_scale=True)``),
     or None."""
-    if "input_scale" not in inspect.signature(QuantizedLinear.__init__).parameters:
-        return "static input scales are not taken by QuantizedLinear; the kernels quantize activations dynamically"
-    takes = getattr(recipes, "STATIC_INPUT_RECIPES", ("tensor",))
-    if recipe not in takes:
-        return (f"a static input scale is taken with recipe {' or '.join(map(repr, takes))} (per-tensor weights and "
-                f"activations), not {recipe!r}")
+    if recipe not in STATIC_INPUT_RECIPES:
+        return (f"a static input scale is taken with recipe {' or '.join(map(repr, STATIC_INPUT_RECIPES))} "
+                f"(per-tensor weights and activations), not {recipe!r}, whose activation scales are computed on every "
+                "call")
     return None
 
 
