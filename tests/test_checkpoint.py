@@ -339,24 +339,30 @@ def test_quantize_on_load_equals_convert(tmp_path, kind, recipe, stored):
 
 PEAK = textwrap.dedent("""
     import sys, threading, time
-    import torch
+    import torch, transformers
     from cutedsl_gemm import nn as cnn
 
     def anon():
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:")) * 1024
 
+    def whole(path):  # the model loaded whole by transformers, then converted
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        cnn.convert(model, "row")
+        return model
+
+    load = whole if sys.argv[3] == "whole" else lambda path: cnn.from_pretrained(path, "row", device="cpu")[0]
+    warm = load(sys.argv[2])  # the imports and first calls, done once
+    del warm
     peak, done = [anon()], []
     def sample():
         while not done:
             peak[0] = max(peak[0], anon())
             time.sleep(0.0005)
-    warm, _ = cnn.from_pretrained(sys.argv[2], "row", device="cpu")  # the imports and first calls, done once
-    del warm
-    base = peak[0] = anon()
+    base = peak[0]
     t = threading.Thread(target=sample)
     t.start()
-    model, report = cnn.from_pretrained(sys.argv[1], "row", device="cpu")
+    model = load(sys.argv[1])
     done.append(1)
     t.join()
     held = sum(t.numel() * t.element_size() for t in model.state_dict().values())
@@ -365,24 +371,31 @@ PEAK = textwrap.dedent("""
 
 
 def test_quantize_on_load_peak_memory(tmp_path):
-    """The bf16 weights are ~90 MiB, the largest layer 2 MiB: the load's peak (anonymous memory above the process's
-    before it, large blocks handed back to the system when freed) stays near the quantized model (~47 MiB) plus the
-    scratch of quantizing one layer, well below the bf16 model."""
+    """An fp32 checkpoint loaded in bf16 (~90 MiB of bf16 weights, the largest layer 2 MiB): the load's peak
+    (anonymous memory above the process's before it; large blocks handed back to the system when freed; the
+    safetensors files are mapped, not counted) stays near the quantized model (~47 MiB) plus the scratch of
+    quantizing one layer, well below the bf16 model, which loading it whole with transformers then converting
+    holds at once."""
     config = _config("llama", hidden_size=512, intermediate_size=2048, num_hidden_layers=12, num_key_value_heads=4,
                      num_attention_heads=8)
     torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(tmp_path / "big")
+    transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(tmp_path / "big")
     _model("llama").save_pretrained(tmp_path / "tiny")
     with safe_open(str(tmp_path / "big" / "model.safetensors"), "pt") as f:
         sizes = [f.get_slice(k).get_shape() for k in f.keys()]
-    total = sum(torch.Size(s).numel() * 2 for s in sizes)
+    total = sum(torch.Size(s).numel() * 2 for s in sizes)  # in bf16
     largest = max(torch.Size(s).numel() * 2 for s in sizes if len(s) == 2 and s[0] != config.vocab_size)
     assert total > 15 * largest
-    out = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "big"), str(tmp_path / "tiny")],
-                         capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
-    assert out.returncode == 0, out.stderr
-    peak, after, held = map(int, out.stdout.split())
+    runs = {}
+    for how in ("stream", "whole"):
+        out = subprocess.run([sys.executable, "-c", PEAK, str(tmp_path / "big"), str(tmp_path / "tiny"), how],
+                             capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"})
+        assert out.returncode == 0, out.stderr
+        runs[how] = [int(v) for v in out.stdout.split()[-3:]]
+    (peak, after, held), whole = runs["stream"], runs["whole"][0]
     print(f"bf16 weights {total / 2**20:.1f} MiB, largest layer {largest / 2**20:.1f} MiB, quantized model "
-          f"{held / 2**20:.1f} MiB; load peak {peak / 2**20:.1f} MiB, {after / 2**20:.1f} MiB after")
+          f"{held / 2**20:.1f} MiB; load peak {peak / 2**20:.1f} MiB ({after / 2**20:.1f} MiB after); loaded whole "
+          f"then converted: {whole / 2**20:.1f} MiB")
     assert peak < held + 8 * largest and peak < 0.75 * total
+    assert whole > total  # the measure sees a whole bf16 model
