@@ -238,14 +238,11 @@ def kernel_scale(recipe: str, scale: torch.Tensor, n: int, k: int, where: str) -
     raise ValueError(f"{where}: a scale of shape {tuple(s.shape)} is not recipe {recipe!r}'s for a ({n}, {k}) weight")
 
 
-def dequantized(q: torch.Tensor, scale: torch.Tensor, recipe: str) -> torch.Tensor:
-    """W = codes x scales in fp32, ``scale`` in the checkpoint's layout (``kernel_scale``'s input)."""
-    w, s = q.to(torch.float32), scale.to(torch.float32)
-    if recipe == "deepseek":
-        s = s.repeat_interleave(BLOCK, 0)[: w.shape[0]].repeat_interleave(BLOCK, 1)[:, : w.shape[1]]
-    elif s.numel() > 1:
-        s = s.reshape(-1, 1)
-    return w * s
+def dequantized(q: torch.Tensor, scale: torch.Tensor, recipe: str, where: str) -> torch.Tensor:
+    """W = codes x scales in fp32, ``scale`` in the checkpoint's layout (``kernel_scale``'s input): the layer's own
+    dequantization (``LinearRecipe.dequantize_weight``) of the buffers the checkpoint would fill."""
+    n, k = q.shape
+    return linear_recipe(recipe).dequantize_weight(q, kernel_scale(recipe, scale, n, k, where), None, None, k)
 
 
 def _local_directory(path) -> str:
@@ -391,7 +388,7 @@ def _load(model, ckpt: Checkpoint, fmt, r, arch, device, dtype, filter) -> Conve
     for name in dequantize:
         module = model.get_submodule(name)
         q, s = ckpt.get(f"{name}.weight"), _scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
-        _set(model, holders, module.weight, dequantized(q, s, fmt.recipe).to(device, dtype))
+        _set(model, holders, module.weight, dequantized(q, s, fmt.recipe, name).to(device, dtype))
         used.update((f"{name}.weight", f"{name}.{fmt.scale_key}"))
     _load_rest(model, ckpt, holders, device, dtype, used)
     model.to(device)  # the buffers the code computed
