@@ -553,14 +553,15 @@ SPECIAL = ["signed_zeros", "zeros_and_ones", "subnormal", "scale_2^-64", "below_
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}")
-@pytest.mark.parametrize("pattern", SPECIAL)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+# (fp16 cannot represent the amax of the two smallest patterns: those pairs are not generated)
+@pytest.mark.parametrize("pattern,dtype", [(p, d) for d in (torch.bfloat16, torch.float16, torch.float32)
+                                           for p in SPECIAL
+                                           if not (d == torch.float16 and p in ("scale_2^-64", "below_2^-64"))],
+                         ids=lambda v: str(v))
 @pytest.mark.parametrize("fmt", list(FMTS))
 def test_kernel_special_groups(case, pattern, dtype, fmt):
     gran, layout, block = case
     f = FMTS[fmt]
-    if pattern in ("scale_2^-64", "below_2^-64") and dtype == torch.float16:
-        pytest.skip("fp16 cannot represent an amax that small")
     x = _special_input(pattern, dtype, f)
     q, s = quantize_fp8(x.cuda(), gran, fmt=fmt, block=block, scale_layout=layout, backend="kernel")
     torch.cuda.synchronize()
