@@ -41,7 +41,8 @@ def _linear(k: int, n: int = 272, dtype=torch.bfloat16, device="cpu"):
 
 
 def _bits(t):
-    return t.view(torch.uint8) if t.element_size() == 1 else t
+    """The bytes of t (an empty layer's buffers are uninitialized memory: NaN patterns compare by their bits)."""
+    return t.reshape(-1).contiguous().view(torch.uint8)
 
 
 def _reference_weight(recipe: str, w: torch.Tensor) -> torch.Tensor:
