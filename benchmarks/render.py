@@ -38,7 +38,8 @@ COMMAND = "python -m benchmarks.render"
 
 # Section order in BENCHMARKS.md; result files with other names follow, sorted by name.
 ORDER = ("gemm_dsv3", "sweep", "gemm_square", "gemm_decode", "gemm_dsv3_fast", "gemm_square_fast", "decode_chain",
-         "decode_chain_sweep", "linear_stack", "model_llama8b", "gemm_e2e", "quantize", "host_cost")
+         "decode_chain_sweep", "linear_stack", "model_llama8b_32l", "model_llama8b", "gemm_e2e", "quantize",
+         "host_cost")
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,8 @@ PRODUCERS = (
     ("python -m benchmarks.bench_gemm --sets decode --recipes tensor,row,1x128_128x128", "gemm_decode"),
     ("python -m benchmarks.bench_decode_chain --ms 1,16,64,128 --layers 8 --recipes row,tensor", "decode_chain"),
     ("python -m benchmarks.bench_linear_stack --layers 8 --recipe row --ms 1,16,4096 --eager-ms 1", "linear_stack"),
-    ("python -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512", "model_llama8b"),
+    ("python -m benchmarks.bench_model --layers 32 --recipes row,deepseek,int8,int4_weight --lm-head both --split",
+     "model_llama8b_32l"),
     ("python -m benchmarks.bench_quantize --shape 8192x8192 --dtype bf16", "quantize"),
     ("python -m benchmarks.host_cost --calls 1000", "host_cost"),
 )

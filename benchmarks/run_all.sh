@@ -9,7 +9,7 @@
 #     bench-ops      quantization, one kernel vs two, weight-only (int4, int8), host cost               ~5 min
 #     bench-sweep    the serving-batch sweep (compiles its instances first)                             ~8 min
 #     bench-decode   decode GEMMs back to back (and over the sweep's layers), the linear stack          ~5 min
-#     bench-models   the Llama-3-8B-shaped model (needs .[models])                                      ~3 min
+#     bench-models   the 32-layer Llama-3-8B-shaped model (needs .[models])                             ~6 min
 #   bash benchmarks/run_all.sh                tests, then bench
 # Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
 # each piece's output also goes to $LOG_DIR/<piece>.log. The times assume compiled kernels in the disk cache: a
@@ -68,7 +68,9 @@ bench_decode() {
 
 bench_models() {
   need_floor
-  "$py" -m benchmarks.bench_model --layers 8 --recipe row --batches 1,16,64 --context 512  # needs .[models]
+  # needs .[models]; the full-depth model, every Hopper recipe, the LM head bf16 and converted, the step split
+  "$py" -m benchmarks.bench_model --layers 32 --recipes row,deepseek,int8,int4_weight --lm-head both --split \
+    --compile --compile-recipes row --compile-batches 1
 }
 
 piece() {  # one piece: bench-gemm runs the function bench_gemm, after a line naming the GPU and its clocks
