@@ -548,8 +548,8 @@ def test_demo_model_section_is_skipped_without_a_hopper_gpu(monkeypatch, capsys)
 
 
 def test_render_orders_the_new_results():
-    assert {"model_llama8b", "linear_stack"} <= set(render.ORDER)
-    assert {"model_llama8b", "linear_stack"} <= {name for _, name in render.PRODUCERS}
+    assert {"model_llama8b_32l", "model_llama8b", "linear_stack"} <= set(render.ORDER)
+    assert {"model_llama8b_32l", "linear_stack"} <= {name for _, name in render.PRODUCERS}
 
 
 def test_summary_gives_the_headline_figures_per_recipe_head_and_mode():
