@@ -76,8 +76,8 @@ FAST_DECODE_TILE_RATES = {**DECODE_TILE_RATES, (64, 64): FAST_TILE_RATES[(64, 64
 # The block-scaled 64x64 decode tile scales every K block in its one warp group: 14-26% slower than 64x128 at
 # M = 128 on the large layers.
 BLOCK_DECODE_TILE_RATES = {**DECODE_TILE_RATES, (64, 64): 350}
-# Decode tiles not yet timed on a GPU, their rates estimated from their neighbours': ``wave_cost`` charges them
-# ``ESTIMATED_RATE_MARGIN`` per mille, so that a timed tile within the model's error keeps the shape.
+# Decode tiles whose rates are estimated from their neighbours' rather than measured: ``wave_cost`` charges them
+# ``ESTIMATED_RATE_MARGIN`` per mille, so that a measured tile within the model's error keeps the shape.
 ESTIMATED_DECODE_TILE_RATES = {(64, 32): 300, (128, 128): 550}
 ESTIMATED_RATE_MARGIN = 1150
 

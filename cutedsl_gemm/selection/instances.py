@@ -295,7 +295,7 @@ TABLE: Tuple[TileConfig, ...] = (
         for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 128))
     ),
     # One token tile for M = 65-128 in 2x1 clusters, whose two CTAs (two W tiles) share it by multicast; it
-    # competes with 128x64 and the unswapped tiles by dispatch.wave_cost (its rate estimated, not yet timed).
+    # competes with 128x64 and the unswapped tiles by dispatch.wave_cost (its rate estimated from its neighbours').
     *(
         TileConfig("sm_90a", "gemm", "small_m", ("tensor", "row"), 128, 128, cluster_m=2, accum=acc, m_min=65,
                    m_max=128, swap_ab=True)
