@@ -167,6 +167,7 @@ def tensor_specs(params, args) -> List[dict]:
 
 _WRAPPER_RE = re.compile(r"static inline (\w+) (cute_dsl_\w+_wrapper)\(([^)]*)\)")
 _STRUCT_RE = re.compile(r"typedef struct \{([^}]*)\} (\w+)_Tensor_(\w+)_t;")
+C_WIDTHS = {"int32_t": 32, "int64_t": 64}
 _FIELD_RE = re.compile(r"(int32_t|int64_t) (dynamic_shapes|dynamic_strides)\[(\d+)\];")
 
 
@@ -193,6 +194,12 @@ def read_header(header: str, prefix: str, params, specs: List[dict]) -> dict:
             ctype, n = fields.get(kind, ("int32_t", 0))
             if n != n_dyn:
                 raise ExportError(f"{prefix}.h: {s['param']}.{kind} has {n} slots, the traced tensor {n_dyn}")
+            # The header types a tensor's strides by one flag, not by each value's width: a 32-bit symbolic
+            # stride under an int64_t slot would be read as two halves by the compiled code.
+            widths = sorted({md["width"] for md in modes if not md["static"]})
+            if n and widths != [C_WIDTHS[ctype]]:
+                raise ExportError(f"{prefix}.h: {s['param']}.{kind} are {ctype}, the traced tensor's are {widths}-bit "
+                                  f"(declare its symbolic {kind.split('_')[1]} cute.sym_int{C_WIDTHS[ctype]}())")
             s[kind + "_type"] = ctype
     return {"wrapper": wrapper, "return_type": ret_type}
 

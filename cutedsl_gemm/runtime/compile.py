@@ -77,12 +77,13 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
     elif cfg.recipe in BLOCK_RECIPES:
         # (rows or row blocks, Kb) with run-time strides: torch's outer-dim-major and padded layouts and
         # plain row-major ones are all read in place. W's scales come transposed to (N or N blocks, Kb).
+        # The strides are 64-bit, as a tensor descriptor's strides are in the DSL's exported C structs.
         kb = cute.sym_int()
         gran_a, gran_b = BLOCK_RECIPES[cfg.recipe]
         sa = make_fake_tensor(cutlass.Float32, (m if gran_a == "group" else cute.sym_int(), kb),
-                              (cute.sym_int(), cute.sym_int()), assumed_align=4)
+                              (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
         sb = make_fake_tensor(cutlass.Float32, (n if gran_b == "group" else cute.sym_int(), kb),
-                              (cute.sym_int(), cute.sym_int()), assumed_align=4)
+                              (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
     else:
         raise ValueError(f"unknown recipe {cfg.recipe!r}")
     if cfg.a_input:
