@@ -53,6 +53,15 @@ def compile_entry(entry, args, arch: str | None = None, ptx_dump_dir: str | None
         return cute.compile(entry, *args, options=options)
 
 
+def _strided_scales(shape):
+    """A fake fp32 scale view with two 32-bit run-time strides. Marked as such (``_use_32bit_stride``, which
+    ``make_fake_tensor`` does not take), so that the DSL's exported C struct types its strides int32_t as the
+    compiled code reads them, not int64_t."""
+    t = make_fake_tensor(cutlass.Float32, shape, (cute.sym_int(), cute.sym_int()), assumed_align=4)
+    t._use_32bit_stride = True
+    return t
+
+
 def fake_gemm_args(cfg: Sm90GemmConfig):
     """Fake tensors with symbolic M, N, K so one compilation serves every shape.
 
@@ -77,13 +86,10 @@ def fake_gemm_args(cfg: Sm90GemmConfig):
     elif cfg.recipe in BLOCK_RECIPES:
         # (rows or row blocks, Kb) with run-time strides: torch's outer-dim-major and padded layouts and
         # plain row-major ones are all read in place. W's scales come transposed to (N or N blocks, Kb).
-        # The strides are 64-bit, as a tensor descriptor's strides are in the DSL's exported C structs.
         kb = cute.sym_int()
         gran_a, gran_b = BLOCK_RECIPES[cfg.recipe]
-        sa = make_fake_tensor(cutlass.Float32, (m if gran_a == "group" else cute.sym_int(), kb),
-                              (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
-        sb = make_fake_tensor(cutlass.Float32, (n if gran_b == "group" else cute.sym_int(), kb),
-                              (cute.sym_int64(), cute.sym_int64()), assumed_align=4)
+        sa = _strided_scales((m if gran_a == "group" else cute.sym_int(), kb))
+        sb = _strided_scales((n if gran_b == "group" else cute.sym_int(), kb))
     else:
         raise ValueError(f"unknown recipe {cfg.recipe!r}")
     if cfg.a_input:
