@@ -29,7 +29,15 @@ import jinja2
 from cutlass import Int32, Int64
 
 from cutedsl_gemm.generators.runner import code_key
-from cutedsl_gemm.selection.instances import GEMM_FP8_OUT, QUANT_GEMM, SM90, SM100, WEIGHT_ONLY, KernelInstance
+from cutedsl_gemm.selection.instances import (
+    GEMM_FP8_OUT,
+    GROUPED_GEMM,
+    QUANT_GEMM,
+    SM90,
+    SM100,
+    WEIGHT_ONLY,
+    KernelInstance,
+)
 
 TEMPLATES = Path(__file__).resolve().parent / "templates"
 MAX_RANK = 4  # cutedsl_gemm_tensor_t holds up to this many modes
@@ -41,6 +49,9 @@ NOT_EXPORTED: Dict[str, str] = {
                   "place) has no form in cutedsl_gemm_args_t, and its choice is the twin of scaled_mm's own pick with "
                   "its K splits and last-wave variants (dispatch.select_fp8_out), which the registry does not make; "
                   "scaled_mm_fp8_out runs them through the JIT cache (precompile fills it)",
+    GROUPED_GEMM: f"the {GROUPED_GEMM} entry (E groups whose sizes stay on the device, 3-D weights) has no form in "
+                  "cutedsl_gemm_args_t, which describes one M x N x K product; grouped_scaled_mm runs them through "
+                  "the JIT cache (precompile fills it)",
 }
 
 # Kernel argument -> field of cutedsl_gemm_args_t; others: the name without its "m" prefix, snake_case. Every

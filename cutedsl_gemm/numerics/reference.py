@@ -490,3 +490,94 @@ def reference_weight_only_mm(x: torch.Tensor, w_int: torch.Tensor, scales: torch
     """float64 ``x @ dequantize_weights(...).T``: the weight-only GEMM's reference, (M, N) float64. Pass the scales
     (and zero points) as the kernel reads them (``int_packing.unpack_weights`` returns them rounded to its dtype)."""
     return x.double() @ dequantize_weights(w_int, scales, zeros, group).to(x.device).t()
+
+
+# ----------------------------------------------------------------------------------------------------
+# Grouped (mixture-of-experts) FP8 GEMM
+# ----------------------------------------------------------------------------------------------------
+
+#: The grouped GEMM's recipes by name -> the scaling recipe (activations x weights) they apply.
+GROUPED_RECIPES = {"tensor": "tensor", "row": "row", "deepseek": "1x128_128x128"}
+
+
+def _grouped_recipe(recipe) -> ScalingRecipe:
+    name = GROUPED_RECIPES.get(recipe, recipe) if isinstance(recipe, str) else recipe
+    rec = as_recipe(name)
+    if rec.name not in GROUPED_RECIPES.values():
+        raise ValueError(f"the grouped GEMM's recipes are {', '.join(map(repr, GROUPED_RECIPES))}; got {recipe!r}")
+    return rec
+
+
+def _check_scale(name: str, s: torch.Tensor, shape: tuple) -> None:
+    if not isinstance(s, torch.Tensor) or s.dtype != torch.float32 or tuple(s.shape) != tuple(shape):
+        got = f"{s.dtype} of shape {tuple(s.shape)}" if isinstance(s, torch.Tensor) else type(s).__name__
+        raise ValueError(f"{name} must be float32 of shape {tuple(shape)} for this recipe, got {got}")
+
+
+def _grouped_operand(q: torch.Tensor, s: torch.Tensor, gran) -> torch.Tensor:
+    """float64 rows (rows, K) of A from its codes and the op's scales: (1,) per tensor, (rows, 1) per row,
+    (rows, K/128) per 1x128 group (the plain grid whatever the strides)."""
+    plain = s.reshape(1, 1) if gran is ScaleGranularity.TENSOR else s
+    return dequantize(q, plain, gran)
+
+
+def reference_grouped_mm(a, b, scale_a, scale_b, offs=None, *, counts=None, recipe,
+                         out_dtype=torch.bfloat16) -> torch.Tensor:
+    """float64 reference of the grouped FP8 GEMM (``ops.grouped.grouped_scaled_mm``'s operands): per expert e,
+    ``dequant(A_e) @ dequant(W_e).T`` with ``b[e]`` = ``W_e.t()`` (W_e the row-major (N, K) weight), rounded once
+    to ``out_dtype`` (``torch.float64`` keeps it exact).
+
+    Contiguous layout (``offs``): ``a`` (T, K), the rows of expert e are ``offs[e-1]:offs[e]`` (``offs`` (E,) the
+    cumulative end rows; groups may be empty); out (T, N), rows past ``offs[-1]`` (no group's) are NaN.
+    Masked layout (``counts``): ``a`` (E, C, K), rows ``< counts[e]`` of expert e are computed; out (E, C, N),
+    the other rows NaN (the kernel does not write them: a test sees what was written).
+
+    ``recipe`` and the scales, as the op takes them: "tensor": ``scale_a`` (1,), ``scale_b`` (E,); "row":
+    ``scale_a`` (T, 1) (masked (E, C, 1)), ``scale_b`` (E, 1, N); "deepseek": ``scale_a`` (T, K/128) per 1x128
+    group (masked (E, C, K/128)), ``scale_b`` (E, K/128, N/128) per 128x128 block of W_e, transposed like W_e.
+    Every scale is a decode factor (value = code * scale), fp32. Runs anywhere (host loop over the experts)."""
+    rec = _grouped_recipe(recipe)
+    if (offs is None) == (counts is None):
+        raise ValueError("pass offs (contiguous layout) or counts (masked layout): exactly one of them")
+    if b.dim() != 3:
+        raise ValueError(f"b must be (E, K, N), got shape {tuple(b.shape)}")
+    e, k, n = b.shape
+    masked = counts is not None
+    if a.dim() != (3 if masked else 2) or a.shape[-1] != k or (masked and a.shape[0] != e):
+        want = f"({e}, C, {k})" if masked else f"(T, {k})"
+        raise ValueError(f"a must be {want} for b of shape {tuple(b.shape)}, got {tuple(a.shape)}")
+    lead = tuple(a.shape[:-1])
+    kb, nb = ceil_div(k, 128), ceil_div(n, 128)
+    if rec.a is ScaleGranularity.TENSOR:
+        if not isinstance(scale_a, torch.Tensor) or scale_a.numel() != 1 or scale_a.dtype != torch.float32:
+            raise ValueError("scale_a must be a one-element float32 tensor for the tensor recipe")
+        _check_scale("scale_b", scale_b, (e,))
+    else:
+        _check_scale("scale_a", scale_a, (*lead, 1 if rec.a is ScaleGranularity.ROW else kb))
+        _check_scale("scale_b", scale_b, (e, 1, n) if rec.b is ScaleGranularity.ROW else (e, kb, nb))
+    weights = []
+    for i in range(e):  # W_e (N, K) in float64, its plain scales the op's transposed back
+        plain = scale_b[i].reshape(1, 1) if rec.b is ScaleGranularity.TENSOR else scale_b[i].t()
+        weights.append(dequantize(b[i].t(), plain, rec.b))
+    out = torch.full((*lead, n), float("nan"), dtype=torch.float64, device=a.device)
+    if masked:
+        c = a.shape[1]
+        rows = [int(v) for v in counts.reshape(-1).tolist()]
+        if len(rows) != e or any(r < 0 or r > c for r in rows):
+            raise ValueError(f"counts must hold {e} values in [0, {c}] (the capacity), got {rows}")
+        for i, r in enumerate(rows):
+            if r == 0:  # (an empty group has no rows to dequantize)
+                continue
+            sa = scale_a if rec.a is ScaleGranularity.TENSOR else scale_a[i, :r]
+            out[i, :r] = _grouped_operand(a[i, :r], sa, rec.a) @ weights[i].t()
+    else:
+        ends = [int(v) for v in offs.reshape(-1).tolist()]
+        if len(ends) != e or any(y < x for x, y in zip([0, *ends], ends)) or (ends and ends[-1] > a.shape[0]):
+            raise ValueError(f"offs must hold {e} nondecreasing end rows in [0, {a.shape[0]}], got {ends}")
+        rows_a = _grouped_operand(a, scale_a, rec.a)
+        start = 0
+        for i, end in enumerate(ends):
+            if end > start:
+                out[start:end] = rows_a[start:end] @ weights[i].t()
+            start = end
+    return out.to(out_dtype)

@@ -18,7 +18,7 @@ from cutedsl_gemm.kernels.sm90.block_scales import BLOCK_RECIPES
 from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm, Sm90GemmConfig, cutlass_dtype
 from cutedsl_gemm.numerics.formats import float_format
 from cutedsl_gemm.numerics.scale_layouts import SF_ATOM_BYTES
-from cutedsl_gemm.selection.instances import SM90_GEMM_OPS
+from cutedsl_gemm.selection.instances import GROUPED_GEMM, SM90_GEMM_OPS
 
 COMPILE_OPTIONS = "--enable-tvm-ffi"
 #: Base alignment the sm_100a GEMM assumes of its operand views (``problem`` checks it before every call): 16 bytes
@@ -208,6 +208,10 @@ def instance_entry(inst):
         return Sm90WeightOnlyGemm(cfg), fake_weight_only_args(cfg)
     if (inst.arch, inst.op) == ("sm_100a", "gemm"):
         return sm100_entry(inst)
+    if (inst.arch, inst.op) == ("sm_90a", GROUPED_GEMM):
+        from cutedsl_gemm.families import sm90_grouped
+
+        return sm90_grouped.entry(inst)
     raise ValueError(f"no compile path for {inst.name} (arch={inst.arch}, op={inst.op})")
 
 

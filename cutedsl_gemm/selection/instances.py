@@ -34,6 +34,9 @@ QUANT_GEMM = "quant_gemm"
 #: The op of the GEMMs whose epilogue emits the output as e4m3 with 1x128 group scales (``scaled_mm_fp8_out``): twins of
 #: unswapped "gemm" rows. out_dtype is the rounding before quantization (bf16).
 GEMM_FP8_OUT = "gemm_fp8_out"
+#: The op of the grouped FP8 GEMMs of mixture-of-experts layers (``grouped_scaled_mm``, kernels/sm90/grouped_gemm.py):
+#: their ``schedule`` is the grouped layout, "contiguous" or "masked".
+GROUPED_GEMM = "grouped_gemm"
 #: The ops whose rows the Hopper FP8 / INT8 GEMM class (kernels/sm90/fp8_gemm.py) builds.
 SM90_GEMM_OPS = ("gemm", QUANT_GEMM, GEMM_FP8_OUT)
 #: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
@@ -243,6 +246,18 @@ def weight_only_config(inst: KernelInstance):
                             tile_m=inst.tile_m, tile_n=inst.tile_n, stages=inst.stages)
 
 
+def grouped_config(inst: KernelInstance):
+    """The grouped GEMM's configuration of an instance of op GROUPED_GEMM (its schedule is the layout)."""
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
+
+    if inst.split_tail or inst.swap_ab or inst.cluster_m * inst.cluster_n != 1 or inst.bias_dtype or \
+            inst.accum != "promoted" or inst.tile_k != 128 or inst.ctas_per_sm != 1:
+        raise ValueError("grouped GEMM rows are unclustered, unswapped, promoted, 128-deep K tiles without bias")
+    return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
+                                 b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
+                                 tile_n=inst.tile_n, stages=inst.stages)
+
+
 def _check_weight_only(inst: KernelInstance) -> None:
     if inst.recipe not in WEIGHT_ONLY_FORMATS.get(inst.b_dtype, ()):
         raise ValueError(f"{inst.b_dtype} weights run with recipes {WEIGHT_ONLY_FORMATS}, got {inst.recipe!r}")
@@ -444,6 +459,13 @@ TABLE: Tuple[TileConfig, ...] = (
         for w in WEIGHT_ONLY_FORMATS
         for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 64), (128, 65, 1 << 31))
     ),
+    # Hopper, grouped FP8 GEMMs of mixture-of-experts layers (op GROUPED_GEMM, schedule: the grouped layout),
+    # epilogue-scaled recipes, promoted accumulation, bf16 / fp16 out.
+    *(
+        TileConfig(SM90, GROUPED_GEMM, layout, ("tensor", "row"), 128, 128, accum="promoted",
+                   ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"), bias_kinds=(None,))
+        for layout in ("contiguous", "masked")
+    ),
     # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the
     # operand formats are run-time values, so one kernel serves every f8f6f4 pair (operand class F8F6F4), per
     # tensor ("tensor") or MX-scaled ("mx"). The MXFP4 / NVFP4 kinds keep e2m1 packed in shared memory: a 128-byte
@@ -506,6 +528,8 @@ def validate(inst: KernelInstance) -> None:
             _check_sm100(inst)
         elif inst.arch == SM90 and inst.op == WEIGHT_ONLY:
             _check_weight_only(inst)
+        elif inst.arch == SM90 and inst.op == GROUPED_GEMM:
+            grouped_config(inst).check()
         else:
             raise ValueError(f"no kernel family for arch={inst.arch} op={inst.op}")
     except (ValueError, TypeError) as e:

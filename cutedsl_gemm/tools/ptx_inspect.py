@@ -207,6 +207,12 @@ def kernel_resources(inst) -> tuple[int, int]:
 
         kernel = Sm90WeightOnlyGemm(weight_only_config(inst))
         return kernel.smem_bytes, kernel.stages
+    if inst.arch == "sm_90a" and inst.op == "grouped_gemm":
+        from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
+        from cutedsl_gemm.selection.instances import grouped_config
+
+        kernel = Sm90GroupedFp8Gemm(grouped_config(inst))
+        return kernel.smem_bytes, kernel.stages
     if inst.arch == "sm_100a" and inst.op == "gemm":
         from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import describe_resources
 

@@ -1,0 +1,160 @@
+"""Grouped FP8 GEMM benchmark (mixture-of-experts shapes) on a Hopper GPU: ``grouped_scaled_mm`` against
+torch's row-wise FP8 grouped GEMM (``torch._scaled_grouped_mm``), torch's bf16 grouped GEMM (``torch._grouped_mm``)
+and a loop of this library's dense ``scaled_mm`` over the experts, in the same run, on the same routed tokens.
+
+    python -m benchmarks.bench_grouped                                  (-> results/grouped.json)
+    python -m benchmarks.bench_grouped --models dsv3,mixtral --tokens 64,4096 --routing uniform --layouts contiguous
+
+Per model, both expert GEMMs of its MoE layer: gate_up (N = 2I, K = H) and down (N = H, K = I). ``--tokens`` are
+the tokens routed (each to top-k experts, so T * k rows in all); routing "uniform" draws each token's k distinct
+experts uniformly, "skewed" from a Zipf-like law (expert i with weight 1 / (i + 1)), so a few experts get most rows.
+Layouts: "contiguous" (the rows of all experts back to back with ``offs``) and "masked" ((E, C, K) with C the largest
+group, and ``counts``). Recipe "row" (per-token x per-channel scales), bf16 output.
+
+Per row: times (median, L2 emptied before each run: ``common.bench``), our TFLOPS (useful FLOPs: 2 * rows * N * K),
+each anchor's time over ours (above 1: ours is faster), and ours as % of the floor: the larger of the FP8 tensor
+floor (FLOPs at the measured FP8 rate) and the HBM floor (the touched experts' weights, the rows in and out, at the
+measured bandwidth; ``benchmarks.measure_floor``).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import cutedsl_gemm
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.ops.grouped import grouped_scaled_mm
+
+from . import common
+
+# (experts, top-k, hidden H, expert width I)
+MODELS = {
+    "dsv3": (256, 8, 7168, 2048),
+    "qwen3_30b": (128, 8, 2048, 768),
+    "qwen3_235b": (128, 8, 4096, 1536),
+    "mixtral": (8, 2, 4096, 14336),
+}
+COLUMNS = ["model", "gemm", "layout", "routing", "tokens", "rows", "experts hit", "N", "K", "ours us",
+           "torch fp8 us", "torch bf16 us", "dense loop us", "ours TFLOPS", "torch fp8 / ours", "torch bf16 / ours",
+           "dense loop / ours", "floor us", "ours % of floor", "rel err"]
+DENSE_LOOP_MAX_EXPERTS = 32  # a Python loop over more experts times the host, not the GPU
+
+
+def route(tokens: int, experts: int, topk: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """(tokens, topk) distinct expert ids per token."""
+    if routing == "uniform":
+        weights = torch.ones(experts)
+    else:
+        weights = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64)
+    return torch.multinomial(weights.expand(tokens, experts), topk, replacement=False, generator=gen)
+
+
+def sizes_of(ids: torch.Tensor, experts: int) -> torch.Tensor:
+    return torch.bincount(ids.reshape(-1), minlength=experts)
+
+
+def _weights(experts, n, k, gen):
+    w = torch.randn(experts, n, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    q, s = cutedsl_gemm.quantize_fp8(w.reshape(experts * n, k), "row")
+    return w, q.view(experts, n, k), s.view(experts, 1, n)
+
+
+def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, floors, check):
+    rows_total = int(sizes.sum())
+    w, qw, sw = _weights(experts, n, k, gen)
+    b = qw.transpose(1, 2)  # (E, K, N), K contiguous
+    x = torch.randn(rows_total, k, device="cuda", generator=gen, dtype=torch.bfloat16)
+    qa, sa = cutedsl_gemm.quantize_fp8(x, "row")
+    offs = sizes.cumsum(0).to(torch.int32).cuda()
+    hit = int((sizes > 0).sum())
+    flops = 2.0 * rows_total * n * k
+    hbm_bytes = hit * n * k + rows_total * (k + 2 * n)
+    floor_us = max(flops / (floors.fp8_tflops * 1e12), hbm_bytes / (floors.hbm_tbps * 1e12)) * 1e6
+    torch_fp8 = common.bench(lambda: torch._scaled_grouped_mm(qa, b, sa.view(-1), sw.view(experts, n), offs=offs,
+                                                              out_dtype=torch.bfloat16)) * 1e3
+    wt = w.transpose(1, 2)
+    torch_bf16 = common.bench(lambda: torch._grouped_mm(x, wt, offs=offs)) * 1e3
+    dense = float("nan")
+    if experts <= DENSE_LOOP_MAX_EXPERTS:
+        bounds = [0] + offs.tolist()
+
+        def loop():
+            for e in range(experts):
+                lo, hi = bounds[e], bounds[e + 1]
+                if hi > lo:
+                    cutedsl_gemm.scaled_mm(qa[lo:hi], b[e], sa[lo:hi], sw[e], out_dtype=torch.bfloat16)
+
+        dense = common.bench(loop) * 1e3
+    out = []
+    for layout in layouts:
+        if layout == "contiguous":
+            def ours():
+                return grouped_scaled_mm(qa, b, sa, sw, offs)
+        else:
+            cap = max(1, int(sizes.max()))
+            am = torch.zeros(experts, cap, k, device="cuda", dtype=torch.float8_e4m3fn)
+            sam = torch.ones(experts, cap, 1, device="cuda")
+            start = 0
+            for e, size in enumerate(sizes.tolist()):
+                am[e, :size] = qa[start:start + size]
+                sam[e, :size] = sa[start:start + size]
+                start += size
+            counts = sizes.to(torch.int32).cuda()
+
+            def ours(am=am, sam=sam, counts=counts):
+                return grouped_scaled_mm(am, b, sam, sw, counts=counts)
+        t = common.bench(ours) * 1e3
+        err = float("nan")
+        if check and layout == "contiguous":
+            err = R.rel_error(ours(), R.reference_grouped_mm(qa, b, sa, sw, offs, recipe="row",
+                                                             out_dtype=torch.float64))
+        out.append([model, gemm, layout, routing, tokens, rows_total, hit, n, k, t, torch_fp8, torch_bf16, dense,
+                    flops / (t * 1e-6) / 1e12, torch_fp8 / t, torch_bf16 / t, dense / t, floor_us,
+                    100 * floor_us / t, err])
+        print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in out[-1]), flush=True)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--tokens", default="1,64,512,4096,16384", help="comma-separated routed token counts")
+    p.add_argument("--routing", default="uniform,skewed", help="uniform, skewed")
+    p.add_argument("--layouts", default="contiguous,masked", help="contiguous, masked")
+    p.add_argument("--check", action="store_true", help="also the error against the float64 reference (slow)")
+    common.add_result_options(p, "grouped")
+    args = p.parse_args(argv)
+    models = args.models.split(",")
+    unknown = [m for m in models if m not in MODELS]
+    if unknown:
+        p.error(f"unknown models {unknown}: choose from {', '.join(MODELS)}")
+    common.require_gpu("bench_grouped")
+    floors = common.measured_floors()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    cpu_gen = torch.Generator().manual_seed(0)
+    print(" | ".join(COLUMNS))
+    rows = []
+    for model in models:
+        experts, topk, hidden, inter = MODELS[model]
+        for routing in args.routing.split(","):
+            for tokens in (int(v) for v in args.tokens.split(",")):
+                sizes = sizes_of(route(tokens, experts, topk, routing, cpu_gen), experts)
+                for gemm, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
+                    rows += run_gemm(model, gemm, n, k, experts, args.layouts.split(","), sizes, routing, tokens,
+                                     gen, floors, args.check)
+                    torch.cuda.empty_cache()
+    big = [r for r in rows if r[5] >= 1024 * r[6]]  # >= 1024 rows per touched expert
+    summary = {"geomean torch fp8 / ours": round(common.geomean([r[14] for r in rows]), 3),
+               "geomean torch bf16 / ours": round(common.geomean([r[15] for r in rows]), 3)}
+    if big:
+        summary["geomean torch fp8 / ours, >= 1024 rows per expert"] = round(common.geomean([r[14] for r in big]), 3)
+    common.save_result(args, "grouped", "Grouped FP8 GEMM (MoE expert shapes), row-wise recipe, bf16 out", COLUMNS,
+                       rows, summary=summary,
+                       notes=f"{common.timing_notes()}; floor: max(FLOPs at {floors.fp8}, touched "
+                             f"weights + rows in and out at {floors.hbm})")
+
+
+if __name__ == "__main__":
+    main()

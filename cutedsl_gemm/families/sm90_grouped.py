@@ -1,0 +1,212 @@
+"""The grouped FP8 GEMM family on Hopper (op ``GROUPED_GEMM``, ``kernels/sm90/grouped_gemm.py``): what a
+``grouped_scaled_mm`` call must be, the instance that runs it, its compile entry and its launch.
+
+A call is described from metadata alone (shapes, dtypes, strides; never the values of ``offs`` / ``counts``, which
+stay on the device), so the same description serves eager calls, the op's fake implementation and CUDA-graph
+capture."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+from cutedsl_gemm.selection import instances as M
+
+LAYOUTS = ("contiguous", "masked")
+RECIPES = ("tensor", "row")
+_FP8 = {torch.float8_e4m3fn: "e4m3"}
+_OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass(frozen=True)
+class GroupedProblem:
+    """A grouped GEMM call: ``experts`` groups of up to ``rows`` rows (contiguous: T, all groups' rows; masked: the
+    capacity C of each group) times per-expert (N, K) weights."""
+
+    layout: str
+    recipe: str
+    experts: int
+    rows: int
+    n: int
+    k: int
+    a_format: str
+    b_format: str
+    out_format: str
+
+    @property
+    def out_shape(self) -> tuple:
+        return (self.rows, self.n) if self.layout == "contiguous" else (self.experts, self.rows, self.n)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.rows == 0 or self.n == 0 or self.experts == 0
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise ValueError(msg)
+
+
+def _scales(problem_layout: str, scale_a, scale_b, experts: int, rows: int, n: int) -> str:
+    """The recipe the scales' shapes give ("tensor" or "row"), after checking them."""
+    for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
+        _need(s.dtype == torch.float32, f"{name} must be float32 (decode scales: value = q * scale), got {s.dtype}")
+    if scale_a.numel() == 1 and tuple(scale_b.shape) == (experts,):
+        return "tensor"
+    a_rows = (rows, 1) if problem_layout == "contiguous" else (experts, rows, 1)
+    row_a = tuple(scale_a.shape) in (a_rows, a_rows[:-1])
+    row_b = tuple(scale_b.shape) in ((experts, 1, n), (experts, n))
+    if row_a and row_b:
+        _need(scale_a.is_contiguous() and scale_b.is_contiguous(), "row-wise scales must be contiguous")
+        return "row"
+    raise ValueError(
+        f"scales give no grouped recipe: scale_a {tuple(scale_a.shape)}, scale_b {tuple(scale_b.shape)}; expected "
+        f"per tensor scale_a (1,) and scale_b ({experts},) (one per expert), or row-wise scale_a {a_rows} (one per "
+        f"row of a) and scale_b ({experts}, 1, {n}) (one per expert and output column)")
+
+
+def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedProblem:
+    """Check a ``grouped_scaled_mm`` call's arguments (metadata only) and describe it."""
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        _need(t.dtype in _FP8, f"{name} must be float8_e4m3fn, got {t.dtype}")
+    _need(b.dim() == 3, f"b must be (E, K, N) -- per expert the transpose of an (N, K) weight -- got {b.dim()}-D "
+          f"{tuple(b.shape)}")
+    experts, k, n = b.shape
+    _need(b.stride(1) == 1 and b.stride(2) == k and b.stride(0) == n * k,
+          f"b must be (E, K, N) with K contiguous, the view w.transpose(1, 2) of contiguous (E, N, K) weights; got "
+          f"strides {b.stride()}")
+    _need(k % 16 == 0, f"K = {k} must be a multiple of 16 (16-byte rows for TMA)")
+    if a.dim() == 2:
+        _need(counts is None, "counts is for the masked layout (a (E, C, K)); a 2-D a takes offs")
+        _need(offs is not None, "a 2-D a (T, K), the tokens of all experts back to back, needs offs: (E,) int32, the "
+              "cumulative end row of each expert's group")
+        layout, rows = "contiguous", a.shape[0]
+        groups, what = offs, "offs"
+        _need(a.shape[1] == k, f"a is {tuple(a.shape)}, b {tuple(b.shape)}: a's K must be b's ({k})")
+        _need(a.stride(1) == 1 and (a.shape[0] <= 1 or a.stride(0) == k), f"a must be contiguous, got strides "
+              f"{a.stride()}")
+    elif a.dim() == 3:
+        _need(offs is None, "offs is for the contiguous layout (a (T, K)); a 3-D a (E, C, K) takes counts")
+        _need(counts is not None, "a 3-D a (E, C, K) needs counts: (E,) int32, the rows of each expert to compute")
+        layout, rows = "masked", a.shape[1]
+        groups, what = counts, "counts"
+        _need(a.shape[0] == experts and a.shape[2] == k, f"a is {tuple(a.shape)}, b {tuple(b.shape)}: expected "
+              f"({experts}, C, {k})")
+        _need(a.is_contiguous(), f"a must be contiguous, got strides {a.stride()}")
+    else:
+        raise ValueError(f"a must be (T, K) with offs or (E, C, K) with counts, got {a.dim()}-D {tuple(a.shape)}")
+    if not isinstance(groups, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(groups).__name__}")
+    _need(groups.dtype == torch.int32 and tuple(groups.shape) == (experts,) and groups.is_contiguous(),
+          f"{what} must be a contiguous ({experts},) int32 tensor (one per expert), got {groups.dtype} "
+          f"{tuple(groups.shape)}")
+    for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), (what, groups)):
+        if isinstance(t, torch.Tensor) and t.device != a.device:
+            raise ValueError(f"all tensors must be on one device: {name} is on {t.device}, a on {a.device}")
+    recipe = _scales(layout, scale_a, scale_b, experts, rows, n)
+    _need(out_dtype in _OUT, f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    problem = GroupedProblem(layout, recipe, experts, rows, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out_dtype])
+    if out is not None:
+        _need(isinstance(out, torch.Tensor) and tuple(out.shape) == problem.out_shape and out.dtype == out_dtype
+              and out.is_contiguous() and out.device == a.device,
+              f"out must be a contiguous {out_dtype} tensor of shape {problem.out_shape} on {a.device}")
+    _need(k > 0 or problem.is_empty, "K = 0 is not a GEMM")
+    return problem
+
+
+def kernel_scales(problem: GroupedProblem, scale_a, scale_b):
+    """The scale views the kernel takes: per tensor (1,) and (E,); row-wise (rows, groups of a) -- (T, 1) or
+    (C, E) -- and (N, E)."""
+    e, rows, n = problem.experts, problem.rows, problem.n
+    if problem.recipe == "tensor":
+        return scale_a.reshape(1), scale_b.reshape(e)
+    sa = scale_a.reshape(rows, 1) if problem.layout == "contiguous" else scale_a.reshape(e, rows).t()
+    return sa, scale_b.reshape(e, n).t()
+
+
+def select(problem: GroupedProblem) -> M.KernelInstance:
+    """The table's instance for the call (op GROUPED_GEMM, schedule = layout)."""
+    return _instance(problem.layout, problem.recipe, problem.a_format, problem.b_format, problem.out_format)
+
+
+@functools.lru_cache(maxsize=None)
+def _instance(layout: str, recipe: str, a_format: str, b_format: str, out_format: str) -> M.KernelInstance:
+    # (a scan of the whole table costs milliseconds: once per kind of call)
+    found = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe=recipe, a_dtype=a_format, b_dtype=b_format,
+                     out_dtype=out_format)
+    if not found:
+        raise ValueError(f"no grouped GEMM instance for {layout} {recipe} {a_format} x {b_format} -> {out_format}")
+    return found[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# compile entry and launch
+# ------------------------------------------------------------------------------------------------
+def entry(inst: M.KernelInstance):
+    """(kernel object, fake arguments) of a grouped instance: one compilation serves every T / C, E, N and K."""
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    from cutedsl_gemm.kernels.sm90.gemm_plan import cutlass_dtype
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
+
+    cfg = M.grouped_config(inst)
+    e, rows, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=16)
+    a_t, d_t = cutlass_dtype(cfg.a_dtype), cutlass_dtype(cfg.out_dtype)
+    if cfg.layout == "contiguous":
+        a = make_fake_compact_tensor(a_t, (rows, k), stride_order=(1, 0), assumed_align=16)
+        d = make_fake_compact_tensor(d_t, (rows, n), stride_order=(1, 0), assumed_align=4)
+        sa_rows = (rows, 1)
+    else:
+        a = make_fake_compact_tensor(a_t, (e, rows, k), stride_order=(2, 1, 0), assumed_align=16)
+        d = make_fake_compact_tensor(d_t, (e, rows, n), stride_order=(2, 1, 0), assumed_align=4)
+        sa_rows = (rows, e)
+    b = make_fake_compact_tensor(cutlass_dtype(cfg.b_dtype), (e, k, n), stride_order=(2, 0, 1), assumed_align=16)
+    if cfg.recipe == "tensor":
+        sa = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
+        sb = make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
+    else:  # column-major views: (T, 1) / (C, E) rows of a, (N, E) columns of W
+        sa = make_fake_compact_tensor(cutlass.Float32, sa_rows, stride_order=(0, 1), assumed_align=4)
+        sb = make_fake_compact_tensor(cutlass.Float32, (n, e), stride_order=(0, 1), assumed_align=4)
+    groups = make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
+    return Sm90GroupedFp8Gemm(cfg), (a, b, d, sa, sb, groups, cutlass.Int32(1),
+                                     make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+class GroupedPlan(NamedTuple):
+    """A grouped instance compiled and sized for one GPU."""
+
+    fn: object
+    max_ctas: int
+
+    def run(self, a, b, out, scale_a, scale_b, groups) -> torch.Tensor:
+        """Launch on the current stream; the scales as ``kernel_scales`` returns them."""
+        self.fn(a, b, out, scale_a, scale_b, groups, self.max_ctas)
+        return out
+
+
+@functools.lru_cache(maxsize=None)
+def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
+    """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: one CTA per SM."""
+    from cutedsl_gemm.runtime.device import device_info
+    from cutedsl_gemm.runtime.launch import compiled
+
+    return GroupedPlan(compiled(inst), device_info(device_index)[1])
+
+
+def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor]) -> torch.Tensor:
+    """Run the call ``problem`` describes (``describe``'s arguments) on the current stream."""
+    dst = torch.empty(problem.out_shape, dtype=torch.bfloat16 if problem.out_format == "bf16" else torch.float16,
+                      device=a.device) if out is None else out
+    if problem.is_empty:
+        return dst
+    sa, sb = kernel_scales(problem, scale_a, scale_b)
+    return plan(select(problem), a.device.index).run(a, b, dst, sa, sb, groups)

@@ -1,0 +1,65 @@
+"""``grouped_scaled_mm``: the FP8 GEMM of a mixture-of-experts layer, every expert's tokens times that expert's
+weights in one launch, following ``torch.nn.functional.scaled_grouped_mm``'s conventions; its torch operator
+(``torch.ops.cutedsl_gemm.grouped_scaled_mm``) and fake implementation are defined here too."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from cutedsl_gemm.families import sm90_grouped as G
+from cutedsl_gemm.ops.library import define
+
+SCHEMA = ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? offs=None, *, Tensor? counts=None, "
+          "ScalarType out_dtype=bfloat16) -> Tensor")
+
+
+def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+                      offs: Optional[torch.Tensor] = None, *, counts: Optional[torch.Tensor] = None,
+                      out_dtype: torch.dtype = torch.bfloat16, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Per expert ``e``: ``out[rows of e] = (a[rows of e] * scale_a) @ (b[e] * scale_b[e])``, in fp32 with promoted
+    accumulation, rounded to ``out_dtype`` (bf16 or fp16). Hopper (sm_90a) GPUs.
+
+    Layouts:
+
+    * contiguous -- ``a`` (T, K) float8_e4m3fn holds the tokens of all experts back to back, ``offs`` (E,) int32 on
+      the device the cumulative end row of each expert's group (as ``F.scaled_grouped_mm``): expert ``e`` owns rows
+      ``offs[e-1] .. offs[e]``. Any group size, 0 included, no padding. Returns (T, N); rows past ``offs[-1]`` are
+      not written.
+    * masked -- ``a`` (E, C, K) holds up to C rows per expert and ``counts`` (E,) int32 on the device how many to
+      compute; returns (E, C, N) whose rows at or past ``counts[e]`` are not written (pass ``out`` to keep what
+      they hold).
+
+    ``b`` is (E, K, N) float8_e4m3fn with K contiguous: ``w.transpose(1, 2)`` of per-expert (N, K) row-major
+    weights. Scales (float32 decode scales, value = q * scale): per tensor ``scale_a`` (1,) and ``scale_b`` (E,);
+    row-wise ``scale_a`` one per row of ``a`` ((T, 1), masked (E, C, 1)) and ``scale_b`` (E, 1, N).
+
+    The group sizes stay on the device: the call never synchronises with the host and can be captured in a CUDA
+    graph with sizes that change between replays. Their values are not checked (that would need them on the host):
+    a group whose end precedes its start is empty, offsets and counts past the rows are clamped to them, so that no
+    value reads or writes outside the tensors."""
+    # Traced (torch.compile, make_fx) or on meta tensors: the op, which records the call or gives its shape
+    if torch.compiler.is_compiling() or a.device.type == "meta" or is_fake(a):
+        if out is not None:
+            raise ValueError("grouped_scaled_mm(out=...) is eager only; under torch.compile use the returned tensor")
+        return torch.ops.cutedsl_gemm.grouped_scaled_mm(a, b, scale_a, scale_b, offs, counts=counts,
+                                                        out_dtype=out_dtype)
+    problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out)
+    if a.device.type != "cuda":
+        raise ValueError(f"grouped_scaled_mm runs on Hopper (sm_90a) CUDA tensors; got tensors on {a.device} "
+                         "(numerics.reference.reference_grouped_mm computes the product on any device)")
+    return G.launch(problem, a, b, scale_a, scale_b, offs if counts is None else counts, out)
+
+
+def _op(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16):
+    return grouped_scaled_mm(a, b, scale_a, scale_b, offs, counts=counts, out_dtype=out_dtype)
+
+
+def _fake(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16):
+    problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, None)
+    return a.new_empty(problem.out_shape, dtype=out_dtype)
+
+
+define("grouped_scaled_mm", SCHEMA, _op, _fake)

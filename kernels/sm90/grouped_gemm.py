@@ -1,0 +1,309 @@
+"""Hopper (sm_90a) grouped FP8 GEMM for mixture-of-experts layers: one persistent launch multiplies each expert's
+tokens by that expert's weights, with the group sizes read from global memory (no host synchronisation, CUDA-graph
+capturable).
+
+Layouts (``Sm90GroupedGemmConfig.layout``):
+
+* ``"contiguous"`` (M-grouped): A (T, K) holds the tokens of all experts back to back; ``groups`` (E,) int32 are the
+  cumulative end rows of the groups (torch's ``offs``). D is (T, N). A group may be empty or of any size: its last
+  tile's rows past the group are loaded (they belong to the next group, or are zero-filled past T) but never
+  stored.
+* ``"masked"``: A (E, C, K) holds up to C rows per expert and ``groups`` (E,) int32 the rows of each expert to
+  compute; D (E, C, N). Rows past an expert's count are neither computed past their tile nor written.
+
+W is (E, N, K) K-major, seen as torch's (E, K, N) ``b``. Recipes: "tensor" (scale_a (1,), scale_b (E,)) and "row"
+(a scale per A row, scale_b per expert and column), applied in fp32 in the epilogue; each 128-deep K tile
+accumulates into a fresh fragment promoted into the fp32 accumulator (``promoted_mainloops.py``).
+
+| warp role | threads | registers | work |
+|---|---|---|---|
+| TMA producer | warp 0 of warp group 0 | 40 | per work unit, each K tile's A rows and W tile into a stage |
+| idle | warps 1..3 of warp group 0 | 40 | (retire after the register hand-off) |
+| MMA consumers | warp groups 1..tile_m/64 | 232 | 64 rows each of the tile: WGMMA, promotion, epilogue |
+
+| pipeline | producer -> consumer | stages |
+|---|---|---|
+| mainloop (PipelineTmaAsync) | TMA warp -> consumer warp groups | ``stages`` (A + W tile each) |
+
+The epilogue stores the scaled, converted fragment straight from registers with a row predicate (the group's rows
+only): a TMA store would clip at the tensor's edge, not at the group's.
+
+Work units are (m tile of the concatenated groups, n tile), N fastest; every role walks the same units with a
+cursor over the groups that only moves forward (units grow along each CTA's walk), so a unit costs one or two
+group-size loads. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
++ E)``; a CTA stops at the first unit past the last group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.memory import SmemAllocator
+from cutlass.tensor_utils import LayoutEnum
+
+from ..common.stage_release import ConsumerMainloop
+from .gemm_plan import SM90_SMEM_CAPACITY, cutlass_dtype
+from .promoted_mainloops import PromotedMainloops
+
+GROUPED_LAYOUTS = ("contiguous", "masked")
+GROUPED_RECIPES = ("tensor", "row")
+
+
+@dataclass(frozen=True)
+class Sm90GroupedGemmConfig:
+    """Compile-time configuration of one grouped GEMM instance."""
+
+    layout: str = "contiguous"  # GROUPED_LAYOUTS
+    recipe: str = "row"  # GROUPED_RECIPES
+    a_dtype: str = "e4m3"
+    b_dtype: str = "e4m3"
+    out_dtype: str = "bf16"
+    tile_m: int = 128
+    tile_n: int = 128
+    stages: int = 0  # 0: as many as shared memory allows
+
+    def check(self) -> None:
+        """Raise ValueError for a configuration the kernel cannot build."""
+        if self.layout not in GROUPED_LAYOUTS:
+            raise ValueError(f"grouped GEMM layout {self.layout!r}: one of {GROUPED_LAYOUTS}")
+        if self.recipe not in GROUPED_RECIPES:
+            raise ValueError(f"grouped GEMM recipe {self.recipe!r}: one of {GROUPED_RECIPES}")
+        if self.a_dtype not in ("e4m3", "e5m2") or self.b_dtype not in ("e4m3", "e5m2"):
+            raise ValueError(f"grouped GEMM operands {self.a_dtype} x {self.b_dtype}: FP8 (e4m3, e5m2)")
+        if self.out_dtype not in ("bf16", "fp16"):
+            raise ValueError(f"grouped GEMM output {self.out_dtype}: bf16 or fp16")
+        if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
+            raise ValueError(f"grouped GEMM tile {self.tile_m}x{self.tile_n}: tile_m 64 or 128, tile_n a multiple "
+                             "of 16 up to 128")
+        if self.stages and self.stages > max_stages(self):
+            raise ValueError(f"{self.stages} stages of {stage_bytes(self)} bytes exceed shared memory")
+
+
+def stage_bytes(cfg: Sm90GroupedGemmConfig) -> int:
+    """Shared memory of one mainloop stage: an A tile and a W tile of 128 K bytes each row."""
+    return (cfg.tile_m + cfg.tile_n) * 128
+
+
+def max_stages(cfg: Sm90GroupedGemmConfig) -> int:
+    """Stages that fit beside the barriers (8 at most: more buys nothing once the loads run ahead)."""
+    return min(8, (SM90_SMEM_CAPACITY - 1024) // stage_bytes(cfg))
+
+
+class Sm90GroupedFp8Gemm(PromotedMainloops):
+    """Persistent warp-specialized grouped WGMMA FP8 GEMM (see the module docstring for roles and pipelines)."""
+
+    threads_per_warp_group = 128
+    producer_regs = 40
+    consumer_regs = 232
+    # (PromotedMainloops: A's scales never come by TMA here)
+    a_scale_tma = False
+
+    def __init__(self, cfg: Sm90GroupedGemmConfig):
+        cfg.check()
+        self.cfg = cfg
+        self.a_dtype, self.b_dtype = cutlass_dtype(cfg.a_dtype), cutlass_dtype(cfg.b_dtype)
+        self.d_dtype = cutlass_dtype(cfg.out_dtype)
+        self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, 128)
+        self.num_mma_warp_groups = cfg.tile_m // 64
+        self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_warp_group
+        self.stages = cfg.stages or max_stages(cfg)
+        self.masked = cfg.layout == "masked"
+        # SharedStorage: the stages' barriers, then A's and W's stages, each 1024-byte aligned
+        self.smem_bytes = 1024 + self.stages * stage_bytes(cfg)
+
+    # ---- host-side trace ----------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,  # contiguous: (T, K); masked: (E, C, K); K-major
+        mB: cute.Tensor,  # (E, K, N): torch's b, the transpose of (E, N, K) K-major weights
+        mD: cute.Tensor,  # contiguous: (T, N); masked: (E, C, N); N-major
+        mSA: cute.Tensor,  # "tensor": (1,); "row": (rows, groups of A) -- (T, 1) or (C, E)
+        mSB: cute.Tensor,  # "tensor": (E,); "row": (N, E)
+        mGroups: cute.Tensor,  # (E,) int32: contiguous, cumulative end rows; masked, rows per expert
+        max_ctas: Int32,  # persistent CTAs to launch (the SM count)
+        stream,
+    ):
+        a3, d3 = self._rows_k_groups(mA), self._rows_k_groups(mD)
+        w3 = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[2, 1, 0]))  # (N, K, E)
+        bM, bN, bK = self.tile_shape_mnk
+        a_layout, b_layout = LayoutEnum.from_tensor(a3), LayoutEnum.from_tensor(w3)
+        tiled_mma = self._make_tiled_mma(a_layout, b_layout)
+        tiled_mma_fresh = self._make_tiled_mma(a_layout, b_layout)
+        a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.a_dtype, self.stages)
+        b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.b_dtype, self.stages)
+        op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
+        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op, a3, cute.slice_(a_smem, (None, None, 0)), (bM, bK))
+        tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op, w3, cute.slice_(b_smem, (None, None, 0)), (bN, bK))
+
+        @cute.struct
+        class SharedStorage:
+            mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+
+        self.shared_storage = SharedStorage
+        rows, n, experts = a3.shape[0], w3.shape[0], w3.shape[2]
+        tiles_n = (n + bN - 1) // bN
+        # Every group adds at most one partial tile to the tiles of all rows.
+        unit_bound = tiles_n * ((rows * a3.shape[2] + bM - 1) // bM + experts)
+        grid = cutlass.max(cutlass.min(unit_bound, max_ctas), 1)
+        self.kernel(tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, d3, mSA, mSB, mGroups, a_smem, b_smem,
+                    tiles_n, unit_bound).launch(
+            grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
+            stream=stream)
+
+    def _rows_k_groups(self, t: cute.Tensor) -> cute.Tensor:
+        """A or D as the kernel's (rows, columns, groups): masked (E, C, X) -> (C, X, E); contiguous (T, X) ->
+        (T, X, 1)."""
+        if cutlass.const_expr(self.masked):
+            return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 2, 0]))
+        return cute.make_tensor(t.iterator, cute.append(t.layout, cute.make_layout(1)))
+
+    def _make_tiled_mma(self, a_layout, b_layout):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.a_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(), Float32,
+            (self.num_mma_warp_groups, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]))
+
+    # ---- the group walk -----------------------------------------------------------------------
+    @cute.jit
+    def _group_rows(self, mGroups: cute.Tensor, e, experts, limit):
+        """(first row, rows) of group ``e``, 0 rows past the last group. Ill-formed sizes are clamped into
+        [0, ``limit``] (A's rows; masked: C), so that no launch reads or writes outside its tensors: a decreasing
+        end offset gives an empty group, offsets past the rows end there."""
+        i = cutlass.min(e, experts - 1)
+        end = cutlass.max(cutlass.min(mGroups[i], limit), Int32(0))
+        if cutlass.const_expr(self.masked):
+            return Int32(0), cutlass.select_(e < experts, end, Int32(0))
+        prev = cutlass.max(cutlass.min(mGroups[cutlass.max(i - 1, 0)], limit), Int32(0))
+        start = cutlass.select_(i > 0, prev, Int32(0))
+        return start, cutlass.select_(e < experts, cutlass.max(end - start, Int32(0)), Int32(0))
+
+    # ---- device ---------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(self, tiled_mma, tiled_mma_fresh, tma_a, mA, tma_b, mB, mD, mSA, mSB, mGroups, a_smem, b_smem,
+               tiles_n, unit_bound):
+        bM, bN, bK = self.tile_shape_mnk
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
+        if warp_idx == 0:
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
+            cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
+
+        smem = SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
+                       + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
+        mainloop = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mainloop_barriers.data_ptr(),
+            num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
+            tx_count=stage_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            defer_sync=True,
+        )
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
+        sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
+        k_tiles = (mA.shape[1] + bK - 1) // bK
+        experts = mB.shape[2]
+        limit = mA.shape[0]
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+
+        if wg_idx == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            if warp_idx == 0:
+                state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                e, first_tile, start, rows = Int32(0), Int32(0), Int32(0), Int32(0)
+                start, rows = self._group_rows(mGroups, e, experts, limit)
+                unit = cute.arch.block_idx()[0]
+                while unit < unit_bound:
+                    mg = unit // tiles_n
+                    tn = unit - mg * tiles_n
+                    while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
+                        first_tile += (rows + bM - 1) // bM
+                        e += 1
+                        start, rows = self._group_rows(mGroups, e, experts, limit)
+                    if e < experts:
+                        r0 = start + (mg - first_tile) * bM
+                        g = e if cutlass.const_expr(self.masked) else Int32(0)
+                        gA = cute.local_tile(cute.domain_offset((r0, 0), mA[(None, None, g)]), (bM, bK), (0, None))
+                        gB = cute.local_tile(mB[(None, None, e)], (bN, bK), (tn, None))
+                        tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
+                            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
+                        tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
+                            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                        for kt in cutlass.range(k_tiles, unroll=1):
+                            mainloop.producer_acquire(state)
+                            bar = mainloop.producer_get_barrier(state)
+                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                            mainloop.producer_commit(state)
+                            state.advance()
+                        unit += cute.arch.grid_dim()[0]
+                    else:
+                        unit = unit_bound
+                mainloop.producer_tail(state)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            consumer_mainloop = ConsumerMainloop.create(mainloop)
+            mma_tidx = tidx - self.threads_per_warp_group
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            # (descriptors from the warp group's first thread: warp-uniform, kept in uniform registers)
+            thr_mma_wg = tiled_mma.get_slice((wg_idx - 1) * self.threads_per_warp_group)
+            tCrA = tiled_mma.make_fragment_A(thr_mma_wg.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma_wg.partition_B(sB))
+            tile_coords = thr_mma.partition_C(cute.make_identity_tensor((bM, bN)))
+            acc = cute.make_rmem_tensor(tile_coords.shape, Float32)
+            temps = (cute.make_rmem_tensor(tile_coords.shape, Float32),
+                     cute.make_rmem_tensor(tile_coords.shape, Float32))
+            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            mmas = (tiled_mma_fresh, tiled_mma)
+            read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+            n = mD.shape[1]
+            e, first_tile, start, rows = Int32(0), Int32(0), Int32(0), Int32(0)
+            start, rows = self._group_rows(mGroups, e, experts, limit)
+            unit = cute.arch.block_idx()[0]
+            while unit < unit_bound:
+                mg = unit // tiles_n
+                tn = unit - mg * tiles_n
+                while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
+                    first_tile += (rows + bM - 1) // bM
+                    e += 1
+                    start, rows = self._group_rows(mGroups, e, experts, limit)
+                if e < experts:
+                    mt = mg - first_tile
+                    read_state, release_state = self._mainloop_promoted(
+                        mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, None)
+                    g = e if cutlass.const_expr(self.masked) else Int32(0)
+                    self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, start + mt * bM, rows - mt * bM,
+                                     tn * bN, n)
+                    unit += cute.arch.grid_dim()[0]
+                else:
+                    unit = unit_bound
+
+    @cute.jit
+    def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, r0, valid_rows, c0, n):
+        """Scale the tile in fp32 and store the rows of its group (``valid_rows`` from ``r0``; columns below N)."""
+        gD = mD[(None, None, g)]
+        alpha = Float32(1.0)
+        if cutlass.const_expr(self.cfg.recipe == "tensor"):
+            alpha = Float32(mSA[0]) * Float32(mSB[e])
+        for i in cutlass.range(cute.size(acc), unroll_full=True):
+            m, c = tile_coords[i]
+            if (m < valid_rows) & (c0 + c < n):
+                v = acc[i]
+                if cutlass.const_expr(self.cfg.recipe == "tensor"):
+                    v = v * alpha
+                else:
+                    v = v * (Float32(mSA[r0 + m, g]) * Float32(mSB[c0 + c, e]))
+                gD[r0 + m, c0 + c] = v.to(self.d_dtype)

@@ -1,0 +1,147 @@
+"""The grouped FP8 GEMM without a GPU: argument checks with clear errors, the fake implementation (shapes for
+torch.compile, no host synchronisation), the instance rows, and the compiled kernel's PTX (WGMMA e4m3, TMA loads,
+the group sizes read from global memory, predicated stores)."""
+
+import re
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from cutedsl_gemm.families import sm90_grouped as G
+from cutedsl_gemm.ops.grouped import grouped_scaled_mm
+from cutedsl_gemm.selection import instances as M
+
+FP8 = torch.float8_e4m3fn
+
+
+def _call(layout="contiguous", recipe="row", e=4, rows=300, n=256, k=512, device="meta", **change):
+    """Arguments of a valid call (metadata only on the meta device), with ``change`` replacing some."""
+    b = torch.empty(e, n, k, dtype=FP8, device=device).transpose(1, 2)
+    if layout == "contiguous":
+        a = torch.empty(rows, k, dtype=FP8, device=device)
+        sa = torch.empty(rows, 1, device=device) if recipe == "row" else torch.empty(1, device=device)
+        groups = {"offs": torch.empty(e, dtype=torch.int32, device=device), "counts": None}
+    else:
+        a = torch.empty(e, rows, k, dtype=FP8, device=device)
+        sa = torch.empty(e, rows, 1, device=device) if recipe == "row" else torch.empty(1, device=device)
+        groups = {"offs": None, "counts": torch.empty(e, dtype=torch.int32, device=device)}
+    sb = torch.empty(e, 1, n, device=device) if recipe == "row" else torch.empty(e, device=device)
+    args = {"a": a, "b": b, "scale_a": sa, "scale_b": sb, **groups, "out_dtype": torch.bfloat16, "out": None}
+    args.update(change)
+    return args
+
+
+def _describe(args):
+    return G.describe(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"], args["counts"],
+                      args["out_dtype"], args["out"])
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+@pytest.mark.parametrize("recipe", ["row", "tensor"])
+def test_describe_reads_layout_and_recipe(layout, recipe):
+    p = _describe(_call(layout, recipe))
+    assert (p.layout, p.recipe, p.experts, p.rows, p.n, p.k) == (layout, recipe, 4, 300, 256, 512)
+    assert p.out_shape == ((300, 256) if layout == "contiguous" else (4, 300, 256))
+    inst = G.select(p)
+    assert (inst.op, inst.schedule, inst.recipe) == (M.GROUPED_GEMM, layout, recipe)
+
+
+BAD = [
+    ({"b": torch.empty(4, 256, 512, dtype=FP8, device="meta")}, "K contiguous"),
+    ({"a": torch.empty(300, 512, dtype=torch.bfloat16, device="meta")}, "a must be float8_e4m3fn"),
+    ({"offs": None}, "needs offs"),
+    ({"offs": torch.empty(4, dtype=torch.int64, device="meta")}, r"offs must be a contiguous \(4,\) int32"),
+    ({"offs": torch.empty(5, dtype=torch.int32, device="meta")}, r"offs must be a contiguous \(4,\) int32"),
+    ({"counts": torch.empty(4, dtype=torch.int32, device="meta")}, "counts is for the masked layout"),
+    ({"scale_a": torch.empty(299, 1, device="meta")}, "scales give no grouped recipe"),
+    ({"scale_b": torch.empty(4, 1, 256, dtype=torch.float16, device="meta")}, "scale_b must be float32"),
+    ({"out_dtype": torch.float32}, "out_dtype must be torch.bfloat16 or torch.float16"),
+    ({"out": torch.empty(300, 255, dtype=torch.bfloat16, device="meta")}, r"out must be a contiguous"),
+    ({"a": torch.empty(300, 520, dtype=FP8, device="meta"),
+      "b": torch.empty(4, 256, 520, dtype=FP8, device="meta").transpose(1, 2)}, "multiple of 16"),
+]
+
+
+@pytest.mark.parametrize("change, message", BAD)
+def test_bad_arguments_are_refused_with_what_was_expected(change, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        _describe(_call(**change))
+
+
+def test_masked_layout_checks():
+    with pytest.raises(ValueError, match="offs is for the contiguous layout"):
+        _describe(_call("masked", offs=torch.empty(4, dtype=torch.int32, device="meta")))
+    with pytest.raises(ValueError, match=r"expected \(4, C, 512\)"):
+        _describe(_call("masked", a=torch.empty(3, 300, 512, dtype=FP8, device="meta")))
+
+
+def test_a_cpu_call_is_refused_after_its_checks():
+    args = _call(device="cpu")
+    args["offs"] = torch.full((4,), 75, dtype=torch.int32).cumsum(0).int()
+    args = {k: (v.fill_(1) if isinstance(v, torch.Tensor) and v.dtype == torch.float32 else v) for k, v in args.items()}
+    with pytest.raises(ValueError, match="runs on Hopper"):
+        grouped_scaled_mm(**args)
+
+
+class _NoHostSync(TorchDispatchMode):
+    """Fails on any op that reads a tensor's values to the host."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default):
+            raise AssertionError(f"host synchronisation: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_fake_gives_the_shape_without_reading_values(layout):
+    args = _call(layout)
+    with _NoHostSync():
+        out = torch.ops.cutedsl_gemm.grouped_scaled_mm(args["a"], args["b"], args["scale_a"], args["scale_b"],
+                                                        args["offs"], counts=args["counts"],
+                                                        out_dtype=torch.float16)
+        p = _describe(args)
+        G.kernel_scales(p, args["scale_a"], args["scale_b"])
+    assert out.shape == p.out_shape and out.dtype == torch.float16
+
+
+def test_traced_by_make_fx():
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    args = _call()
+
+    def f(a, b, sa, sb, offs):
+        return grouped_scaled_mm(a, b, sa, sb, offs) * 2
+
+    graph = make_fx(f, tracing_mode="fake")(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"])
+    assert any("grouped_scaled_mm" in str(node.target) for node in graph.graph.nodes)
+
+
+def test_rows_validate_and_cover_both_layouts():
+    rows = M.select(op=M.GROUPED_GEMM)
+    assert {(i.schedule, i.recipe) for i in rows} == {(lay, r) for lay in G.LAYOUTS for r in G.RECIPES}
+    for inst in rows:
+        M.validate(inst)
+    with pytest.raises(M.InstanceTableError, match="tile"):
+        from dataclasses import replace
+
+        M.validate(replace(rows[0], tile_n=192))
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_ptx_holds_wgmma_tma_and_group_reads(layout):
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    inst = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16")[0]
+    rep = inspect_instance(inst)
+    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
+    tma = set(re.findall(r"cp\.async\.bulk\.tensor\.(\dd)\.shared::cta\.global\.tile", rep.ptx))
+    # W is (N, K, E); A (T, K) contiguous, (C, K, E) masked
+    assert tma == ({"2d", "3d"} if layout == "contiguous" else {"3d"}), tma
+    # the scheduler's group sizes (and the row scales) come from global memory; D is stored from registers
+    # (a TMA store would clip at the tensor's edge, not the group's)
+    assert len(re.findall(r"ld\.global(?:\.nc)?\.b32", rep.ptx)) >= 2
+    assert rep.has(r"st\.global\.b16") and not rep.has(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
+    assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232\b")
+    assert rep.frame_bytes == 0, f"{rep.name} spills"
