@@ -41,7 +41,7 @@ def _accounted(model, report):
 def test_moe_experts_are_listed_and_warned_about():
     model = _mixtral()
     with pytest.warns(UserWarning, match="left mixture-of-experts weights in high precision"):
-        report = cnn.convert(model, "row")
+        report = cnn.convert(model, "row", experts=False)
     experts = [n for n in report.kept if n.endswith(("gate_up_proj", "down_proj")) and ".experts." in n]
     assert len(experts) == 4 and all("mixture-of-experts weights are not converted" in report.kept[n]
                                      for n in experts)
@@ -50,6 +50,36 @@ def test_moe_experts_are_listed_and_warned_about():
     assert report.kept_elements / report.total_elements > 0.5
     text = str(report)
     assert "kept in high precision" in text and "3-D weight of MixtralExperts" in text
+    _accounted(model, report)
+
+
+def test_moe_experts_are_converted_by_default():
+    model = _mixtral()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every MoE weight quantized: no warning
+        report = cnn.convert(model, "row")
+    named = dict(model.named_parameters())
+    assert report.converted_experts == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert all(isinstance(model.get_submodule(n), cnn.QuantizedExperts) for n in report.converted_experts)
+    assert not any(named[n].dim() == 3 for n in report.kept if n in named)
+    assert not any(".experts." in n for n in report.kept)
+    assert "MixtralTopKRouter" in report.kept["model.layers.0.mlp.gate.weight"]
+    assert report.kept_elements / report.total_elements < 0.5
+    assert "and 2 experts modules converted" in str(report)
+
+
+@pytest.mark.parametrize("recipe", ["deepseek", "int8", "int4_weight"])
+def test_experts_a_recipe_cannot_take_are_skipped_listed_and_warned_about(recipe):
+    model = _mixtral()
+    with pytest.warns(UserWarning, match="left mixture-of-experts weights in high precision"):
+        report = cnn.convert(model, recipe)
+    assert not report.converted_experts
+    for n in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
+        why = report.skipped[n]
+        assert f"recipe {recipe!r} has no grouped GEMM" in why and "per-tensor and row-wise scales" in why
+        assert "\n" not in why and type(model.get_submodule(n)).__name__ == "MixtralExperts"
+        for p in ("gate_up_proj", "down_proj"):
+            assert report.kept[f"{n}.{p}"] == f"of a skipped experts module (MixtralExperts) ({why})"
     _accounted(model, report)
 
 

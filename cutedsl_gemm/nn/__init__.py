@@ -1,17 +1,20 @@
 """Models: ``QuantizedLinear`` (a linear layer on the low-precision kernels: FP8, MX, NVFP4, INT8 W8A8, int8 / int4
-weight-only), ``convert`` (swap a model's ``nn.Linear``
-layers in place) and the recipes they run (``LINEAR_RECIPES``).
+weight-only), ``QuantizedExperts`` (transformers' mixture-of-experts experts on the grouped FP8 GEMM), ``convert``
+(swap a model's ``nn.Linear`` layers and its experts modules in place) and the recipes they
+run (``LINEAR_RECIPES``).
 
     from cutedsl_gemm import nn as cnn
     report = cnn.convert(model, recipe="row")      # report.converted, report.skipped (name -> why)
     layer = cnn.QuantizedLinear.from_linear(linear, recipe="deepseek")
+    cnn.convert(moe_model, recipe="row")          # the experts modules too: cnn.QuantizedExperts
     torch.compile(model, fullgraph=True)           # one torch.ops.cutedsl_gemm.fp8_linear per layer
 """
 
 from .checkpoint import from_pretrained
 from .convert import ConversionReport, convert
 from .linear import FORMAT_VERSION, Fp8Linear, QuantizedLinear
+from .moe import QuantizedExperts
 from .recipes import LINEAR_RECIPES, LinearRecipe, linear_recipe
 
-__all__ = ["QuantizedLinear", "Fp8Linear", "convert", "ConversionReport", "from_pretrained", "LINEAR_RECIPES",
-           "LinearRecipe", "linear_recipe", "FORMAT_VERSION"]
+__all__ = ["QuantizedLinear", "QuantizedExperts", "Fp8Linear", "convert", "ConversionReport", "from_pretrained",
+           "LINEAR_RECIPES", "LinearRecipe", "linear_recipe", "FORMAT_VERSION"]

@@ -293,7 +293,8 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     An FP8 checkpoint (the module docstring lists the formats) is adopted bit for bit: each quantized layer's FP8
     bytes and scales as stored, the scales mapped once into the kernel's layout; ``recipe`` may be None or the
     format's recipe (another is refused). An unquantized checkpoint is quantized while loading with ``recipe``
-    (required), one layer at a time: the same bits as ``convert(model, recipe)`` on the model loaded whole, the
+    (required), one layer at a time: the same bits as ``convert(model, recipe, experts=False)`` on the model loaded
+    whole (mixture-of-experts weights load in ``dtype``, listed in ``kept``), the
     peak memory about the quantized model plus one layer in high precision. Every other tensor (embeddings, norms,
     the LM head, the layers the checkpoint leaves unquantized) loads as stored, floating point cast to ``dtype``;
     tied weights stay tied. ``filter(name, module)`` false leaves a linear layer in ``dtype`` (an FP8 one

@@ -1,5 +1,6 @@
-"""``convert``: swap a model's ``nn.Linear`` layers for ``QuantizedLinear`` in place, and say what was skipped or
-kept in high precision, and why."""
+"""``convert``: swap a model's ``nn.Linear`` layers for ``QuantizedLinear`` and its transformers experts modules for
+``QuantizedExperts`` (unless ``experts=False``) in place, and say what was skipped or kept in high precision, and
+why."""
 
 from __future__ import annotations
 
@@ -10,25 +11,31 @@ from typing import Callable, Optional
 import torch
 
 from .linear import QuantizedLinear, check_linear, target_arch, unsupported
+from .moe import EXPERT_RECIPES, QuantizedExperts, check_experts, experts_unsupported, is_experts
 from .recipes import linear_recipe
 
 
 @dataclass
 class ConversionReport:
-    """What ``convert`` did: ``converted`` module names; ``skipped``: nn.Linear name -> why it was not converted (one
-    line each); ``kept``: every parameter left in its high-precision dtype that is not a converted layer's, name ->
-    why (embedding tables, norms and biases, MoE experts' 3-D weights, routers, skipped layers): nothing the model
+    """What ``convert`` did: ``converted`` module names (linear layers and experts modules; ``converted_experts``
+    the experts among them); ``skipped``: nn.Linear or experts module name -> why it was not converted (one line
+    each); ``kept``: every parameter left in its high-precision dtype that is not a converted module's, name -> why
+    (embedding tables, norms and biases, MoE experts' 3-D weights, routers, skipped modules): nothing the model
     holds goes unmentioned."""
 
     recipe: str
     converted: list = field(default_factory=list)
+    converted_experts: list = field(default_factory=list)
     skipped: dict = field(default_factory=dict)
     kept: dict = field(default_factory=dict)
     kept_elements: int = 0
     total_elements: int = 0
 
     def __str__(self) -> str:
-        lines = [f"recipe {self.recipe!r}: {len(self.converted)} linear layers converted, {len(self.skipped)} skipped"]
+        experts = len(self.converted_experts)
+        linear = f"{len(self.converted) - experts} linear layers"
+        done = f"{linear} and {experts} experts modules" if experts else linear
+        lines = [f"recipe {self.recipe!r}: {done} converted, {len(self.skipped)} skipped"]
         lines += [f"  {name or '(the model)'}: {why}" for name, why in self.skipped.items()]
         if self.kept:
             share = self.kept_elements / max(self.total_elements, 1)
@@ -47,14 +54,19 @@ def _kept_reason(module: torch.nn.Module, name: str, p: torch.Tensor, skipped_wh
     """Why a parameter of ``module`` stays in its dtype (it is no converted layer's)."""
     kind = type(module).__name__
     if skipped_why is not None:
-        return f"of a skipped nn.Linear ({skipped_why})"
+        what = "nn.Linear" if isinstance(module, torch.nn.Linear) else f"experts module ({kind})"
+        return f"of a skipped {what} ({skipped_why})"
     if isinstance(module, torch.nn.Embedding):
         return "embedding table: looked up by row, not multiplied"
+    if "router" in kind.lower() and p.dim() == 2:
+        return (f"router weight of {kind} (experts x hidden): FP8 rounding of its logits could change the experts "
+                f"a token picks, and its GEMM is small; kept in {str(p.dtype).replace('torch.', '')}")
     if p.dim() <= 1:
         return f"{p.dim()}-D parameter ({kind}: a norm's scale, a bias or a scalar): not a GEMM operand"
     if p.dim() == 3:
-        return (f"3-D weight of {kind} (experts x out x in): mixture-of-experts weights are not converted; they run "
-                f"in {str(p.dtype).replace('torch.', '')}")
+        how = " unless convert(..., experts=True)" if is_experts(module) else ""
+        return (f"3-D weight of {kind} (experts x out x in): mixture-of-experts weights are not converted{how}; "
+                f"they run in {str(p.dtype).replace('torch.', '')}")
     return f"{p.dim()}-D weight of {kind}, which is not an nn.Linear: not converted"
 
 
@@ -68,7 +80,8 @@ def _holders(model: torch.nn.Module) -> dict:
 
 
 def convert(model: torch.nn.Module, recipe: str = "row",
-            filter: Optional[Callable[[str, torch.nn.Module], bool]] = None) -> ConversionReport:
+            filter: Optional[Callable[[str, torch.nn.Module], bool]] = None, *,
+            experts: bool = True) -> ConversionReport:
     """Replace, in place, every ``nn.Linear`` of ``model`` for which ``filter(name, module)`` (default: all) is
     true by an :class:`QuantizedLinear` of ``recipe`` ("row", "deepseek", "tensor", "int8", "int8_weight", and the int4
     weight-only "int4_weight[_g32 | _g64][_zp]"; on Blackwell "tensor", "mxfp8", "nvfp4": ``recipes.LINEAR_RECIPES``),
@@ -80,6 +93,17 @@ def convert(model: torch.nn.Module, recipe: str = "row",
     Refused: a recipe the GPU does not run (the current GPU, or the layer's), weights that are not bf16 / fp16 /
     fp32 or not materialized.
     ``filter=lambda name, m: name != "lm_head"`` keeps a language model's head in its dtype.
+
+    With ``experts=True`` (the default) every transformers experts module (``gate_up_proj`` (E, 2I, H) and
+    ``down_proj`` (E, H, I), see :mod:`cutedsl_gemm.nn.moe`) that ``filter`` passes is replaced by a
+    :class:`QuantizedExperts` of ``recipe`` on the grouped FP8 GEMM, which takes per-tensor and row-wise scales:
+    recipes "row" and "tensor" (``moe.EXPERT_RECIPES``). Skipped, with the reason in ``skipped`` and their weights
+    in ``kept``: experts under any other recipe ("deepseek", "int8", the weight-only ones, ...), experts whose
+    gating, biases or activation it does not run, sizes the grouped GEMM does not take, weights tied to another
+    module and modules ``filter`` excludes. Routers and shared experts are not experts modules: a router keeps its
+    weight (a reason in ``kept``), shared experts are ``nn.Linear`` layers converted as such. ``experts=False``
+    keeps every experts module in its dtype, listed in ``kept``. Mixture-of-experts weights left in high precision,
+    for whatever reason, raise a UserWarning.
     """
     r = linear_recipe(recipe)
     if type(model) is torch.nn.Linear:
@@ -113,16 +137,46 @@ def convert(model: torch.nn.Module, recipe: str = "row",
             continue
         replacement[id(module)] = QuantizedLinear.quantized(module, r)
         report.converted.append(name)
+    if experts:
+        _convert_experts(model, r, filter, holders, report, replacement)
     kept = _list_kept(model, report, replacement)
     for parent in list(model.modules()):
         for child_name, child in list(parent.named_children()):
             if id(child) in replacement:
                 setattr(parent, child_name, replacement[id(child)])
     if any(p.dim() == 3 for p in kept):
+        if r.name not in EXPERT_RECIPES:
+            hint = f"; the grouped FP8 GEMM quantizes experts with recipe {' or '.join(map(repr, EXPERT_RECIPES))}"
+        else:
+            hint = "" if experts else "; convert(..., experts=True), the default, quantizes them"
         warnings.warn(f"convert({report.recipe!r}) left mixture-of-experts weights in high precision ("
                       f"{report.kept_elements / max(report.total_elements, 1):.0%} of the model's parameter elements "
-                      "kept): print the ConversionReport for the list", UserWarning, stacklevel=2)
+                      f"kept): print the ConversionReport for the list{hint}", UserWarning, stacklevel=2)
     return report
+
+
+def _convert_experts(model, r, filter, holders: dict, report: ConversionReport, replacement: dict) -> None:
+    """Quantize the experts modules of ``model`` into ``replacement`` (id -> QuantizedExperts), or say in
+    ``report.skipped`` why not."""
+    for name, module in model.named_modules():
+        if not is_experts(module):
+            continue
+        if filter is not None and not filter(name, module):
+            report.skipped[name] = "excluded by filter"
+            continue
+        mine = {id(p) for p in module.parameters()}
+        others = sorted({n for p in mine for n, holder in holders.get(p, ()) if holder is not module})
+        if others:
+            report.skipped[name] = f"its weights are shared with {', '.join(others)}: quantizing them would untie them"
+            continue
+        check_experts(module)
+        why = experts_unsupported(module, r)
+        if why is not None:
+            report.skipped[name] = why
+            continue
+        replacement[id(module)] = QuantizedExperts.quantized(module, r.name)
+        report.converted.append(name)
+        report.converted_experts.append(name)
 
 
 def _list_kept(model: torch.nn.Module, report: ConversionReport, replacement: dict) -> list:
