@@ -27,6 +27,11 @@ def _call(layout="contiguous", recipe="row", e=4, rows=300, n=256, k=512, device
         sa = torch.empty(e, rows, 1, device=device) if recipe == "row" else torch.empty(1, device=device)
         groups = {"offs": None, "counts": torch.empty(e, dtype=torch.int32, device=device)}
     sb = torch.empty(e, 1, n, device=device) if recipe == "row" else torch.empty(e, device=device)
+    if recipe == "1x128_128x128":  # quantize_fp8(x, "1x128")'s M-major layout; per expert (K/128, N/128)
+        kb, nb = -(-k // 128), -(-n // 128)
+        sa = torch.empty(kb, a.shape[0] * (1 if a.dim() == 2 else rows), device=device).t()
+        sa = sa if a.dim() == 2 else sa.view(e, rows, kb)
+        sb = torch.empty(e, kb, nb, device=device)
     args = {"a": a, "b": b, "scale_a": sa, "scale_b": sb, **groups, "out_dtype": torch.bfloat16, "out": None}
     args.update(change)
     return args
@@ -38,13 +43,18 @@ def _describe(args):
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-@pytest.mark.parametrize("recipe", ["row", "tensor"])
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
 def test_describe_reads_layout_and_recipe(layout, recipe):
     p = _describe(_call(layout, recipe))
     assert (p.layout, p.recipe, p.experts, p.rows, p.n, p.k) == (layout, recipe, 4, 300, 256, 512)
     assert p.out_shape == ((300, 256) if layout == "contiguous" else (4, 300, 256))
     inst = G.select(p)
     assert (inst.op, inst.schedule, inst.recipe) == (M.GROUPED_GEMM, layout, recipe)
+    args = _call(layout, recipe)
+    sa, sb = G.kernel_scales(p, args["scale_a"], args["scale_b"])
+    if recipe == "1x128_128x128":  # views of the caller's scales: (rows, Kb, groups of a) and (Nb, Kb, E)
+        assert tuple(sa.shape) == ((300, 4, 1) if layout == "contiguous" else (300, 4, 4))
+        assert tuple(sb.shape) == (2, 4, 4) and sb.stride() == (1, 2, 8)
 
 
 BAD = [
@@ -144,4 +154,18 @@ def test_ptx_holds_wgmma_tma_and_group_reads(layout):
     assert len(re.findall(r"ld\.global(?:\.nc)?\.b32", rep.ptx)) >= 2
     assert rep.has(r"st\.global\.b16") and not rep.has(r"cp\.async\.bulk\.tensor\.\dd\.global\.shared")
     assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+232\b")
+    assert rep.frame_bytes == 0, f"{rep.name} spills"
+
+
+@pytest.mark.compile
+def test_block_scaled_ptx_stages_scales_in_the_mainloop():
+    """The DeepSeek recipe: the scale warp's cp.async copies arrive on the stage's full barrier (noinc), and the
+    promotion multiplies each K tile's fragment by its scales (fma) before adding it."""
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="1x128_128x128", out_dtype="bf16")[0]
+    rep = inspect_instance(inst)
+    assert rep.has(r"cp\.async\.ca\.shared\.global\s+\[[^]]+\], \[[^]]+\], 4")
+    assert rep.has(r"cp\.async\.mbarrier\.arrive\.noinc\.shared")
+    assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) >= 2 * 64  # both fragments' 64 elements a K tile
     assert rep.frame_bytes == 0, f"{rep.name} spills"

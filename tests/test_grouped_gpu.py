@@ -17,6 +17,9 @@ TOL = 2e-2  # e4m3 operands (dequantized in the reference), bf16 output
 
 def _weights(e, n, k, recipe, gen):
     w = torch.randn(e, n, k, device="cuda", generator=gen)
+    if recipe == "deepseek":  # per expert its 128x128 block scales, transposed like b: (E, K/128, N/128)
+        q, s = zip(*(cutedsl_gemm.quantize_fp8(w[i], "128x128") for i in range(e)))
+        return torch.stack(q).transpose(1, 2), torch.stack([x.t() for x in s]).contiguous()
     if recipe == "row":
         q, s = cutedsl_gemm.quantize_fp8(w.reshape(e * n, k), "row")  # (E*N, K), scales (E*N, 1)
         return q.view(e, n, k).transpose(1, 2), s.view(e, 1, n)
@@ -29,6 +32,9 @@ def _weights(e, n, k, recipe, gen):
 def _activations(rows_shape, k, recipe, gen):
     x = torch.randn(*rows_shape, k, device="cuda", generator=gen) * 3
     flat = x.reshape(-1, k)
+    if recipe == "deepseek":  # 1x128 groups, quantize_fp8's M-major layout viewed per expert
+        q, s = cutedsl_gemm.quantize_fp8(flat, "1x128")
+        return q.view(*rows_shape, k), s.view(*rows_shape, -1)
     if recipe == "row":
         q, s = cutedsl_gemm.quantize_fp8(flat, "row")
         return q.view(*rows_shape, k), s.view(*rows_shape, 1)
@@ -48,7 +54,7 @@ SIZES = {
 }
 
 
-@pytest.mark.parametrize("recipe", ["row", "tensor"])
+@pytest.mark.parametrize("recipe", ["row", "tensor", "deepseek"])
 @pytest.mark.parametrize("case", list(SIZES))
 def test_contiguous_matches_reference(recipe, case):
     gen = torch.Generator(device="cuda").manual_seed(len(case) + len(recipe))
@@ -76,7 +82,7 @@ def test_contiguous_matches_reference(recipe, case):
         start += size
 
 
-@pytest.mark.parametrize("recipe", ["row", "tensor"])
+@pytest.mark.parametrize("recipe", ["row", "tensor", "deepseek"])
 def test_masked_matches_reference_and_leaves_other_rows(recipe):
     gen = torch.Generator(device="cuda").manual_seed(7)
     e, cap, n, k = 8, 192, 384, 1024

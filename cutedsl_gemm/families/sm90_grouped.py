@@ -16,7 +16,8 @@ import torch
 from cutedsl_gemm.selection import instances as M
 
 LAYOUTS = ("contiguous", "masked")
-RECIPES = ("tensor", "row")
+RECIPES = ("tensor", "row", "1x128_128x128")
+BLOCK = 128  # the DeepSeek recipe's K block (A: 1 x 128 groups; W: 128 x 128 blocks)
 _FP8 = {torch.float8_e4m3fn: "e4m3"}
 _OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -50,8 +51,8 @@ def _need(cond: bool, msg: str) -> None:
         raise ValueError(msg)
 
 
-def _scales(problem_layout: str, scale_a, scale_b, experts: int, rows: int, n: int) -> str:
-    """The recipe the scales' shapes give ("tensor" or "row"), after checking them."""
+def _scales(problem_layout: str, scale_a, scale_b, experts: int, rows: int, n: int, k: int) -> str:
+    """The recipe the scales' shapes give ("tensor", "row" or "1x128_128x128"), after checking them."""
     for name, s in (("scale_a", scale_a), ("scale_b", scale_b)):
         if not isinstance(s, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(s).__name__}")
@@ -64,10 +65,16 @@ def _scales(problem_layout: str, scale_a, scale_b, experts: int, rows: int, n: i
     if row_a and row_b:
         _need(scale_a.is_contiguous() and scale_b.is_contiguous(), "row-wise scales must be contiguous")
         return "row"
+    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+    a_blocks = (rows, kb) if problem_layout == "contiguous" else (experts, rows, kb)
+    if tuple(scale_a.shape) == a_blocks and tuple(scale_b.shape) == (experts, kb, nb):
+        return "1x128_128x128"
     raise ValueError(
         f"scales give no grouped recipe: scale_a {tuple(scale_a.shape)}, scale_b {tuple(scale_b.shape)}; expected "
-        f"per tensor scale_a (1,) and scale_b ({experts},) (one per expert), or row-wise scale_a {a_rows} (one per "
-        f"row of a) and scale_b ({experts}, 1, {n}) (one per expert and output column)")
+        f"per tensor scale_a (1,) and scale_b ({experts},) (one per expert), row-wise scale_a {a_rows} (one per "
+        f"row of a) and scale_b ({experts}, 1, {n}) (one per expert and output column), or DeepSeek-V3's blocks: "
+        f"scale_a {a_blocks} (one per row and 128-deep K block, any strides: quantize_fp8(x, '1x128')'s layout) and "
+        f"scale_b ({experts}, {kb}, {nb}) (per expert, its 128x128 blocks transposed like b)")
 
 
 def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedProblem:
@@ -110,7 +117,7 @@ def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedPro
     for name, t in (("b", b), ("scale_a", scale_a), ("scale_b", scale_b), (what, groups)):
         if isinstance(t, torch.Tensor) and t.device != a.device:
             raise ValueError(f"all tensors must be on one device: {name} is on {t.device}, a on {a.device}")
-    recipe = _scales(layout, scale_a, scale_b, experts, rows, n)
+    recipe = _scales(layout, scale_a, scale_b, experts, rows, n, k)
     _need(out_dtype in _OUT, f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     problem = GroupedProblem(layout, recipe, experts, rows, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out_dtype])
     if out is not None:
@@ -123,10 +130,14 @@ def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedPro
 
 def kernel_scales(problem: GroupedProblem, scale_a, scale_b):
     """The scale views the kernel takes: per tensor (1,) and (E,); row-wise (rows, groups of a) -- (T, 1) or
-    (C, E) -- and (N, E)."""
+    (C, E) -- and (N, E); DeepSeek's blocks (rows, Kb, groups of a) -- (T, Kb, 1) or (C, Kb, E) -- and
+    (Nb, Kb, E), any strides (views, no copies)."""
     e, rows, n = problem.experts, problem.rows, problem.n
     if problem.recipe == "tensor":
         return scale_a.reshape(1), scale_b.reshape(e)
+    if problem.recipe == "1x128_128x128":
+        sa = scale_a.unsqueeze(-1) if problem.layout == "contiguous" else scale_a.permute(1, 2, 0)
+        return sa, scale_b.permute(2, 1, 0)
     sa = scale_a.reshape(rows, 1) if problem.layout == "contiguous" else scale_a.reshape(e, rows).t()
     return sa, scale_b.reshape(e, n).t()
 
@@ -153,7 +164,7 @@ def entry(inst: M.KernelInstance):
     """(kernel object, fake arguments) of a grouped instance: one compilation serves every T / C, E, N and K."""
     import cutlass
     import cutlass.cute as cute
-    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     from cutedsl_gemm.kernels.sm90.gemm_plan import cutlass_dtype
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
@@ -173,6 +184,12 @@ def entry(inst: M.KernelInstance):
     if cfg.recipe == "tensor":
         sa = make_fake_compact_tensor(cutlass.Float32, (1,), assumed_align=4)
         sb = make_fake_compact_tensor(cutlass.Float32, (e,), assumed_align=4)
+    elif cfg.recipe == "1x128_128x128":  # (rows, Kb, groups of a) and (Nb, Kb, E) with run-time strides
+        kb = cute.sym_int()
+        strides = lambda: (cute.sym_int(), cute.sym_int(), cute.sym_int())  # noqa: E731
+        sa = make_fake_tensor(cutlass.Float32, (rows, kb, 1 if cfg.layout == "contiguous" else e), strides(),
+                              assumed_align=4)
+        sb = make_fake_tensor(cutlass.Float32, (cute.sym_int(), kb, e), strides(), assumed_align=4)
     else:  # column-major views: (T, 1) / (C, E) rows of a, (N, E) columns of W
         sa = make_fake_compact_tensor(cutlass.Float32, sa_rows, stride_order=(0, 1), assumed_align=4)
         sb = make_fake_compact_tensor(cutlass.Float32, (n, e), stride_order=(0, 1), assumed_align=4)

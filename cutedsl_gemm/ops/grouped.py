@@ -34,7 +34,10 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
 
     ``b`` is (E, K, N) float8_e4m3fn with K contiguous: ``w.transpose(1, 2)`` of per-expert (N, K) row-major
     weights. Scales (float32 decode scales, value = q * scale): per tensor ``scale_a`` (1,) and ``scale_b`` (E,);
-    row-wise ``scale_a`` one per row of ``a`` ((T, 1), masked (E, C, 1)) and ``scale_b`` (E, 1, N).
+    row-wise ``scale_a`` one per row of ``a`` ((T, 1), masked (E, C, 1)) and ``scale_b`` (E, 1, N); DeepSeek-V3's
+    blocks ``scale_a`` one per row and 128-deep K block ((T, K/128), masked (E, C, K/128), any strides:
+    ``quantize_fp8(x, "1x128")``'s layout as it comes) and ``scale_b`` (E, K/128, N/128), per expert its 128x128
+    blocks transposed like ``b`` (``quantize_fp8(w_e, "128x128")[1].t()``), applied per K tile in the main loop.
 
     The group sizes stay on the device: the call never synchronises with the host and can be captured in a CUDA
     graph with sizes that change between replays. Their values are not checked (that would need them on the host):

@@ -460,9 +460,9 @@ TABLE: Tuple[TileConfig, ...] = (
         for tn, lo, hi in ((16, 1, 16), (32, 17, 32), (64, 33, 64), (128, 65, 1 << 31))
     ),
     # Hopper, grouped FP8 GEMMs of mixture-of-experts layers (op GROUPED_GEMM, schedule: the grouped layout),
-    # epilogue-scaled recipes, promoted accumulation, bf16 / fp16 out.
+    # per-tensor, row-wise and DeepSeek-V3 block scales, promoted accumulation, bf16 / fp16 out.
     *(
-        TileConfig(SM90, GROUPED_GEMM, layout, ("tensor", "row"), 128, 128, accum="promoted",
+        TileConfig(SM90, GROUPED_GEMM, layout, ("tensor", "row", "1x128_128x128"), 128, 128, accum="promoted",
                    ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"), bias_kinds=(None,))
         for layout in ("contiguous", "masked")
     ),

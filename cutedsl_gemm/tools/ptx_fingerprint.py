@@ -54,6 +54,8 @@ SAMPLE = (
     "sm_90a_gemm_fp8_out_cooperative_tensor_e4m3xe4m3_bf16_t128x128_c2x1_promoted",
     "sm_90a_grouped_gemm_contiguous_row_e4m3xe4m3_bf16_t128x128_c1x1_promoted",
     "sm_90a_grouped_gemm_masked_tensor_e4m3xe4m3_fp16_t128x128_c1x1_promoted",
+    "sm_90a_grouped_gemm_contiguous_1x128_128x128_e4m3xe4m3_bf16_t128x128_c1x1_promoted",
+    "sm_90a_grouped_gemm_masked_1x128_128x128_e4m3xe4m3_fp16_t128x128_c1x1_promoted",
     "sm_90a_weight_only_small_m_group32_bf16xint4_bf16_t128x16_c1x1_fast_swapab",
     "sm_90a_weight_only_small_m_group32_zeros_fp16xint4_fp16_t128x16_c1x1_fast_swapab",
     "sm_90a_weight_only_small_m_channel_bf16xint4_bf16_t128x16_c1x1_fast_swapab",

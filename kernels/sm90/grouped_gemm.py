@@ -12,18 +12,22 @@ Layouts (``Sm90GroupedGemmConfig.layout``):
   compute; D (E, C, N). Rows past an expert's count are neither computed past their tile nor written.
 
 W is (E, N, K) K-major, seen as torch's (E, K, N) ``b``. Recipes: "tensor" (scale_a (1,), scale_b (E,)) and "row"
-(a scale per A row, scale_b per expert and column), applied in fp32 in the epilogue; each 128-deep K tile
-accumulates into a fresh fragment promoted into the fp32 accumulator (``promoted_mainloops.py``).
+(a scale per A row, scale_b per expert and column), applied in fp32 in the epilogue; "1x128_128x128" (DeepSeek-V3:
+a scale per A row and 128-deep K block, one per 128x128 block of each expert's W), applied per K tile as the
+dense kernel's block-scaled recipes do (``block_scales.py``: staged in the stage, read by the consumers before the
+K tile's MMAs, applied in the promotion). Each 128-deep K tile accumulates into a fresh fragment promoted into the
+fp32 accumulator (``promoted_mainloops.py``).
 
 | warp role | threads | registers | work |
 |---|---|---|---|
 | TMA producer | warp 0 of warp group 0 | 40 | per work unit, each K tile's A rows and W tile into a stage |
-| idle | warps 1..3 of warp group 0 | 40 | (retire after the register hand-off) |
+| scale producer | warp 1 of warp group 0 (block scales) | 40 | the same walk: each K tile's A and W scales |
+| idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
 | MMA consumers | warp groups 1..tile_m/64 | 232 | 64 rows each of the tile: WGMMA, promotion, epilogue |
 
 | pipeline | producer -> consumer | stages |
 |---|---|---|
-| mainloop (PipelineTmaAsync) | TMA warp -> consumer warp groups | ``stages`` (A + W tile each) |
+| mainloop (PipelineTmaAsync) | TMA warp (+ scale warp) -> consumer warp groups | ``stages`` (A + W tile, scales) |
 
 The epilogue stores the scaled, converted fragment straight from registers with a row predicate (the group's rows
 only): a TMA store would clip at the tensor's edge, not at the group's.
@@ -47,11 +51,12 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.stage_release import ConsumerMainloop
+from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales
 from .gemm_plan import SM90_SMEM_CAPACITY, cutlass_dtype
 from .promoted_mainloops import PromotedMainloops
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
-GROUPED_RECIPES = ("tensor", "row")
+GROUPED_RECIPES = ("tensor", "row", "1x128_128x128")
 
 
 @dataclass(frozen=True)
@@ -85,13 +90,15 @@ class Sm90GroupedGemmConfig:
 
 
 def stage_bytes(cfg: Sm90GroupedGemmConfig) -> int:
-    """Shared memory of one mainloop stage: an A tile and a W tile of 128 K bytes each row."""
-    return (cfg.tile_m + cfg.tile_n) * 128
+    """Shared memory of one mainloop stage: an A tile and a W tile of 128 K bytes each row, and with block scales
+    an fp32 slot per tile row and column."""
+    scales = (cfg.tile_m + cfg.tile_n) * 4 if cfg.recipe in BLOCK_RECIPES else 0
+    return (cfg.tile_m + cfg.tile_n) * 128 + scales
 
 
 def max_stages(cfg: Sm90GroupedGemmConfig) -> int:
     """Stages that fit beside the barriers (8 at most: more buys nothing once the loads run ahead)."""
-    return min(8, (SM90_SMEM_CAPACITY - 1024) // stage_bytes(cfg))
+    return min(8, (SM90_SMEM_CAPACITY - 2048) // stage_bytes(cfg))
 
 
 class Sm90GroupedFp8Gemm(PromotedMainloops):
@@ -113,7 +120,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_warp_group
         self.stages = cfg.stages or max_stages(cfg)
         self.masked = cfg.layout == "masked"
-        # SharedStorage: the stages' barriers, then A's and W's stages, each 1024-byte aligned
+        self.block_scaled = cfg.recipe in BLOCK_RECIPES
+        # SharedStorage: the stages' barriers, then A's and W's stages, each 1024-byte aligned, then the scale slots
         self.smem_bytes = 1024 + self.stages * stage_bytes(cfg)
 
     # ---- host-side trace ----------------------------------------------------------------------
@@ -123,8 +131,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         mA: cute.Tensor,  # contiguous: (T, K); masked: (E, C, K); K-major
         mB: cute.Tensor,  # (E, K, N): torch's b, the transpose of (E, N, K) K-major weights
         mD: cute.Tensor,  # contiguous: (T, N); masked: (E, C, N); N-major
-        mSA: cute.Tensor,  # "tensor": (1,); "row": (rows, groups of A) -- (T, 1) or (C, E)
-        mSB: cute.Tensor,  # "tensor": (E,); "row": (N, E)
+        mSA: cute.Tensor,  # "tensor": (1,); "row": (rows, groups of A) -- (T, 1) or (C, E); 1x128: (rows, Kb, groups)
+        mSB: cute.Tensor,  # "tensor": (E,); "row": (N, E); 128x128 blocks: (Nb, Kb, E)
         mGroups: cute.Tensor,  # (E,) int32: contiguous, cumulative end rows; masked, rows per expert
         max_ctas: Int32,  # persistent CTAs to launch (the SM count)
         stream,
@@ -146,6 +154,9 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+            # block scales of each stage's K tile (a 1-element placeholder for the epilogue-scaled recipes)
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.stages if self.block_scaled else 1], 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.stages if self.block_scaled else 1], 16]
 
         self.shared_storage = SharedStorage
         rows, n, experts = a3.shape[0], w3.shape[0], w3.shape[2]
@@ -203,7 +214,9 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mainloop_barriers.data_ptr(),
             num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            # (block scales: every lane of the scale warp also arrives, once its copies land)
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     1 + PRODUCER_LANES if self.block_scaled else 1),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -217,20 +230,21 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         limit = mA.shape[0]
         pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
+        scale_slots = None
+        if cutlass.const_expr(self.block_scaled):
+            scale_slots = (storage.sSA.get_tensor(cute.make_layout((bM, self.stages))),
+                           storage.sSB.get_tensor(cute.make_layout((bN, self.stages))))
+        walk = (mGroups, tiles_n, unit_bound, experts, limit)
+
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                e, first_tile, start, rows = Int32(0), Int32(0), Int32(0), Int32(0)
-                start, rows = self._group_rows(mGroups, e, experts, limit)
+                e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
                 unit = cute.arch.block_idx()[0]
                 while unit < unit_bound:
-                    mg = unit // tiles_n
-                    tn = unit - mg * tiles_n
-                    while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
-                        first_tile += (rows + bM - 1) // bM
-                        e += 1
-                        start, rows = self._group_rows(mGroups, e, experts, limit)
+                    mg, tn = unit // tiles_n, unit % tiles_n
+                    e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
                     if e < experts:
                         r0 = start + (mg - first_tile) * bM
                         g = e if cutlass.const_expr(self.masked) else Int32(0)
@@ -251,6 +265,9 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                     else:
                         unit = unit_bound
                 mainloop.producer_tail(state)
+            if cutlass.const_expr(self.block_scaled):
+                if warp_idx == 1:
+                    self._stage_scales_walk(walk, mainloop, mSA, mSB, scale_slots, k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             consumer_mainloop = ConsumerMainloop.create(mainloop)
@@ -264,32 +281,82 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             acc = cute.make_rmem_tensor(tile_coords.shape, Float32)
             temps = (cute.make_rmem_tensor(tile_coords.shape, Float32),
                      cute.make_rmem_tensor(tile_coords.shape, Float32))
+            scale_regs = None
+            if cutlass.const_expr(self.block_scaled):
+                scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(2))
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mmas = (tiled_mma_fresh, tiled_mma)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             n = mD.shape[1]
-            e, first_tile, start, rows = Int32(0), Int32(0), Int32(0), Int32(0)
-            start, rows = self._group_rows(mGroups, e, experts, limit)
+            e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
             unit = cute.arch.block_idx()[0]
             while unit < unit_bound:
-                mg = unit // tiles_n
-                tn = unit - mg * tiles_n
-                while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
-                    first_tile += (rows + bM - 1) // bM
-                    e += 1
-                    start, rows = self._group_rows(mGroups, e, experts, limit)
+                mg, tn = unit // tiles_n, unit % tiles_n
+                e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
                 if e < experts:
                     mt = mg - first_tile
+                    scales = None
+                    if cutlass.const_expr(self.block_scaled):
+                        scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, BLOCK_RECIPES[
+                            self.cfg.recipe], (bM, bN))
                     read_state, release_state = self._mainloop_promoted(
-                        mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, None)
+                        mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, scales)
                     g = e if cutlass.const_expr(self.masked) else Int32(0)
                     self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, start + mt * bM, rows - mt * bM,
                                      tn * bN, n)
                     unit += cute.arch.grid_dim()[0]
                 else:
                     unit = unit_bound
+
+    @cute.jit
+    def _first_group(self, mGroups, experts, limit):
+        """The walk's cursor at group 0: (group, its first m tile, its first row, its rows)."""
+        start, rows = self._group_rows(mGroups, Int32(0), experts, limit)
+        return Int32(0), Int32(0), start, rows
+
+    @cute.jit
+    def _seek(self, walk, mg, e, first_tile, start, rows):
+        """Move the cursor forward to the group holding m tile ``mg`` of the concatenated groups (past the last:
+        ``e`` = E). Units only grow along a CTA's walk, so the cursor never moves back."""
+        mGroups, _, _, experts, limit = walk
+        bM = self.tile_shape_mnk[0]
+        while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
+            first_tile += (rows + bM - 1) // bM
+            e += 1
+            start, rows = self._group_rows(mGroups, e, experts, limit)
+        return e, first_tile, start, rows
+
+    @cute.jit
+    def _stage_scales_walk(self, walk, mainloop, mSA, mSB, slots, k_tiles):
+        """Warp 1 with block scales: the TMA warp's walk, staging each K tile's A scales (the unit's rows of its
+        group, read no further than the group's end) and W scales (its expert's) into the stage
+        (``block_scales.ScaleStaging``)."""
+        mGroups, tiles_n, unit_bound, experts, limit = walk
+        bM, bN, _ = self.tile_shape_mnk
+        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
+        unit = cute.arch.block_idx()[0]
+        lane = cute.arch.lane_idx()
+        while unit < unit_bound:
+            mg, tn = unit // tiles_n, unit % tiles_n
+            e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
+            if e < experts:
+                mt = mg - first_tile
+                g = e if cutlass.const_expr(self.masked) else Int32(0)
+                sa = mSA[(None, None, g)]
+                # the unit's rows as a tensor of their own: row 0 is the tile's first, the extent the group's rest
+                sa_unit = cute.make_tensor(sa.iterator + cute.crd2idx((start + mt * bM, 0), sa.layout),
+                                           cute.make_layout((rows - mt * bM, sa.shape[1]), stride=sa.layout.stride))
+                staging = ScaleStaging(mainloop, sa_unit, mSB[(None, None, e)], slots, BLOCK_RECIPES[self.cfg.recipe],
+                                       (bM, bN), lane)
+                for kt in cutlass.range(k_tiles, unroll=1):
+                    staging.fill_stage(None, Int32(0), tn, kt, state)
+                    state.advance()
+                unit += cute.arch.grid_dim()[0]
+            else:
+                unit = unit_bound
 
     @cute.jit
     def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, r0, valid_rows, c0, n):
@@ -304,6 +371,6 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 v = acc[i]
                 if cutlass.const_expr(self.cfg.recipe == "tensor"):
                     v = v * alpha
-                else:
+                elif cutlass.const_expr(self.cfg.recipe == "row"):
                     v = v * (Float32(mSA[r0 + m, g]) * Float32(mSB[c0 + c, e]))
                 gD[r0 + m, c0 + c] = v.to(self.d_dtype)
