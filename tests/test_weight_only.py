@@ -279,8 +279,10 @@ def test_table_covers_every_format_and_m():
                 assert sum(i.m_min <= m <= i.m_max for i in rows) == 1, (act, w, recipe, m)
     assert all(i.can_split_k and i.arch == "sm_90a" for i in WEIGHT_ONLY_ROWS)
     assert len(WEIGHT_ONLY_ROWS) == 2 * 8 * 4  # activations x (weight format, recipe) x M ranges
-    # rows of the one table: the other ops are the scaled GEMMs, whose readers never see a weight-only recipe
-    assert {i.op for i in table.INSTANCES} == {"gemm", table.QUANT_GEMM, table.GEMM_FP8_OUT, table.WEIGHT_ONLY}
+    # rows of the one table: the other ops are the scaled GEMMs (dense and grouped), whose readers never see a
+    # weight-only recipe
+    assert {i.op for i in table.INSTANCES} == {"gemm", table.QUANT_GEMM, table.GEMM_FP8_OUT, table.WEIGHT_ONLY,
+                                               table.GROUPED_GEMM}
     assert not {i.recipe for i in WEIGHT_ONLY_ROWS} & set(P.ARCH_RECIPES["sm_90a"])
     assert P.SCHEDULES["sm_90a"] == ("small_m", "cooperative")
 
