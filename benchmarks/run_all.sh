@@ -10,6 +10,7 @@
 #     bench-sweep    the serving-batch sweep (compiles its instances first)                             ~8 min
 #     bench-decode   decode GEMMs back to back (and over the sweep's layers), the linear stack          ~5 min
 #     bench-models   the 32-layer Llama-3-8B-shaped model (needs .[models])                             ~6 min
+#     bench-moe      mixture of experts: grouped GEMMs over MoE shapes, the MoE blocks, a Qwen3-30B-A3B model  ~9 min
 #   bash benchmarks/run_all.sh                tests, then bench
 # Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
 # each piece's output also goes to $LOG_DIR/<piece>.log. The times assume compiled kernels in the disk cache: a
@@ -18,7 +19,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
-PIECES="floor bench-gemm bench-ops bench-sweep bench-decode bench-models"
+PIECES="floor bench-gemm bench-ops bench-sweep bench-decode bench-models bench-moe"
 
 run_tests() {
   "$py" -m pytest -m gpu -q -p no:cacheprovider tests
@@ -71,6 +72,13 @@ bench_models() {
   # needs .[models]; the full-depth model, every Hopper recipe, the LM head bf16 and converted, the step split
   "$py" -m benchmarks.bench_model --layers 32 --recipes row,deepseek,int8,int4_weight --lm-head both --split \
     --compile --compile-recipes row --compile-batches 1
+}
+
+bench_moe() {
+  need_floor
+  # needs .[models]; the grouped GEMMs against torch's, then the MoE blocks and the full-depth Qwen3-30B-A3B model
+  "$py" -m benchmarks.bench_grouped --tokens 128,4096,16384 --routing uniform,skewed --layouts contiguous,masked
+  "$py" -m benchmarks.bench_moe --what block,model
 }
 
 piece() {  # one piece: bench-gemm runs the function bench_gemm, after a line naming the GPU and its clocks

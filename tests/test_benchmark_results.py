@@ -379,4 +379,4 @@ def test_run_all_runs_pieces_and_logs_each(tmp_path):
     assert (tmp_path / "logs" / "bench-sweep.log").read_text().startswith("== bench-sweep: NVIDIA H200, 700.00 W")
     rc, commands, out = _run_all(tmp_path, "nosuch")
     assert rc == 2 and commands == []
-    assert "pieces: floor bench-gemm bench-ops bench-sweep bench-decode bench-models" in out
+    assert "pieces: floor bench-gemm bench-ops bench-sweep bench-decode bench-models bench-moe" in out

@@ -207,3 +207,58 @@ def test_a_missing_c_compiler_is_one_line(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[-1] == ("cutedsl-gemm precompile: a C compiler (cc, gcc or clang, or $CC) is required to fill the "
                        "kernel cache: cc not found")
+
+
+# ------------------------------------------------------------------------------------------------
+# Demo: the mixture-of-experts section
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.compile
+def test_demo_moe_without_a_gpu_compiles_the_grouped_gemm_and_converts_a_tiny_mixtral(monkeypatch, capsys):
+    pytest.importorskip("transformers")
+    from cutedsl_gemm.tools import cli
+
+    monkeypatch.setattr(cli, "_hopper_available", lambda: False)
+    assert cli._demo_moe() is True
+    out = capsys.readouterr().out
+    assert "sm_90a_grouped_gemm_contiguous_row_e4m3xe4m3_bf16" in out
+    assert " x WGMMA e4m3 x e4m3: wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3\n" in out
+    assert " x TMA load: cp.async.bulk.tensor.2d.shared::cta.global.tile." in out and "MISSING" not in out
+    assert ("tiny Mixtral (2 layers, 4 experts, top-2): recipe 'row': 8 linear layers and 2 experts modules "
+            "converted, 1 skipped\n") in out
+    assert out.rstrip().splitlines()[-1] == "PASS: grouped GEMM PTX (WGMMA e4m3, TMA loads) and the MoE conversion"
+
+
+def test_demo_moe_fails_without_tma_loads_or_converted_experts(monkeypatch, capsys):
+    from cutedsl_gemm import nn as cnn
+    from cutedsl_gemm.tools import cli, ptx_inspect
+
+    wgmma = "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {%f1}, %rd1, %rd2;\n"
+    tma = "cp.async.bulk.tensor.2d.shared::cta.global.tile.mbarrier::complete_tx::bytes [%r1], [%rd3, {%r2, %r3}];\n"
+    monkeypatch.setattr(cli, "_hopper_available", lambda: False)
+    monkeypatch.setattr(cli.torch.cuda, "is_available", lambda: False)  # (a GPU would excuse kept experts)
+    monkeypatch.setattr(cli, "_no_transformers", lambda: False)
+    monkeypatch.setattr(cli, "_tiny_mixtral", lambda device: (None, None, cnn.ConversionReport("row")))
+    monkeypatch.setattr(ptx_inspect, "inspect_instance", lambda inst: ptx_inspect.KernelReport(inst.name, ptx=wgmma))
+    assert cli._demo_moe() is False
+    out = capsys.readouterr().out
+    assert "    MISSING TMA load\n" in out and "MISSING WGMMA" not in out
+    assert out.rstrip().splitlines()[-1].startswith("FAIL: grouped GEMM PTX")
+    # every instruction there, but the experts kept in bf16: still a failure
+    monkeypatch.setattr(ptx_inspect, "inspect_instance",
+                        lambda inst: ptx_inspect.KernelReport(inst.name, ptx=wgmma + tma))
+    assert cli._demo_moe() is False
+    out = capsys.readouterr().out
+    assert "MISSING" not in out and "recipe 'row': 0 linear layers converted, 0 skipped" in out
+    assert "    experts kept: no reason given\n" in out
+    assert out.rstrip().splitlines()[-1].startswith("FAIL")
+
+
+@pytest.mark.parametrize("moe, rc", [(True, 0), (False, 1)])
+def test_demo_fails_when_its_moe_section_fails(monkeypatch, moe, rc):
+    from cutedsl_gemm.tools import cli
+
+    monkeypatch.setattr(cli, "_hopper_available", lambda: False)
+    monkeypatch.setattr(cli, "_demo_cpu", lambda: 0)
+    monkeypatch.setattr(cli, "_demo_moe", lambda: moe)
+    monkeypatch.setattr(cli, "_demo_model", lambda: True)
+    assert cli.cmd_demo(None) == rc

@@ -259,9 +259,156 @@ def _demo_model() -> bool:
     return ok
 
 
+#: What the grouped GEMM's PTX must hold: its tensor-core MMA on e4m3 operands, and TMA loads (global -> shared).
+GROUPED_PTX = {"WGMMA e4m3 x e4m3": r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
+               "TMA load": r"cp\.async\.bulk\.tensor\.\dd\.shared::c(?:ta|luster)\.global"}
+#: Rows per expert of the grouped GEMM check (N = 512, K = 256): an empty group and a one-row group among them.
+MOE_GROUPS = (37, 0, 1, 90)
+MOE_N, MOE_K = 512, 256
+#: How far the tiny converted Mixtral's logits may be from its bf16 twin's (relative Frobenius): FP8 codes with 3
+#: mantissa bits on both operands of every attention and expert GEMM; the same numerics emulated in float64 on the
+#: CPU (the reference GEMMs of the quantized operands) give 6.0-7.5% on its random weights (seeds 0-2).
+MOE_LOGIT_RTOL = 0.15
+
+
+def _tiny_mixtral(device: str):
+    """(bf16, converted, report): a two-layer Mixtral of ``models.TINY_MIXTRAL`` dimensions with random weights and
+    a copy sharing its tensors converted by ``cnn.convert`` (row recipe, LM head bf16)."""
+    from cutedsl_gemm import nn as cnn
+    from cutedsl_gemm.tools import models as M
+
+    bf16 = M.random_causal_lm(M.moe_config("mixtral", 2, M.TINY_MIXTRAL), device)
+    ours = M.sharing_copy(bf16)
+    report = cnn.convert(ours, recipe="row", filter=lambda name, module: name != "lm_head")
+    return bf16, ours, report
+
+
+def _no_transformers() -> bool:
+    """Whether transformers is missing (then the tiny Mixtral is skipped, and the demo says so)."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        print("    tiny Mixtral: skipped (transformers is not installed: pip install -e '.[models]')")
+        return True
+    return False
+
+
+def _demo_moe_cpu() -> bool:
+    """The grouped GEMM (contiguous layout, row recipe) compiled for sm_90a, its PTX checked for WGMMA on e4m3 and
+    TMA loads; a tiny Mixtral converted on the CPU (the weights quantized by the kernels' torch reference)."""
+    from cutedsl_gemm.families import sm90_grouped as G
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    print("\nMixture of experts: the grouped FP8 GEMM compiled for sm_90a and inspected; a tiny Mixtral converted on "
+          "the CPU")
+    problem = G.GroupedProblem("contiguous", "row", len(MOE_GROUPS), sum(MOE_GROUPS), MOE_N, MOE_K, "e4m3", "e4m3",
+                               "bf16")
+    t0 = time.time()
+    rep = inspect_instance(G.select(problem))
+    print("\n".join(rep.summary_lines()) + f"\n    (compiled in {time.time() - t0:.1f} s)")
+    ok = True
+    for what, pattern in GROUPED_PTX.items():
+        found = re.search(rf"(?:{pattern})\S*", rep.ptx)  # the instruction without its operands (WGMMA's: 64)
+        if found is None:
+            print(f"    MISSING {what}")
+            ok = False
+        else:
+            print(f"    {len(re.findall(pattern, rep.ptx)):4d} x {what}: {found.group(0)}")
+    if not _no_transformers():
+        _, _, report = _tiny_mixtral("cpu")
+        print(f"    tiny Mixtral (2 layers, 4 experts, top-2): {str(report).splitlines()[0]}")
+        if len(report.converted_experts) != 2:
+            print(f"    experts kept: {'; '.join(report.skipped.values()) or 'no reason given'}")
+            # a GPU here that is no Hopper: convert keeps the experts it could not run there, as it must
+            ok &= torch.cuda.is_available()
+    print(f"{'PASS' if ok else 'FAIL'}: grouped GEMM PTX (WGMMA e4m3, TMA loads) and the MoE conversion")
+    return ok
+
+
+def _grouped_operands():
+    """Row-recipe operands of the grouped check on the GPU: (codes (T, K), scales (T, 1), weights (E, K, N), their
+    scales (E, 1, N), offs (E,) int32)."""
+    import cutedsl_gemm
+
+    e, n, k = len(MOE_GROUPS), MOE_N, MOE_K
+    w = torch.randn(e * n, k, device="cuda", dtype=torch.bfloat16)
+    qw, sw = cutedsl_gemm.quantize_fp8(w, "row")
+    qa, sa = cutedsl_gemm.quantize_fp8(torch.randn(sum(MOE_GROUPS), k, device="cuda", dtype=torch.bfloat16), "row")
+    offs = torch.tensor(MOE_GROUPS).cumsum(0).to(device="cuda", dtype=torch.int32)
+    return qa, sa, qw.view(e, n, k).transpose(1, 2), sw.view(e, 1, n), offs
+
+
+def _demo_grouped_gpu() -> bool:
+    """grouped_scaled_mm in both layouts against the float64 reference, on groups that include an empty one and a
+    one-row one."""
+    import cutedsl_gemm
+    from cutedsl_gemm.numerics import reference as R
+
+    print(f"\nMixture of experts: grouped_scaled_mm, row recipe, {len(MOE_GROUPS)} experts of {list(MOE_GROUPS)} rows "
+          f"(N={MOE_N}, K={MOE_K}), against the float64 reference")
+    torch.manual_seed(0)
+    qa, sa, b, sb, offs = _grouped_operands()
+    got = cutedsl_gemm.grouped_scaled_mm(qa, b, sa, sb, offs)
+    want = R.reference_grouped_mm(qa, b, sa, sb, offs, recipe="row", out_dtype=torch.float64)
+    one = sum(MOE_GROUPS[:MOE_GROUPS.index(1)])  # the one-row group's row
+    errors = {"contiguous": R.rel_error(got, want), "contiguous, the one-row group": R.rel_error(
+        got[one:one + 1], want[one:one + 1])}
+    # masked: each expert's rows at the start of its (C, K) slab, C the largest group; the rest never read
+    e, c = len(MOE_GROUPS), max(MOE_GROUPS)
+    counts = torch.tensor(MOE_GROUPS, dtype=torch.int32, device="cuda")
+    valid = torch.arange(c, device="cuda") < counts[:, None].long()
+    codes = torch.zeros(e, c, MOE_K, dtype=torch.uint8, device="cuda")  # (filled as bytes: FP8 has few kernels)
+    sm = torch.ones(e, c, 1, dtype=torch.float32, device="cuda")
+    codes[valid], sm[valid] = qa.view(torch.uint8), sa.reshape(-1, 1)
+    qm = codes.view(qa.dtype)
+    got = cutedsl_gemm.grouped_scaled_mm(qm, b, sm, sb, counts=counts)
+    want = R.reference_grouped_mm(qm, b, sm, sb, counts=counts, recipe="row", out_dtype=torch.float64)
+    errors["masked"] = R.rel_error(got[valid], want[valid])
+    for what, err in errors.items():
+        print(f"    {what:30s} rel err {err:.2e}")
+    worst = max(errors.values())
+    ok = worst <= 2e-3
+    print(f"{'PASS' if ok else 'FAIL'}: grouped GEMM, worst relative error {worst:.2e} (limit 2e-3)")
+    return ok
+
+
+def _demo_moe_model_gpu() -> bool:
+    """The tiny Mixtral and its converted copy, one decode step each replayed from a CUDA graph: the logits must
+    agree within ``MOE_LOGIT_RTOL``."""
+    if _no_transformers():
+        return True
+    from cutedsl_gemm.numerics import reference as R
+    from cutedsl_gemm.tools import models as M
+
+    bf16, ours, report = _tiny_mixtral("cuda")
+    context = 32
+    print(f"    tiny Mixtral (2 layers, 4 experts, top-2): {str(report).splitlines()[0]}; one decode step at batch 1 "
+          f"after {context} tokens, replayed from a CUDA graph")
+    prompt, logits = M.random_tokens(bf16.config, 1, context), {}
+    for name, model in (("bf16", bf16), ("ours", ours)):
+        step = M.DecodeStep(model, 1, context + 1)
+        step.prefill(prompt)
+        graph, output = M.cuda_graph(step)
+        logits[name] = step.check_replay(graph.replay, output)  # each replay writes one cache slot
+    err = R.rel_error(logits["ours"], logits["bf16"])
+    ok = len(report.converted_experts) == 2 and err <= MOE_LOGIT_RTOL
+    print(f"{'PASS' if ok else 'FAIL'}: tiny Mixtral, logits rel err {err:.3e} against bf16 (limit {MOE_LOGIT_RTOL})")
+    return ok
+
+
+def _demo_moe() -> bool:
+    """The mixture-of-experts section: on a Hopper GPU the grouped GEMM and a tiny converted Mixtral run, without
+    one the grouped GEMM compiled and inspected and the Mixtral converted on the CPU."""
+    if not _hopper_available():
+        return _demo_moe_cpu()
+    grouped = _demo_grouped_gpu()
+    return _demo_moe_model_gpu() and grouped
+
+
 def cmd_demo(args) -> int:
     rc = _demo_gpu() if _hopper_available() else _demo_cpu()
-    return rc if _demo_model() else 1
+    moe = _demo_moe()
+    return rc if _demo_model() and moe else 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -427,6 +574,10 @@ def build_parser() -> argparse.ArgumentParser:
         "and time it against cuBLAS. Without one: compile GEMM instances for sm_90a and check their PTX for "
         "the tensor-core MMA, TMA and register reallocation instructions (for the weight-only GEMM also its "
         "register-sourced WGMMA and the weights' conversion), then check the reference numerics. "
+        "Mixture of experts: with a Hopper GPU, run grouped_scaled_mm in both layouts (an empty and a one-row group "
+        "among the experts) against the float64 reference, and a tiny Mixtral converted by cutedsl_gemm.nn against "
+        "its bf16 twin; without one, compile the grouped GEMM for sm_90a, check its PTX for WGMMA on e4m3 and TMA "
+        "loads, and convert the tiny Mixtral on the CPU. "
         "With a Hopper GPU and transformers, also time one decode step of a two-layer Llama-3-8B-shaped model in "
         "bf16, through torch's FP8 path and converted by cutedsl_gemm.nn, and compare their logits."
     )).set_defaults(fn=cmd_demo)

@@ -268,3 +268,54 @@ def greedy_generate(model, prompt: torch.Tensor, new_tokens: int, graph: bool = 
         step.advance()
     sync()
     return torch.stack(out, dim=1), time.perf_counter() - start
+
+
+# ---- mixture-of-experts models ----------------------------------------------------------------------------------
+#: Qwen3-30B-A3B's dimensions (its config.json), without the layer count (``QWEN3_30B_A3B_LAYERS``): 128 experts of
+#: width 768 in every layer, 8 routed per token, routing weights renormalised over the 8
+QWEN3_30B_A3B = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                     num_experts_per_tok=8, norm_topk_prob=True, num_attention_heads=32, num_key_value_heads=4,
+                     head_dim=128, vocab_size=151936, max_position_embeddings=40960, rope_theta=1000000.0,
+                     rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_30B_A3B_LAYERS = 48
+#: the same architecture small enough for a CPU test
+TINY_QWEN3_MOE = dict(QWEN3_30B_A3B, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_experts=8,
+                      num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                      vocab_size=512, max_position_embeddings=1024)
+#: Mixtral-8x7B's dimensions (its config.json), without the layer count (32)
+MIXTRAL_8X7B = dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2,
+                    num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                    max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+TINY_MIXTRAL = dict(MIXTRAL_8X7B, hidden_size=256, intermediate_size=256, num_local_experts=4, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, vocab_size=512, max_position_embeddings=1024)
+#: model kind -> its transformers config class
+MOE_CONFIGS = {"qwen3_moe": "Qwen3MoeConfig", "mixtral": "MixtralConfig"}
+
+
+def moe_config(kind: str, layers: int, dims: dict):
+    """The transformers config of a mixture-of-experts model ``kind`` ("qwen3_moe", "mixtral") with ``dims`` and
+    ``layers`` decoder layers."""
+    import transformers
+
+    if kind not in MOE_CONFIGS:
+        raise ValueError(f"kind must be one of {', '.join(MOE_CONFIGS)}, got {kind!r}")
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"layers must be a whole number >= 1, got {layers!r}")
+    return getattr(transformers, MOE_CONFIGS[kind])(num_hidden_layers=layers, **dims)
+
+
+def random_causal_lm(config, device="cuda", dtype=torch.bfloat16, seed: int = 0):
+    """The causal LM of ``config`` (``AutoModelForCausalLM.from_config``) with transformers' random initialisation,
+    built directly on ``device`` in ``dtype`` (what transformers keeps in fp32 stays fp32), in eval mode: for any
+    architecture, as ``random_llama`` for Llama."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(config)
+    finally:
+        torch.set_default_dtype(default)
+    return model.eval().requires_grad_(False)
