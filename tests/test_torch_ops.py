@@ -158,7 +158,8 @@ def test_mm_weight_only_fake_shapes_and_errors(bits, group):
 def test_block_quantizer_fakes_match_the_real_outputs(device):
     x = torch.randn(130, 256, dtype=torch.bfloat16)
     g = torch.tensor(0.25)
-    real = [L.quantize_mx(x, "e4m3"), L.quantize_mx(x, "e2m1"), L.quantize_nvfp4(x), L.quantize_nvfp4(x, g)]
+    real = [L.EAGER.quantize_mx(x, "e4m3"), L.EAGER.quantize_mx(x, "e2m1"), L.EAGER.quantize_nvfp4(x),
+            L.EAGER.quantize_nvfp4(x, g)]
     with FakeTensorMode():
         xf = torch.empty(130, 256, dtype=torch.bfloat16, device=device)
         fake = [OPS.quantize_mx(xf, "e4m3"), OPS.quantize_mx(xf, "e2m1"), OPS.quantize_nvfp4(xf),

@@ -38,6 +38,10 @@ The data ``q`` always has x's shape (M, K), row-major, in the FP8 torch dtype.
 :class:`~cutedsl_gemm.numerics.reference.BlockScaledTensor`: packed elements and SWIZZLE_32_4_4 blocked
 scales (MX: UE8M0 per 32 elements; NVFP4: E4M3 per 16 and an fp32 global decode scale that stays on the
 device), the layouts the Blackwell block-scaled GEMMs and ``F.scaled_mm`` read.
+
+Each quantizer's torch operator (``torch.ops.cutedsl_gemm.quantize_fp8``, ``quantize_int8``, ``quantize_mx``,
+``quantize_nvfp4``: schema, implementation, fake implementation and the ``traced_*`` form the function takes under
+``torch.compile`` on a kernel path) is defined beside it.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ from cutedsl_gemm.numerics.formats import (
 )
 from cutedsl_gemm.numerics.formats import recipe as as_recipe
 from cutedsl_gemm.numerics.scale_layouts import blocked_scale_shape
+from cutedsl_gemm.ops.library import EAGER, OPS, define, op_name
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
 G = ScaleGranularity
@@ -212,8 +217,6 @@ def quantize_fp8(
     if recipe is not None:
         granularity = _renamed_recipe(granularity, recipe)
     if _traced(x, backend):
-        from cutedsl_gemm.ops.library import traced_quantize_fp8
-
         return traced_quantize_fp8(x, granularity, fmt=fmt, block=block, scale_layout=scale_layout, operand=operand)
     sig = (x.shape, x.dtype, x.get_device(), granularity, fmt, block, scale_layout, operand, backend) \
         if type(x) is torch.Tensor else None
@@ -315,6 +318,26 @@ def quantize_fp8_like(x, granularity="1x128", *, fmt="e4m3", block=128, scale_la
                                                        False)
     q, _, scales = _allocator(gran, fmt, block, scale_layout, *x.shape)(x)
     return q, scales
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantize_fp8's op
+# ----------------------------------------------------------------------------------------------------
+
+QUANTIZE_FP8_SCHEMA = (
+    '(Tensor x, str recipe="1x128", *, str fmt="e4m3", int block=128, str? scale_layout=None, str operand="a") '
+    "-> (Tensor, Tensor)"
+)
+
+define("quantize_fp8", QUANTIZE_FP8_SCHEMA, quantize_fp8, quantize_fp8_like)
+EAGER.quantize_fp8 = quantize_fp8
+
+
+def traced_quantize_fp8(x, granularity, *, fmt, block, scale_layout, operand):
+    """``quantize_fp8`` under ``torch.compile``: the op (whose schema names the granularity ``recipe``, passed by
+    position)."""
+    return OPS.quantize_fp8(x, op_name(granularity), fmt=op_name(fmt), block=block, scale_layout=scale_layout,
+                            operand=operand)
 
 
 def _reference(x, gran, fmt, block, scale_layout):
@@ -532,8 +555,6 @@ def quantize_mx(x: torch.Tensor, fmt="e4m3", *, backend: str = "auto") -> R.Bloc
     ``backend`` as in the module doc."""
     fmt = element_format(fmt)
     if _traced(x, backend):
-        from cutedsl_gemm.ops.library import traced_quantize_mx
-
         return traced_quantize_mx(x, fmt)
     if not _block_backend(x, R.MX_BLOCK, backend):
         return R.quantize_mx_reference(x, fmt)
@@ -555,8 +576,6 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
     synchronisation). Bit for bit :func:`~cutedsl_gemm.numerics.reference.quantize_nvfp4_reference`;
     ``backend`` as in the module doc."""
     if _traced(x, backend):
-        from cutedsl_gemm.ops.library import traced_quantize_nvfp4
-
         return traced_quantize_nvfp4(x, global_scale)
     if not _block_backend(x, R.NVFP4_BLOCK, backend):
         return R.quantize_nvfp4_reference(x, global_scale)
@@ -573,6 +592,67 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: torch.Tensor | None = None, *,
     fn(x, q, s.view(-1), g, amax)
     return R.BlockScaledTensor(storage_view(q, E2M1), s.view(E4M3.torch_dtype), E2M1, R.NVFP4_BLOCK, (rows, k),
                                g.reshape(()))
+
+
+# ----------------------------------------------------------------------------------------------------
+# the MX and NVFP4 ops
+# ----------------------------------------------------------------------------------------------------
+
+QUANTIZE_MX_SCHEMA = '(Tensor x, str fmt="e4m3") -> (Tensor, Tensor)'
+QUANTIZE_NVFP4_SCHEMA = "(Tensor x, Tensor? global_scale=None) -> (Tensor, Tensor, Tensor)"
+
+
+def _quantize_mx_op(x, fmt="e4m3"):
+    """``quantize_mx`` as the op returns it: (data, scales)."""
+    t = quantize_mx(x, fmt)
+    return t.data, t.scales
+
+
+def _quantize_nvfp4_op(x, global_scale=None):
+    """``quantize_nvfp4`` as the op returns it: (data, scales, global scale), the global scale a new tensor (an
+    op's output never aliases its input)."""
+    t = quantize_nvfp4(x, global_scale)
+    return t.data, t.scales, (t.global_scale if global_scale is None else t.global_scale.clone())
+
+
+def _quantize_mx_fake(x, fmt="e4m3"):
+    f = element_format(fmt)
+    if f not in R.MX_ELEMENT_FORMATS:
+        raise ValueError(f"MX element format must be one of {[g.name for g in R.MX_ELEMENT_FORMATS]}; got {f.name}")
+    _block_backend(x, R.MX_BLOCK, "auto")
+    rows, k = x.shape
+    data = x.new_empty((rows, packed_row_bytes(k, f)), dtype=torch.uint8)
+    scales = x.new_empty(blocked_scale_shape(rows, k // R.MX_BLOCK), dtype=torch.uint8)
+    return storage_view(data, f), scales.view(UE8M0.torch_dtype)
+
+
+def _quantize_nvfp4_fake(x, global_scale=None):
+    _block_backend(x, R.NVFP4_BLOCK, "auto")
+    if global_scale is not None:
+        R.check_global_scale(global_scale, x.device)
+    rows, k = x.shape
+    data = x.new_empty((rows, packed_row_bytes(k, E2M1)), dtype=torch.uint8)
+    scales = x.new_empty(blocked_scale_shape(rows, k // R.NVFP4_BLOCK), dtype=torch.uint8)
+    return storage_view(data, E2M1), scales.view(E4M3.torch_dtype), x.new_empty((), dtype=torch.float32)
+
+
+define("quantize_mx", QUANTIZE_MX_SCHEMA, _quantize_mx_op, _quantize_mx_fake)
+define("quantize_nvfp4", QUANTIZE_NVFP4_SCHEMA, _quantize_nvfp4_op, _quantize_nvfp4_fake)
+EAGER.quantize_mx = _quantize_mx_op
+EAGER.quantize_nvfp4 = _quantize_nvfp4_op
+
+
+def traced_quantize_mx(x, fmt) -> R.BlockScaledTensor:
+    """``quantize_mx`` under ``torch.compile``: the op's tensors in a BlockScaledTensor."""
+    f = element_format(fmt)
+    data, scales = OPS.quantize_mx(x, f.name)
+    return R.BlockScaledTensor(data, scales, f, R.MX_BLOCK, (x.shape[0], x.shape[1]))
+
+
+def traced_quantize_nvfp4(x, global_scale) -> R.BlockScaledTensor:
+    """``quantize_nvfp4`` under ``torch.compile``: the op's tensors in a BlockScaledTensor."""
+    data, scales, g = OPS.quantize_nvfp4(x, global_scale)
+    return R.BlockScaledTensor(data, scales, E2M1, R.NVFP4_BLOCK, (x.shape[0], x.shape[1]), g)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -595,8 +675,6 @@ def quantize_int8(x: torch.Tensor, granularity="row", *, backend: str = "auto"):
     ``scaled_mm(qx, qw.t(), sx, sw.t())``.
     """
     if _traced(x, backend):
-        from cutedsl_gemm.ops.library import traced_quantize_int8
-
         return traced_quantize_int8(x, granularity)
     sig = ("int8", x.shape, x.dtype, x.get_device(), granularity, backend) if type(x) is torch.Tensor else None
     sig, out = _run_kept(sig, x)
@@ -625,3 +703,18 @@ def quantize_int8_like(x, granularity="row"):
     gran, _ = _int8_arguments(x, granularity, "auto", False)
     q, _, scales = _allocator(gran, INT8, 128, None, *x.shape)(x)
     return q, scales
+
+
+# ----------------------------------------------------------------------------------------------------
+# quantize_int8's op
+# ----------------------------------------------------------------------------------------------------
+
+QUANTIZE_INT8_SCHEMA = '(Tensor x, str granularity="row") -> (Tensor, Tensor)'
+
+define("quantize_int8", QUANTIZE_INT8_SCHEMA, quantize_int8, quantize_int8_like)
+EAGER.quantize_int8 = quantize_int8
+
+
+def traced_quantize_int8(x, granularity):
+    """``quantize_int8`` under ``torch.compile``: the op."""
+    return OPS.quantize_int8(x, op_name(granularity))

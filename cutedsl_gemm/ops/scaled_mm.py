@@ -1,6 +1,11 @@
 """``scaled_mm``: the public GEMM, for every recipe on every architecture. Describe the call (problem), select an
 instance (selection), launch it (runtime). A Hopper call signature seen before skips straight to the launch with
-the plan kept for it."""
+the plan kept for it. ``quantize_scaled_mm`` (a linear layer: the activations' quantizer, then ``scaled_mm``, or
+one kernel) and ``scaled_mm_fp8_out`` (``scaled_mm`` with FP8 output in 1x128 groups) build on it.
+
+Each op's torch operator (``torch.ops.cutedsl_gemm.scaled_mm``, ``quantize_scaled_mm``, ``scaled_mm_fp8_out``) is
+defined beside its function: schema, implementation, fake implementation and the ``traced_*`` form the function
+takes under ``torch.compile`` (``ops.library`` has the shared machinery)."""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 
 from cutedsl_gemm import problem as P
 from cutedsl_gemm.numerics import scale_layouts
+from cutedsl_gemm.numerics.formats import ScaleGranularity
+from cutedsl_gemm.ops.library import EAGER, OPS, _checked_on_metas, _int, define, op_name
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 
@@ -106,8 +113,6 @@ def scaled_mm(
     written in place.
     """
     if torch.compiler.is_compiling():  # the op: torch.compile records it instead of tracing into the launch
-        from cutedsl_gemm.ops.library import traced_scaled_mm
-
         return traced_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum,
                                 scale_recipe_a=scale_recipe_a, scale_recipe_b=scale_recipe_b, swizzle_a=swizzle_a,
                                 swizzle_b=swizzle_b, out=out, fmt_a=fmt_a, fmt_b=fmt_b, schedule=schedule,
@@ -150,6 +155,79 @@ def scaled_mm(
             _PLANS.clear()
         _PLANS[sig] = (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n))
     return plan.run(ops.a, ops.b, dst, ops.scale_a, ops.scale_b, ops.bias, ops.global_a, ops.global_b)
+
+
+# ----------------------------------------------------------------------------------------------------
+# scaled_mm's op
+# ----------------------------------------------------------------------------------------------------
+
+SCALED_MM_SCHEMA = (
+    "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None, ScalarType? out_dtype=None, "
+    "bool use_fast_accum=False, *, str? scale_recipe_a=None, str? scale_recipe_b=None, "
+    "Tensor? global_scale_a=None, Tensor? global_scale_b=None, str? swizzle_a=None, str? swizzle_b=None, "
+    "str? fmt_a=None, str? fmt_b=None, str? schedule=None, int? split_k=None) -> Tensor"
+)
+
+
+def _with_global(scale, recipe, global_scale):
+    """NVFP4's ``[block scales, global scale]`` (and recipes) as ``scaled_mm`` takes them."""
+    if global_scale is None:
+        return scale, recipe
+    return [scale, global_scale], (None if recipe is None else [recipe, ScaleGranularity.TENSOR.scaling_type])
+
+
+def _scaled_mm_op(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False, *, scale_recipe_a=None,
+                  scale_recipe_b=None, global_scale_a=None, global_scale_b=None, **options):
+    """``scaled_mm`` with the op's arguments: ``out_dtype`` None is bf16, NVFP4's global scales are
+    ``global_scale_a`` / ``global_scale_b``; ``options``: swizzle_a/b, fmt_a/b, schedule, split_k."""
+    if global_scale_a is not None or global_scale_b is not None:
+        scale_a, scale_recipe_a = _with_global(scale_a, scale_recipe_a, global_scale_a)
+        scale_b, scale_recipe_b = _with_global(scale_b, scale_recipe_b, global_scale_b)
+    return scaled_mm(a, b, scale_a, scale_b, bias, None, torch.bfloat16 if out_dtype is None else out_dtype,
+                     use_fast_accum, scale_recipe_a=scale_recipe_a, scale_recipe_b=scale_recipe_b, **options)
+
+
+def _scaled_mm_fake(a, b, scale_a, scale_b, bias=None, out_dtype=None, use_fast_accum=False, *, scale_recipe_a=None,
+                    scale_recipe_b=None, global_scale_a=None, global_scale_b=None, swizzle_a=None, swizzle_b=None,
+                    fmt_a=None, fmt_b=None, schedule=None, split_k=None):
+    out_dtype = torch.bfloat16 if out_dtype is None else out_dtype
+    P.require_out_dtype(out_dtype)
+
+    def describe(target, ma, mb, msa, msb, mbias, mga, mgb):
+        msa, ra = _with_global(msa, scale_recipe_a, mga)
+        msb, rb = _with_global(msb, scale_recipe_b, mgb)
+        P.describe_scaled_mm(ma, mb, msa, msb, mbias, out_dtype, None, use_fast_accum, ra, rb, schedule, split_k,
+                             a.device, fmt_a, fmt_b, swizzle_a, swizzle_b, target=target)
+
+    if not _checked_on_metas(a.device, (a, b, scale_a, scale_b, bias, global_scale_a, global_scale_b), describe) \
+            and (a.dim() != 2 or b.dim() != 2):
+        raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+define("scaled_mm", SCALED_MM_SCHEMA, _scaled_mm_op, _scaled_mm_fake)
+EAGER.scaled_mm = _scaled_mm_op
+
+
+def traced_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_fast_accum, *, scale_recipe_a,
+                     scale_recipe_b, swizzle_a, swizzle_b, out, fmt_a, fmt_b, schedule, split_k):
+    """``scaled_mm`` under ``torch.compile``: the op (``out=`` is filled from its result)."""
+    if scale_result is not None:
+        raise ValueError("scale_result must be None: outputs are bf16, fp16 or fp32")
+    global_a = global_b = None
+    if isinstance(scale_a, (list, tuple)):
+        scale_a, global_a = scale_a if len(scale_a) == 2 else (scale_a[0], None)
+    if isinstance(scale_b, (list, tuple)):
+        scale_b, global_b = scale_b if len(scale_b) == 2 else (scale_b[0], None)
+    res = OPS.scaled_mm(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum,
+                        scale_recipe_a=op_name(scale_recipe_a), scale_recipe_b=op_name(scale_recipe_b),
+                        global_scale_a=global_a, global_scale_b=global_b, swizzle_a=op_name(swizzle_a),
+                        swizzle_b=op_name(swizzle_b), fmt_a=op_name(fmt_a), fmt_b=op_name(fmt_b), schedule=schedule,
+                        split_k=split_k)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
 
 
 # Call signature -> (launch plan, B's kernel scale view recipe, K blocks, output shape) of the calls that quantize in
@@ -200,8 +278,6 @@ def quantize_scaled_mm(
     if out_dtype is None:
         out_dtype = getattr(x, "dtype", None)
     if torch.compiler.is_compiling():
-        from cutedsl_gemm.ops.library import traced_quantize_scaled_mm
-
         return traced_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b=scale_recipe_b, out=out,
                                          split_k=split_k, in_kernel=in_kernel)
     sig = None
@@ -266,6 +342,51 @@ def _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out
                      out=out, split_k=split_k)
 
 
+# ----------------------------------------------------------------------------------------------------
+# quantize_scaled_mm's op
+# ----------------------------------------------------------------------------------------------------
+
+QUANTIZE_SCALED_MM_SCHEMA = (
+    "(Tensor x, Tensor b, Tensor scale_b, Tensor? bias=None, ScalarType? out_dtype=None, *, "
+    "str? scale_recipe_b=None, int? split_k=None, bool? in_kernel=None) -> Tensor"
+)
+
+
+def _quantize_scaled_mm_op(x, b, scale_b, bias=None, out_dtype=None, *, scale_recipe_b=None, split_k=None,
+                           in_kernel=None):
+    """``quantize_scaled_mm`` with the op's arguments (no ``out=``)."""
+    return quantize_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b=scale_recipe_b, split_k=split_k,
+                              in_kernel=in_kernel)
+
+
+def _quantize_scaled_mm_fake(x, b, scale_b, bias=None, out_dtype=None, *, scale_recipe_b=None, split_k=None,
+                             in_kernel=None):
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+
+    def describe(target, *metas):
+        P.describe_quantize_scaled_mm(*metas, out_dtype, None, scale_recipe_b, split_k, x.device, target=target)
+
+    if not _checked_on_metas(x.device, (x, b, scale_b, bias), describe):
+        P.require_out_dtype(out_dtype)
+        if x.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"x and b must be 2-D, got shapes {tuple(x.shape)} and {tuple(b.shape)}")
+    return x.new_empty((x.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+define("quantize_scaled_mm", QUANTIZE_SCALED_MM_SCHEMA, _quantize_scaled_mm_op, _quantize_scaled_mm_fake)
+EAGER.quantize_scaled_mm = _quantize_scaled_mm_op
+
+
+def traced_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, *, scale_recipe_b, out, split_k, in_kernel):
+    """``quantize_scaled_mm`` under ``torch.compile``: the op (``out=`` is filled from its result)."""
+    res = OPS.quantize_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b=op_name(scale_recipe_b),
+                                 split_k=split_k, in_kernel=in_kernel)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
+
+
 # Call signature (``call_signature`` of the bf16 scaled_mm call) -> (launch plan, recipe, K blocks, allocator of the
 # outputs) of the scaled_mm_fp8_out calls that run one kernel; (None, ...) for those that run scaled_mm and
 # quantize_fp8.
@@ -284,8 +405,6 @@ def scaled_mm_fp8_out(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, bias: 
     the quantizer's code, without the bf16 round trip through memory and the quantizer's launch. Elsewhere (decode
     sizes, 192-wide tiles, other GPUs) it runs the two kernels."""
     if torch.compiler.is_compiling():  # the op: torch.compile records it instead of tracing into the launch
-        from cutedsl_gemm.ops.library import traced_scaled_mm_fp8_out
-
         return traced_scaled_mm_fp8_out(a, b, scale_a, scale_b, bias)
     sig = None
     if type(a) is torch.Tensor and type(b) is torch.Tensor and type(scale_a) is torch.Tensor \
@@ -335,3 +454,39 @@ def _scaled_mm_then_quantize(a, b, scale_a, scale_b, bias):
     from cutedsl_gemm.ops.quantize import quantize_fp8
 
     return quantize_fp8(scaled_mm(a, b, scale_a, scale_b, bias, out_dtype=torch.bfloat16), "1x128")
+
+
+# ----------------------------------------------------------------------------------------------------
+# scaled_mm_fp8_out's op
+# ----------------------------------------------------------------------------------------------------
+
+SCALED_MM_FP8_OUT_SCHEMA = "(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? bias=None) -> (Tensor, Tensor)"
+
+
+def _scaled_mm_fp8_out_op(a, b, scale_a, scale_b, bias=None):
+    """``scaled_mm_fp8_out`` as the op returns it: (q, scales)."""
+    return scaled_mm_fp8_out(a, b, scale_a, scale_b, bias)
+
+
+def _scaled_mm_fp8_out_fake(a, b, scale_a, scale_b, bias=None):
+    from cutedsl_gemm.ops.quantize import quantize_fp8_like
+
+    def describe(target, *metas):
+        P.describe_scaled_mm_fp8_out(*metas, a.device, target=target)
+
+    if not _checked_on_metas(a.device, (a, b, scale_a, scale_b, bias), describe):
+        if a.dim() != 2 or b.dim() != 2:
+            raise ValueError(f"a and b must be 2-D, got shapes {tuple(a.shape)} and {tuple(b.shape)}")
+        if _int(b.shape[1]) is not None:
+            P.check_fp8_output_columns(_int(b.shape[1]))
+    # quantize_fp8's outputs for the bf16 output (its checks of N included)
+    return quantize_fp8_like(a.new_empty((a.shape[0], b.shape[1]), dtype=torch.bfloat16), "1x128")
+
+
+define("scaled_mm_fp8_out", SCALED_MM_FP8_OUT_SCHEMA, _scaled_mm_fp8_out_op, _scaled_mm_fp8_out_fake)
+EAGER.scaled_mm_fp8_out = _scaled_mm_fp8_out_op
+
+
+def traced_scaled_mm_fp8_out(a, b, scale_a, scale_b, bias):
+    """``scaled_mm_fp8_out`` under ``torch.compile``: the op."""
+    return OPS.scaled_mm_fp8_out(a, b, scale_a, scale_b, bias)

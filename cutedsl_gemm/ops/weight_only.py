@@ -1,6 +1,8 @@
 """``mm_weight_only``: bf16 / fp16 activations times packed int4 / int8 weights on Hopper. Describe the call
 (problem), select an instance (selection), launch it (runtime); a call signature seen before skips straight to the
-launch with the plan kept for it."""
+launch with the plan kept for it. Its torch operator (``torch.ops.cutedsl_gemm.mm_weight_only``: schema,
+implementation, fake implementation and the ``traced_*`` form the function takes under ``torch.compile``) is
+defined here too."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from typing import Optional
 import torch
 
 from cutedsl_gemm import problem as P
+from cutedsl_gemm.ops.library import EAGER, OPS, _checked_on_metas, define
 from cutedsl_gemm.runtime import launch
 from cutedsl_gemm.selection import dispatch
 
@@ -48,8 +51,6 @@ def mm_weight_only(x: torch.Tensor, packed_w: torch.Tensor, scales: torch.Tensor
     call is the op ``torch.ops.cutedsl_gemm.mm_weight_only``.
     """
     if torch.compiler.is_compiling():  # the op: torch.compile records it instead of tracing into the launch
-        from cutedsl_gemm.ops.library import traced_mm_weight_only
-
         return traced_mm_weight_only(x, packed_w, scales, zeros, group=group, bits=bits, out=out, split_k=split_k)
     sig = None
     if type(x) is torch.Tensor and type(packed_w) is torch.Tensor and type(scales) is torch.Tensor \
@@ -78,3 +79,41 @@ def mm_weight_only(x: torch.Tensor, packed_w: torch.Tensor, scales: torch.Tensor
             _PLANS.clear()
         _PLANS[sig] = (plan, (problem.m, problem.n))
     return plan.run(x, packed_w, scales, zeros, dst)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the op
+# ----------------------------------------------------------------------------------------------------
+
+MM_WEIGHT_ONLY_SCHEMA = (
+    "(Tensor x, Tensor packed_w, Tensor scales, Tensor? zeros=None, *, int group=128, int bits=4, int? split_k=None) "
+    "-> Tensor"
+)
+
+
+def _mm_weight_only_op(x, packed_w, scales, zeros=None, *, group=128, bits=4, split_k=None):
+    """``mm_weight_only`` with the op's arguments (no ``out=``)."""
+    return mm_weight_only(x, packed_w, scales, zeros, group=group, bits=bits, split_k=split_k)
+
+
+def _mm_weight_only_fake(x, packed_w, scales, zeros=None, *, group=128, bits=4, split_k=None):
+    def describe(target, *metas):
+        P.describe_weight_only(*metas, group, bits, None, split_k, x.device, target=target)
+
+    if not _checked_on_metas(x.device, (x, packed_w, scales, zeros), describe) \
+            and (x.dim() != 2 or scales.dim() != 2):
+        raise ValueError(f"x and scales must be 2-D, got shapes {tuple(x.shape)} and {tuple(scales.shape)}")
+    return x.new_empty((x.shape[0], scales.shape[1]))
+
+
+define("mm_weight_only", MM_WEIGHT_ONLY_SCHEMA, _mm_weight_only_op, _mm_weight_only_fake)
+EAGER.mm_weight_only = _mm_weight_only_op
+
+
+def traced_mm_weight_only(x, packed_w, scales, zeros, *, group, bits, out, split_k):
+    """``mm_weight_only`` under ``torch.compile``: the op (``out=`` is filled from its result)."""
+    res = OPS.mm_weight_only(x, packed_w, scales, zeros, group=group, bits=bits, split_k=split_k)
+    if out is None:
+        return res
+    out.copy_(res)
+    return out
