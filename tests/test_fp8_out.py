@@ -17,7 +17,7 @@ from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan, smem_capacity
 from cutedsl_gemm.numerics.formats import E4M3
 from cutedsl_gemm.ops import library as L
 from cutedsl_gemm.ops.quantize import quantize_fp8, quantize_fp8_like
-from cutedsl_gemm.ops.scaled_mm import fp8_output_allocator
+from cutedsl_gemm.ops.scaled_mm import _scaled_mm_fp8_out_op, fp8_output_allocator
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection.instances import GEMM_FP8_OUT, INSTANCES, InstanceTableError, select, validate
 
@@ -199,7 +199,7 @@ def test_op_is_registered_functional_and_pt2_compliant():
     assert op.overloads() == ["default"] and torch.Tag.pt2_compliant_tag in op.default.tags
     assert str(op.default._schema) == ("cutedsl_gemm::scaled_mm_fp8_out(Tensor a, Tensor b, Tensor scale_a, "
                                        "Tensor scale_b, Tensor? bias=None) -> (Tensor, Tensor)")
-    assert L.EAGER.scaled_mm_fp8_out is L.scaled_mm_fp8_out
+    assert L.EAGER.scaled_mm_fp8_out is _scaled_mm_fp8_out_op
 
 
 @pytest.mark.parametrize("recipe", [DEEPSEEK, "row", "tensor"])
@@ -283,8 +283,9 @@ def test_kernel_quantizes_its_output_in_the_epilogue(tile_m):
 
 @pytest.mark.compile
 def test_entries_refuse_the_other_kind_of_kernel():
+    from cutedsl_gemm.families.sm90_gemm import fake_fp8_out_args, fake_gemm_args
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-    from cutedsl_gemm.runtime.compile import compile_entry, fake_fp8_out_args, fake_gemm_args
+    from cutedsl_gemm.runtime.compile import compile_entry
 
     fp8_out = ROWS[0].sm90_config()
     plain = dataclasses.replace(fp8_out, d_quant=None)

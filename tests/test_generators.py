@@ -157,7 +157,7 @@ def test_catalog_sample_is_one_instance_per_kernel_family():
     assert sorted(map(C.family_key, sample)) == sorted(families)  # every family, once
     assert C.select(sampled=True) == sample
     hopper = C.select("sm_90a", sampled=True)
-    assert 8 <= len(hopper) <= 28 and set(hopper) <= set(sample)
+    assert 8 <= len(hopper) <= 29 and set(hopper) <= set(sample)
     for arch in {i.arch for i in M.INSTANCES}:  # every recipe and type of each arch's GEMMs
         mine, table = ([i for i in rows if i.arch == arch and i.op == "gemm"] for rows in (sample, M.INSTANCES))
         for axis in C.SAMPLE_AXES:

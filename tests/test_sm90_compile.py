@@ -591,8 +591,8 @@ def test_kernels_trace_without_deprecated_dsl_names(deprecations):
     """Names the DSL deprecates (4.8: ``cutlass.utils.LayoutEnum``, ``utils.SmemAllocator``, ...) warn at every
     user's compile and go away in a later release: the Hopper GEMM (cooperative and swapped decode) traces
     without a DeprecationWarning."""
+    from cutedsl_gemm.families.sm90_gemm import compile_gemm
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
-    from cutedsl_gemm.runtime.compile import compile_gemm
 
     found = deprecations(
         lambda: compile_gemm(Sm90GemmConfig(recipe="1x128_128x128", tile_m=128, tile_n=192, cluster_m=2, stages=4)),

@@ -1,5 +1,6 @@
 """The grouped FP8 GEMM family on Hopper (op ``GROUPED_GEMM``, ``kernels/sm90/grouped_gemm.py``): what a
-``grouped_scaled_mm`` call must be, the instance that runs it, its compile entry and its launch.
+``grouped_scaled_mm`` call must be, the instance that runs it, the kernel configuration of an instance, its checks,
+its compile entry, its shared-memory plan and its launch.
 
 A call is described from metadata alone (shapes, dtypes, strides; never the values of ``offs`` / ``counts``, which
 stay on the device), so the same description serves eager calls, the op's fake implementation and CUDA-graph
@@ -158,8 +159,35 @@ def _instance(layout: str, recipe: str, a_format: str, b_format: str, out_format
 
 
 # ------------------------------------------------------------------------------------------------
-# compile entry and launch
+# configuration, checks, compile entry, resources and launch
 # ------------------------------------------------------------------------------------------------
+def config(inst: M.KernelInstance):
+    """The grouped GEMM's configuration of an instance of op GROUPED_GEMM (its schedule is the layout;
+    ``selection.instances.grouped_config``)."""
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
+
+    if inst.split_tail or inst.swap_ab or inst.cluster_m * inst.cluster_n != 1 or inst.bias_dtype or \
+            inst.accum != "promoted" or inst.tile_k != 128 or inst.ctas_per_sm != 1:
+        raise ValueError("grouped GEMM rows are unclustered, unswapped, promoted, 128-deep K tiles without bias")
+    return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
+                                 b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
+                                 tile_n=inst.tile_n, stages=inst.stages)
+
+
+def check(inst: M.KernelInstance) -> None:
+    """Raise ValueError with the reason if the grouped kernel cannot build ``inst`` (the fields it fixes, then
+    ``Sm90GroupedGemmConfig.check``)."""
+    config(inst).check()
+
+
+def resources(inst: M.KernelInstance) -> tuple[int, int]:
+    """(dynamic shared memory bytes, mainloop stages) of the instance's kernel, as its plan sets them."""
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
+
+    kernel = Sm90GroupedFp8Gemm(config(inst))
+    return kernel.smem_bytes, kernel.stages
+
+
 def entry(inst: M.KernelInstance):
     """(kernel object, fake arguments) of a grouped instance: one compilation serves every T / C, E, N and K."""
     import cutlass
@@ -169,7 +197,7 @@ def entry(inst: M.KernelInstance):
     from cutedsl_gemm.kernels.sm90.gemm_plan import cutlass_dtype
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
 
-    cfg = M.grouped_config(inst)
+    cfg = config(inst)
     e, rows, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=16)
     a_t, d_t = cutlass_dtype(cfg.a_dtype), cutlass_dtype(cfg.out_dtype)
     if cfg.layout == "contiguous":

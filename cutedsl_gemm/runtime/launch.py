@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import torch
 
+from cutedsl_gemm.families.keys import GEMM_FP8_OUT, SM100, WEIGHT_ONLY
 from cutedsl_gemm.kernels.common.waves import unsplit_cluster_tiles
 from cutedsl_gemm.numerics.formats import element_format, float_format
 from cutedsl_gemm.runtime.device import device_info, max_active_clusters
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
-from cutedsl_gemm.selection.instances import GEMM_FP8_OUT, SM100, WEIGHT_ONLY, KernelInstance
+
+if TYPE_CHECKING:
+    from cutedsl_gemm.selection.instances import KernelInstance  # (the type only: the runtime reads no table)
 
 
 def compiled(inst: KernelInstance):

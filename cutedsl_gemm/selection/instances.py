@@ -4,16 +4,18 @@ Runtime dispatch (``cutedsl_gemm.selection.dispatch``), the JIT cache, the preco
 catalog all read ``table()`` (also ``INSTANCES``); there is no other list of configurations. A row is a *tile
 configuration* crossed with the type axes it supports; ``expand()`` turns the table into concrete, hashable
 instances. An instance is its kernel's configuration: ``KernelInstance.sm90_config``,
-``KernelInstance.sm100_kernel`` and ``weight_only_config`` derive what each kernel family is built from. ``op``
-tells the families' rows apart: "gemm"
-(``scaled_mm``), ``QUANT_GEMM`` (``quantize_scaled_mm``: the Hopper GEMM quantizing its activations),
-``GEMM_FP8_OUT`` (``scaled_mm_fp8_out``: the Hopper GEMM emitting FP8 in 1x128 groups) or ``WEIGHT_ONLY``
-(``mm_weight_only``); a reader of one family's rows filters by it.
+``KernelInstance.sm100_kernel``, ``weight_only_config`` and ``grouped_config`` give what each kernel family builds
+it from (the families, ``cutedsl_gemm/families/``, derive them). (arch, op) names the instance's family
+(``families/registry.py``); ``op`` tells the families' rows apart: "gemm" (``scaled_mm``), ``QUANT_GEMM``
+(``quantize_scaled_mm``: the Hopper GEMM quantizing its activations), ``GEMM_FP8_OUT`` (``scaled_mm_fp8_out``: the
+Hopper GEMM emitting FP8 in 1x128 groups), ``WEIGHT_ONLY`` (``mm_weight_only``) or ``GROUPED_GEMM``
+(``grouped_scaled_mm``); a reader of one family's rows filters by it.
 
 The table is expanded on first use, not at import (``import cutedsl_gemm`` loads neither the DSL nor a kernel
-module). Validity rules (shared-memory budget, TMA alignment, MMA shape limits) live with the kernel classes and are
-checked by ``validate``: for every row by ``validate_table`` (a CPU test, ``precompile``, ``export``), and for an
-instance when it is compiled (``runtime.compile``), so a bad edit to the table fails loudly before any launch.
+module). Validity rules (shared-memory budget, TMA alignment, MMA shape limits) live with the kernel classes and
+their families, and are checked by ``validate`` (the family's ``check``): for every row by ``validate_table`` (a
+CPU test, ``precompile``, ``export``), and for an instance when it is compiled (``runtime.compile``), so a bad edit
+to the table fails loudly before any launch.
 """
 
 from __future__ import annotations
@@ -24,21 +26,17 @@ import itertools
 from dataclasses import dataclass
 from typing import Iterable, Optional, Tuple
 
-SM90 = "sm_90a"
-SM100 = "sm_100a"
-#: The op of the weight-only GEMMs (bf16 / fp16 activations x packed integer weights); the others are "gemm".
-WEIGHT_ONLY = "weight_only"
-#: The op of the FP8 GEMMs that quantize their bf16 / fp16 activations themselves (1x128 groups, in the decode
-#: schedule): ``quantize_scaled_mm``'s one-kernel path. a_dtype is the activations' dtype.
-QUANT_GEMM = "quant_gemm"
-#: The op of the GEMMs whose epilogue emits the output as e4m3 with 1x128 group scales (``scaled_mm_fp8_out``): twins of
-#: unswapped "gemm" rows. out_dtype is the rounding before quantization (bf16).
-GEMM_FP8_OUT = "gemm_fp8_out"
-#: The op of the grouped FP8 GEMMs of mixture-of-experts layers (``grouped_scaled_mm``, kernels/sm90/grouped_gemm.py):
-#: their ``schedule`` is the grouped layout, "contiguous" or "masked".
-GROUPED_GEMM = "grouped_gemm"
-#: The ops whose rows the Hopper FP8 / INT8 GEMM class (kernels/sm90/fp8_gemm.py) builds.
-SM90_GEMM_OPS = ("gemm", QUANT_GEMM, GEMM_FP8_OUT)
+# The archs and ops the kernel families are keyed by (re-exported: the table's readers take them from here).
+from cutedsl_gemm.families.keys import (
+    GEMM_FP8_OUT,
+    GROUPED_GEMM,
+    QUANT_GEMM,
+    SM90,
+    SM90_GEMM_OPS,
+    SM100,
+    WEIGHT_ONLY,
+)
+
 #: Operand class of the sm_100a GEMM: one compiled kernel takes every f8f6f4 format (e4m3, e5m2, e3m2, e2m3,
 #: e2m1) as a run-time value.
 F8F6F4 = "f8f6f4"
@@ -123,18 +121,11 @@ class KernelInstance:
         return self.arch == SM90 and (self.op == WEIGHT_ONLY or self.op in SM90_GEMM_OPS and self.tile_n <= 192)
 
     def sm90_config(self):
-        """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them."""
-        from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
-        from cutedsl_gemm.numerics.formats import activation_format
+        """The Hopper kernel's configuration: the fields it shares with this instance, plus what follows from them
+        (``families.sm90_gemm.config``)."""
+        from cutedsl_gemm.families import sm90_gemm
 
-        # Decode GEMMs run back to back (layer after layer) and are short: let each one's launch and set-up
-        # overlap the previous kernel's tail (programmatic dependent launch).
-        fields = _shared_fields(self, Sm90GemmConfig)
-        if self.op == QUANT_GEMM:  # activations in a_dtype, quantized in the kernel to the weight's kind
-            fields.update(a_dtype=activation_format(self.b_dtype).name, a_input=self.a_dtype)
-        if self.op == GEMM_FP8_OUT:  # the epilogue quantizes the bf16 tile in 1x128 groups
-            fields.update(d_quant="1x128")
-        return Sm90GemmConfig(**fields, split_k=self.can_split_k, pdl=self.swap_ab)
+        return sm90_gemm.config(self)
 
     @property
     def mma_kind(self) -> Optional[str]:
@@ -142,14 +133,12 @@ class KernelInstance:
         return SM100_KINDS.get((self.recipe, self.a_dtype)) if self.arch == SM100 else None
 
     def sm100_kernel(self):
-        """The Blackwell kernel object this instance compiles: 2-CTA (``cta_group::2``) when its clusters are
-        2x1, block-scaled through ``BlockScaling`` for the MX / NVFP4 kinds."""
-        from cutedsl_gemm.kernels.sm100 import BlockScaling, Sm100F8F6F4Gemm
-        from cutedsl_gemm.numerics.formats import float_format
+        """The Blackwell kernel object this instance compiles (``families.sm100_gemm.kernel``): 2-CTA
+        (``cta_group::2``) when its clusters are 2x1, block-scaled through ``BlockScaling`` for the MX / NVFP4
+        kinds."""
+        from cutedsl_gemm.families import sm100_gemm
 
-        kind = self.mma_kind
-        return Sm100F8F6F4Gemm(float_format(self.out_dtype).cutlass_dtype(), self.cluster_m == 2, self.tile_n,
-                               self.bias_dtype is not None, scaling=None if kind == "f8f6f4" else BlockScaling(kind))
+        return sm100_gemm.kernel(self)
 
 
 @dataclass(frozen=True)
@@ -237,41 +226,19 @@ def weight_only_recipe(group: int, zeros: bool) -> str:
 
 
 def weight_only_config(inst: KernelInstance):
-    """The weight-only kernel's configuration of a weight-only instance (op WEIGHT_ONLY)."""
-    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyConfig
-    from cutedsl_gemm.numerics.formats import element_format
+    """The weight-only kernel's configuration of a weight-only instance (op WEIGHT_ONLY;
+    ``families.sm90_weight_only.config``)."""
+    from cutedsl_gemm.families import sm90_weight_only
 
-    group, zeros = WEIGHT_ONLY_RECIPES[inst.recipe]
-    return WeightOnlyConfig(bits=element_format(inst.b_dtype).bits, group=group, zeros=zeros, act_dtype=inst.a_dtype,
-                            tile_m=inst.tile_m, tile_n=inst.tile_n, stages=inst.stages)
+    return sm90_weight_only.config(inst)
 
 
 def grouped_config(inst: KernelInstance):
-    """The grouped GEMM's configuration of an instance of op GROUPED_GEMM (its schedule is the layout)."""
-    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
+    """The grouped GEMM's configuration of an instance of op GROUPED_GEMM (its schedule is the layout;
+    ``families.sm90_grouped.config``)."""
+    from cutedsl_gemm.families import sm90_grouped
 
-    if inst.split_tail or inst.swap_ab or inst.cluster_m * inst.cluster_n != 1 or inst.bias_dtype or \
-            inst.accum != "promoted" or inst.tile_k != 128 or inst.ctas_per_sm != 1:
-        raise ValueError("grouped GEMM rows are unclustered, unswapped, promoted, 128-deep K tiles without bias")
-    return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
-                                 b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
-                                 tile_n=inst.tile_n, stages=inst.stages)
-
-
-def _check_weight_only(inst: KernelInstance) -> None:
-    if inst.recipe not in WEIGHT_ONLY_FORMATS.get(inst.b_dtype, ()):
-        raise ValueError(f"{inst.b_dtype} weights run with recipes {WEIGHT_ONLY_FORMATS}, got {inst.recipe!r}")
-    if inst.out_dtype != inst.a_dtype or inst.bias_dtype is not None:
-        raise ValueError(f"the output is in the activations' dtype ({inst.a_dtype}), without bias; got "
-                         f"out={inst.out_dtype} bias={inst.bias_dtype}")
-    fixed = {"swap_ab": True, "tile_k": 128, "accum": "fast", "cluster_m": 1, "cluster_n": 1, "split_tail": False,
-             "ctas_per_sm": 1, "epi_stages": 0}
-    wrong = {k: getattr(inst, k) for k, v in fixed.items() if getattr(inst, k) != v}
-    if wrong:
-        raise ValueError(f"the weight-only GEMM fixes {fixed}; got {wrong}")
-    from cutedsl_gemm.kernels.sm90.weight_only_gemm import WeightOnlyPlan
-
-    WeightOnlyPlan.check_config(weight_only_config(inst))
+    return sm90_grouped.config(inst)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -483,55 +450,16 @@ class InstanceTableError(ValueError):
     pass
 
 
-def _check_sm100(inst: KernelInstance) -> None:
-    """What an sm_100a instance must be: the kernel takes its out dtype, bias, CTA mode and tile_n (and checks
-    them); everything else is fixed by the kernel."""
-    if inst.op != "gemm":
-        raise ValueError(f"op must be 'gemm', got {inst.op!r}")
-    if inst.mma_kind is None or inst.a_dtype != inst.b_dtype:
-        raise ValueError(f"recipe {inst.recipe!r} with operands {inst.a_dtype} x {inst.b_dtype} is no tcgen05 kind; "
-                         f"built: {', '.join(f'{r} with {a} x {a}' for r, a in SM100_KINDS)}")
-    if (inst.schedule, inst.tile_m, inst.cluster_n) not in (("1sm", 128, 1), ("2sm", 128, 1)) \
-            or inst.cluster_m != (2 if inst.schedule == "2sm" else 1):
-        raise ValueError("a CTA tile is 128 rows: schedule '1sm' in 1x1 clusters, or '2sm' (one 256-row MMA over "
-                         f"two CTAs) in 2x1; got {inst.schedule!r}, tile_m={inst.tile_m}, cluster "
-                         f"{inst.cluster_m}x{inst.cluster_n}")
-    if inst.bias_dtype not in (None, "fp32"):
-        raise ValueError(f"the bias is read as fp32: bias_dtype must be None or 'fp32', got {inst.bias_dtype!r}")
-    fixed = {"stages": 0, "accum": "fast", "swap_ab": False, "split_tail": False, "ctas_per_sm": 1, "epi_stages": 0}
-    wrong = {k: getattr(inst, k) for k, v in fixed.items() if getattr(inst, k) != v}
-    if wrong:
-        raise ValueError(f"the sm_100a GEMM fixes {fixed}; got {wrong}")
-    # The kernel's own checks, without building it (its TMA ops are arch-checked by the DSL at construction)
-    from cutedsl_gemm.kernels.sm100 import ScaleGeometry, Sm100F8F6F4Gemm
-    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import TILE_K
-    from cutedsl_gemm.numerics.formats import float_format
-
-    use_2cta = inst.cluster_m == 2
-    Sm100F8F6F4Gemm.check_config(float_format(inst.out_dtype).cutlass_dtype(), use_2cta, inst.tile_n)
-    tile_k = TILE_K if inst.mma_kind == "f8f6f4" else ScaleGeometry(inst.mma_kind, inst.tile_n, use_2cta).tile_k
-    if inst.tile_k != tile_k:
-        raise ValueError(f"tile_k must be the kernel's K tile, {tile_k} elements (128 bytes a row); got {inst.tile_k}")
-
-
 def validate(inst: KernelInstance) -> None:
     """Raise InstanceTableError with the reason if an instance cannot be built.
 
-    The rules live with the kernel classes (they own their shared-memory plans); this only routes.
+    The rules live with the kernel classes (they own their shared-memory plans) and the instance's kernel family
+    (``families/registry.py``) applies them; this only looks the family up.
     """
-    try:
-        if inst.arch == SM90 and inst.op in SM90_GEMM_OPS:
-            from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmPlan
+    from cutedsl_gemm.families.registry import family
 
-            Sm90GemmPlan.check_config(inst.sm90_config())
-        elif inst.arch == SM100:
-            _check_sm100(inst)
-        elif inst.arch == SM90 and inst.op == WEIGHT_ONLY:
-            _check_weight_only(inst)
-        elif inst.arch == SM90 and inst.op == GROUPED_GEMM:
-            grouped_config(inst).check()
-        else:
-            raise ValueError(f"no kernel family for arch={inst.arch} op={inst.op}")
+    try:
+        family(inst).check(inst)
     except (ValueError, TypeError) as e:
         raise InstanceTableError(f"{inst.name}: {e}") from None
 

@@ -193,32 +193,12 @@ def inspect_compiled(name: str, compiled, smem_bytes: int = -1) -> KernelReport:
 
 
 def kernel_resources(inst) -> tuple[int, int]:
-    """(dynamic shared memory bytes, A/B mainloop stages) of an instance's kernel, as its plan sets them."""
-    from cutedsl_gemm.selection.instances import SM90_GEMM_OPS
+    """(dynamic shared memory bytes, A/B mainloop stages) of an instance's kernel, as its plan sets them: its kernel
+    family's ``resources`` (``families/registry.py``; UnknownFamilyError, a ValueError, names the registered
+    (arch, op) pairs if it has none)."""
+    from cutedsl_gemm.families.registry import family
 
-    if inst.arch == "sm_90a" and inst.op in SM90_GEMM_OPS:
-        from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-
-        kernel = Sm90Fp8Gemm(inst.sm90_config())
-        return kernel.smem_bytes, kernel.ab_stages
-    if inst.arch == "sm_90a" and inst.op == "weight_only":
-        from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm
-        from cutedsl_gemm.selection.instances import weight_only_config
-
-        kernel = Sm90WeightOnlyGemm(weight_only_config(inst))
-        return kernel.smem_bytes, kernel.stages
-    if inst.arch == "sm_90a" and inst.op == "grouped_gemm":
-        from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
-        from cutedsl_gemm.selection.instances import grouped_config
-
-        kernel = Sm90GroupedFp8Gemm(grouped_config(inst))
-        return kernel.smem_bytes, kernel.stages
-    if inst.arch == "sm_100a" and inst.op == "gemm":
-        from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import describe_resources
-
-        res = describe_resources(inst.sm100_kernel())
-        return res["smem_bytes"], res["num_ab_stage"]
-    raise ValueError(f"no shared-memory plan known for {inst.name} (arch={inst.arch}, op={inst.op})")
+    return family(inst).resources(inst)
 
 
 def inspect_instance(inst) -> KernelReport:
