@@ -50,6 +50,37 @@ def read_format_tag(raw: bytes, where: str = "QuantizedLinear") -> tuple:
     return int(version), name
 
 
+class FormatTagged:
+    """The saved-format tag of this library's quantized modules: ``_extra_state`` holds
+    ``format_tag(self.recipe)`` (uint8 ASCII), checked before anything loads (``check_format_tag``). ``saved_what``
+    names what a checkpoint of the module holds ("weights", "experts"), ``module_word`` the module in messages."""
+
+    saved_what = "weights"
+    module_word = "layer"
+
+    def get_extra_state(self) -> torch.Tensor:
+        return torch.tensor(list(format_tag(self.recipe).encode("ascii")), dtype=torch.uint8)
+
+    def set_extra_state(self, state) -> None:
+        pass  # checked before anything loads (check_format_tag)
+
+    def check_format_tag(self, state_dict, prefix: str) -> str:
+        """Refuse a saved tag of a newer format version or another recipe; returns the module's name for messages."""
+        where = prefix[:-1] or type(self).__name__
+        saved = state_dict.get(prefix + "_extra_state")
+        if isinstance(saved, torch.Tensor):
+            version, name = read_format_tag(bytes(saved.to("cpu", torch.uint8).tolist()), where)
+            if version > FORMAT_VERSION:
+                raise ValueError(f"{where}: the checkpoint holds format version {version} of cutedsl_gemm's "
+                                 f"{type(self).__name__} and this cutedsl_gemm reads versions up to {FORMAT_VERSION}; "
+                                 "upgrade cutedsl_gemm, or convert again from the high-precision model")
+            if name != self.recipe:
+                raise ValueError(f"{where}: the checkpoint holds recipe {name!r} {self.saved_what} and this "
+                                 f"{self.module_word} runs recipe {self.recipe!r}; convert with recipe={name!r} before "
+                                 "loading")
+        return where
+
+
 def target_arch(recipe: LinearRecipe, device: torch.device) -> str:
     """The arch a layer on ``device`` is checked for: its GPU's, or the current GPU's for a layer on the CPU,
     or without a GPU the first arch that runs the recipe. A GPU that does not run the recipe is an error."""
@@ -94,7 +125,7 @@ def check_linear(linear) -> None:
         raise ValueError("the weight is on the meta device: load or materialize the weights before converting")
 
 
-class QuantizedLinear(torch.nn.Module):
+class QuantizedLinear(FormatTagged, torch.nn.Module):
     """``y = x @ W.T + bias`` with W quantized once (:meth:`from_linear`, ``cutedsl_gemm.nn.convert``) and x
     quantized on every call by the recipe (``recipes.LINEAR_RECIPES``), multiplied by ``scaled_mm``.
 
@@ -249,25 +280,9 @@ class QuantizedLinear(torch.nn.Module):
 
     # --- saved format -------------------------------------------------------------------------------
 
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor(list(format_tag(self.recipe).encode("ascii")), dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        pass  # checked before anything loads (_load_from_state_dict)
-
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        where = prefix[:-1] or "QuantizedLinear"
-        saved = state_dict.get(prefix + "_extra_state")
-        if isinstance(saved, torch.Tensor):
-            version, name = read_format_tag(bytes(saved.to("cpu", torch.uint8).tolist()), where)
-            if version > FORMAT_VERSION:
-                raise ValueError(f"{where}: the checkpoint holds format version {version} of cutedsl_gemm's "
-                                 f"QuantizedLinear and this cutedsl_gemm reads versions up to {FORMAT_VERSION}; "
-                                 "upgrade cutedsl_gemm, or convert again from the high-precision model")
-            if name != self.recipe:
-                raise ValueError(f"{where}: the checkpoint holds recipe {name!r} weights and this layer runs recipe "
-                                 f"{self.recipe!r}; convert with recipe={name!r} before loading")
+        where = self.check_format_tag(state_dict, prefix)
         if strict and (prefix + "weight") in state_dict:
             saved, mine = (prefix + "input_scale") in state_dict, self.input_scale is not None
             if saved and not mine:

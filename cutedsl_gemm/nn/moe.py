@@ -36,7 +36,7 @@ from cutedsl_gemm.ops.library import EAGER
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.runtime.device import device_info
 
-from .linear import FORMAT_VERSION, WEIGHT_DTYPES, format_tag, read_format_tag
+from .linear import WEIGHT_DTYPES, FormatTagged
 from .recipes import linear_recipe
 
 #: The recipes the grouped FP8 GEMM runs (activations x weights): per token x per output channel, per tensor x per
@@ -308,7 +308,7 @@ def _scale_shape(recipe: str, e: int, n: int, k: int) -> tuple:
     return (e,) if recipe == "tensor" else (e, 1, n)
 
 
-class QuantizedExperts(torch.nn.Module):
+class QuantizedExperts(FormatTagged, torch.nn.Module):
     """A transformers experts module on the grouped FP8 GEMM: ``forward(hidden (T, H), top_k_index (T, k),
     top_k_weights (T, k)) -> (T, H)`` in hidden's dtype, the experts' ``down(SiLU(gate(x)) * up(x))`` summed with
     the routing weights. Inference only, CUDA only (a CPU input is refused), buffers and no parameters.
@@ -449,25 +449,11 @@ class QuantizedExperts(torch.nn.Module):
 
     # --- saved format -------------------------------------------------------------------------------
 
-    def get_extra_state(self) -> torch.Tensor:
-        return torch.tensor(list(format_tag(self.recipe).encode("ascii")), dtype=torch.uint8)
-
-    def set_extra_state(self, state) -> None:
-        pass  # checked before anything loads (_load_from_state_dict)
+    saved_what, module_word = "experts", "module"
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        where = prefix[:-1] or "QuantizedExperts"
-        saved = state_dict.get(prefix + "_extra_state")
-        if isinstance(saved, torch.Tensor):
-            version, name = read_format_tag(bytes(saved.to("cpu", torch.uint8).tolist()), where)
-            if version > FORMAT_VERSION:
-                raise ValueError(f"{where}: the checkpoint holds format version {version} of cutedsl_gemm's "
-                                 f"quantized modules and this cutedsl_gemm reads versions up to {FORMAT_VERSION}; "
-                                 "upgrade cutedsl_gemm, or convert again from the high-precision model")
-            if name != self.recipe:
-                raise ValueError(f"{where}: the checkpoint holds recipe {name!r} experts and this module runs recipe "
-                                 f"{self.recipe!r}; convert with recipe={name!r} before loading")
+        where = self.check_format_tag(state_dict, prefix)
         for key in EXPERT_BUFFERS:
             t, mine = state_dict.get(prefix + key), getattr(self, key)
             if isinstance(t, torch.Tensor) and t.dtype != mine.dtype:
