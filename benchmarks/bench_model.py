@@ -599,7 +599,7 @@ def positive_ints(text: str) -> list:
     return [positive_int(x) for x in text.split(",")]
 
 
-def _names(text: str, allowed, what: str) -> list:
+def name_list(text: str, allowed, what: str) -> list:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in names if x not in allowed]
     if bad or not names:
@@ -608,15 +608,15 @@ def _names(text: str, allowed, what: str) -> list:
 
 
 def variant_list(text: str) -> list:
-    return _names(text, VARIANTS, "variants")
+    return name_list(text, VARIANTS, "variants")
 
 
 def recipe_list(text: str) -> list:
-    return _names(text, RECIPES, "recipes")
+    return name_list(text, RECIPES, "recipes")
 
 
 def compile_variant_list(text: str) -> list:
-    return _names(text, COMPILE_VARIANTS, "variants; noop: the split's no-op step")
+    return name_list(text, COMPILE_VARIANTS, "variants; noop: the split's no-op step")
 
 
 def parse_args(argv=None):

@@ -507,28 +507,20 @@ def save_model(run) -> None:
 
 
 # ---- command line ---------------------------------------------------------------------------------------------------
-def _names(text: str, allowed, what: str) -> list:
-    names = [x.strip() for x in text.split(",") if x.strip()]
-    bad = [x for x in names if x not in allowed]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected some of {', '.join(allowed)} ({what}), got {text!r}")
-    return list(dict.fromkeys(names))
-
-
 def what_list(text: str) -> list:
-    return _names(text, WHATS, "parts")
+    return BM.name_list(text, WHATS, "parts")
 
 
 def block_list(text: str) -> list:
-    return _names(text, BLOCKS, "blocks")
+    return BM.name_list(text, BLOCKS, "blocks")
 
 
 def recipe_list(text: str) -> list:
-    return _names(text, EXPERT_RECIPES, "the grouped FP8 GEMM's recipes")
+    return BM.name_list(text, EXPERT_RECIPES, "the grouped FP8 GEMM's recipes")
 
 
 def experts_list(text: str) -> list:
-    return _names(text, BF16_EXPERTS, "transformers' experts implementations")
+    return BM.name_list(text, BF16_EXPERTS, "transformers' experts implementations")
 
 
 def model_name(layers: int) -> str:
