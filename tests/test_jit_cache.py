@@ -97,3 +97,19 @@ def test_concurrent_compilers_build_once(tmp_path):
     assert compiles == [0, 0, 1]  # the lock makes the others find the finished entry
     entries = list(tmp_path.rglob("*.so"))
     assert len(entries) == 1 and not list(tmp_path.rglob("*.tmp*"))
+
+
+def test_prepared_calls_are_one_bounded_cache():
+    from cutedsl_gemm.runtime.plans import PreparedCalls
+
+    calls = PreparedCalls(limit=3)
+    calls.keep("a", (1,), "x")
+    calls.keep("b", (1,), "y")
+    calls.keep("a", (1,), "x2")  # the same key: replaced, not counted twice
+    assert (calls.get("a", (1,)), calls.get("b", (1,)), calls.get("c", (1,)), len(calls)) == ("x2", "y", None, 2)
+    calls.keep("a", (2,), "z")
+    assert len(calls) == 3 and calls.count("a") == 2
+    calls.keep("c", (3,), "w")  # past the bound: starts over, then keeps it
+    assert len(calls) == 1 and calls.get("a", (1,)) is None and calls.get("c", (3,)) == "w"
+    with pytest.raises(TypeError):
+        calls.get("c", (["unhashable"],))

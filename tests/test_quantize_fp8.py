@@ -643,7 +643,9 @@ def test_a_repeated_call_reuses_its_kept_launch(monkeypatch, which):
         return run
 
     monkeypatch.setattr(Q, "_plan", plan)
-    monkeypatch.setattr(Q, "_FP8_PLANS", {})
+    from cutedsl_gemm.runtime.plans import PreparedCalls
+
+    monkeypatch.setattr(Q, "PREPARED", PreparedCalls())
     monkeypatch.setattr(Q, "_fp8_arguments", lambda x, *a: (ScaleGranularity.ROW, E4M3, 128, None, True))
     monkeypatch.setattr(Q, "_int8_arguments", lambda x, *a: (ScaleGranularity.ROW, True))
     x = torch.randn(4, 32)
@@ -655,7 +657,7 @@ def test_a_repeated_call_reuses_its_kept_launch(monkeypatch, which):
     if which == "fp8":
         Q.quantize_fp8(x, "row", scale_layout=["unhashable"])
         Q.quantize_fp8(x, "row", scale_layout=["unhashable"])
-        assert len(plans) == 4 and len(Q._FP8_PLANS) == 1  # planned each time, nothing kept
+        assert len(plans) == 4 and Q.PREPARED.count(Q.QUANTIZE) == 1  # planned each time, nothing kept
 
 
 def test_granularity_is_positional_or_keyword_and_recipe_is_its_deprecated_alias():

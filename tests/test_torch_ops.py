@@ -499,16 +499,14 @@ def test_cuda_graph_replay_matches_eager():
 def test_cuda_graph_capture_needs_a_warm_up(recipe):
     """A call whose persistent buffers do not exist yet (here: every cache cleared, as in a fresh process) is
     refused inside a capture, with what to do; warmed up, the same capture replays like eager calls."""
-    from cutedsl_gemm.ops import scaled_mm as S
-    from cutedsl_gemm.ops import weight_only as W
     from cutedsl_gemm.runtime import launch
+    from cutedsl_gemm.runtime.plans import PREPARED
 
     mlp = _cuda_mlp(recipe)
     static = torch.randn(16, 512, dtype=torch.bfloat16, device="cuda")
     with torch.no_grad():
         mlp(static)  # compiles the kernels (kept by the process), then forget everything else
-        for plans in (S._PLANS, Q._FP8_PLANS, W._PLANS):
-            plans.clear()
+        PREPARED.clear()
         launch.forget_buffers()
         graph = torch.cuda.CUDAGraph()
         with pytest.raises(RuntimeError, match="run the call once before capturing"):

@@ -76,6 +76,7 @@ from cutedsl_gemm.numerics.formats import recipe as as_recipe
 from cutedsl_gemm.numerics.scale_layouts import blocked_scale_shape
 from cutedsl_gemm.ops.library import EAGER, OPS, define, op_name
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
+from cutedsl_gemm.runtime.plans import PREPARED
 
 G = ScaleGranularity
 VEC = 16  # the FP8 kernels' vector width in elements: K must be a multiple of it
@@ -246,8 +247,8 @@ def _renamed_recipe(granularity, recipe):
 # Call signature (x's shape, dtype and device, the arguments) -> the launch of a kernel-path call (``_plan``):
 # a repeated call allocates and launches. What the compiled kernels check before every launch (TVM-FFI: dtype,
 # extents, compact strides, 16-byte alignment) is not checked again; a call they refuse takes the long way.
-_FP8_PLANS: dict = {}
-_MAX_FP8_PLANS = 4096  # many distinct shapes (e.g. every batch size): start over
+# (kept in the one prepared-call cache, ``runtime.plans.PREPARED``)
+QUANTIZE = "quantize"
 
 
 def _traced(x, backend: str) -> bool:
@@ -263,7 +264,7 @@ def _run_kept(sig, x):
     if sig is None:
         return None, None
     try:
-        run = _FP8_PLANS.get(sig)
+        run = PREPARED.get(QUANTIZE, sig)
     except TypeError:
         return None, None
     if run is not None:
@@ -277,9 +278,7 @@ def _run_kept(sig, x):
 def _keep(sig, run) -> None:
     """Keep ``run`` for repeated calls with signature ``sig`` (None: nothing to keep)."""
     if sig is not None:
-        if len(_FP8_PLANS) >= _MAX_FP8_PLANS:
-            _FP8_PLANS.clear()
-        _FP8_PLANS[sig] = run
+        PREPARED.keep(QUANTIZE, sig, run)
 
 
 def kernel_launch(x: torch.Tensor, granularity, *, fmt="e4m3"):
@@ -289,16 +288,18 @@ def kernel_launch(x: torch.Tensor, granularity, *, fmt="e4m3"):
     ValueError)."""
     if fmt == "int8":
         sig = ("int8", x.shape, x.dtype, x.get_device(), granularity, "kernel")
-        run = _FP8_PLANS.get(sig)
+        run = PREPARED.get(QUANTIZE, sig)
         if run is None:
             gran, _ = _int8_arguments(x, granularity, "kernel")
-            run = _FP8_PLANS[sig] = _plan(x, gran, INT8, 128, None)
+            run = _plan(x, gran, INT8, 128, None)
+            PREPARED.keep(QUANTIZE, sig, run)
         return run
     sig = (x.shape, x.dtype, x.get_device(), granularity, fmt, 128, None, "a", "kernel")
-    run = _FP8_PLANS.get(sig)
+    run = PREPARED.get(QUANTIZE, sig)
     if run is None:
         gran, fmt_, block, layout, _ = _fp8_arguments(x, granularity, fmt, 128, None, "a", "kernel")
-        run = _FP8_PLANS[sig] = _plan(x, gran, fmt_, block, layout)
+        run = _plan(x, gran, fmt_, block, layout)
+        PREPARED.keep(QUANTIZE, sig, run)
     return run
 
 
@@ -361,7 +362,7 @@ def _reference(x, gran, fmt, block, scale_layout):
 # Kernel tuning overrides per kind ("group", "block", "row_block", "row", "tensor_amax", "tensor_cast"):
 # keyword arguments of the kernels' compile functions. Empty = the kernels' defaults; benchmarks set it
 # to compare variants (the values are part of the compile-cache key). A call signature's kernels are picked
-# once (``_FP8_PLANS``): clear it after changing TUNING.
+# once (``runtime.plans.PREPARED``): clear it after changing TUNING.
 TUNING = {}
 AMAX_CTAS_PER_SM = 4  # per-tensor pass 1: resident CTAs per SM of its grid-stride grid
 

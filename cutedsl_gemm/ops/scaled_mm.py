@@ -18,6 +18,7 @@ from cutedsl_gemm.numerics import scale_layouts
 from cutedsl_gemm.numerics.formats import ScaleGranularity
 from cutedsl_gemm.ops.library import EAGER, OPS, _checked_on_metas, _int, define, op_name
 from cutedsl_gemm.runtime import launch
+from cutedsl_gemm.runtime.plans import PREPARED
 from cutedsl_gemm.selection import dispatch
 
 # Call signature -> (launch plan, recipe, K blocks, output shape). The signature holds what *chooses* the plan: problem
@@ -26,9 +27,9 @@ from cutedsl_gemm.selection import dispatch
 # extent against the M, N, K it bound, strides, 16-byte base alignment, one device) is not hashed again:
 # a repeated signature whose tensors that check refuses (a misaligned or transposed view, a wrong out=) is
 # re-run through the full validation, which names what was expected. Only Hopper plans are kept: their scale
-# views are rebuilt from the recipe on a hit, which the sm_100a operand and block-scale views are not.
-_PLANS: dict = {}
-_MAX_PLANS = 4096  # many distinct shapes (e.g. every batch size): start over
+# views are rebuilt from the recipe on a hit, which the sm_100a operand and block-scale views are not. Kept in the
+# one prepared-call cache (``runtime.plans.PREPARED``) under each op's name.
+SCALED_MM, QUANTIZE_SCALED_MM, SCALED_MM_FP8_OUT = "scaled_mm", "quantize_scaled_mm", "scaled_mm_fp8_out"
 
 
 def call_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, scale_recipe_a, scale_recipe_b,
@@ -44,7 +45,7 @@ def call_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, scal
 def cached_plan(sig):
     """(launch plan, recipe, K blocks, output shape) that a repeated call with signature ``sig``
     (``call_signature``) reuses; None before the first such call."""
-    return _PLANS.get(sig)
+    return PREPARED.get(SCALED_MM, sig)
 
 
 def empty_result(problem: P.GemmProblem, ops: P.GemmOperands, out: torch.Tensor) -> torch.Tensor:
@@ -125,7 +126,7 @@ def scaled_mm(
         sig = call_signature(a, b, scale_a, scale_b, bias, out_dtype, use_fast_accum, scale_recipe_a,
                              scale_recipe_b, schedule, split_k)
         try:
-            hit = _PLANS.get(sig)
+            hit = PREPARED.get(SCALED_MM, sig)
         except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
             sig = hit = None
         if hit is not None:
@@ -151,9 +152,7 @@ def scaled_mm(
     plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k, fmt_a=problem.a_format,
                        fmt_b=problem.b_format)
     if sig is not None and type(plan) is launch.LaunchPlan:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[sig] = (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n))
+        PREPARED.keep(SCALED_MM, sig, (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n)))
     return plan.run(ops.a, ops.b, dst, ops.scale_a, ops.scale_b, ops.bias, ops.global_a, ops.global_b)
 
 
@@ -232,7 +231,6 @@ def traced_scaled_mm(a, b, scale_a, scale_b, bias, scale_result, out_dtype, use_
 
 # Call signature -> (launch plan, B's kernel scale view recipe, K blocks, output shape) of the calls that quantize in
 # the kernel; (None, ...) for those that run quantize_fp8 and scaled_mm.
-_QUANT_PLANS: dict = {}
 
 
 def quantize_call_signature(x, b, scale_b, bias, out_dtype, scale_recipe_b, split_k, in_kernel=None):
@@ -285,7 +283,7 @@ def quantize_scaled_mm(
             and (bias is None or type(bias) is torch.Tensor) and (out is None or type(out) is torch.Tensor):
         sig = quantize_call_signature(x, b, scale_b, bias, out_dtype, scale_recipe_b, split_k, in_kernel)
         try:
-            hit = _QUANT_PLANS.get(sig)
+            hit = PREPARED.get(QUANTIZE_SCALED_MM, sig)
         except TypeError:
             sig = hit = None
         if hit is not None and hit[0] is not None:
@@ -308,13 +306,13 @@ def quantize_scaled_mm(
     one = bool(in_kernel)
     if problem.is_empty or not one:
         if sig is not None and not problem.is_empty:
-            _keep(_QUANT_PLANS, sig, (None, problem.recipe, None, None))
+            PREPARED.keep(QUANTIZE_SCALED_MM, sig, (None, problem.recipe, None, None))
         return _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k, problem.recipe)
     dst = torch.empty((problem.m, problem.n), dtype=out_dtype, device=device) if out is None else out
     inst, splits = dispatch.select(problem)
     plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k)
     if sig is not None:
-        _keep(_QUANT_PLANS, sig, (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n)))
+        PREPARED.keep(QUANTIZE_SCALED_MM, sig, (plan, problem.recipe, ops.k_blocks, (problem.m, problem.n)))
     # (the A scale argument is unused: the kernel computes the scales)
     return plan.run(x, b, dst, plan.dummy_bias, ops.scale_b, ops.bias)
 
@@ -323,13 +321,7 @@ def cached_quantize_plan(sig):
     """What a repeated ``quantize_scaled_mm`` call with signature ``sig`` (``quantize_call_signature``) reuses:
     (launch plan, recipe, K blocks, output shape), (None, ...) for a call that runs two kernels, or None before the
     first such call."""
-    return _QUANT_PLANS.get(sig)
-
-
-def _keep(plans: dict, sig, value) -> None:
-    if len(plans) >= _MAX_PLANS:
-        plans.clear()
-    plans[sig] = value
+    return PREPARED.get(QUANTIZE_SCALED_MM, sig)
 
 
 def _quantize_then_scaled_mm(x, b, scale_b, bias, out_dtype, scale_recipe_b, out, split_k, recipe):
@@ -390,7 +382,6 @@ def traced_quantize_scaled_mm(x, b, scale_b, bias, out_dtype, *, scale_recipe_b,
 # Call signature (``call_signature`` of the bf16 scaled_mm call) -> (launch plan, recipe, K blocks, allocator of the
 # outputs) of the scaled_mm_fp8_out calls that run one kernel; (None, ...) for those that run scaled_mm and
 # quantize_fp8.
-_FP8_OUT_PLANS: dict = {}
 
 
 def scaled_mm_fp8_out(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, bias: Optional[torch.Tensor] = None):
@@ -411,7 +402,7 @@ def scaled_mm_fp8_out(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, bias: 
             and type(scale_b) is torch.Tensor and (bias is None or type(bias) is torch.Tensor):
         sig = call_signature(a, b, scale_a, scale_b, bias, torch.bfloat16, False, None, None, None, None)
         try:
-            hit = _FP8_OUT_PLANS.get(sig)
+            hit = PREPARED.get(SCALED_MM_FP8_OUT, sig)
         except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
             sig = hit = None
         if hit is not None and hit[0] is None:
@@ -429,13 +420,13 @@ def scaled_mm_fp8_out(a: torch.Tensor, b: torch.Tensor, scale_a, scale_b, bias: 
     picked = None if problem.is_empty else dispatch.select_fp8_out(problem)
     if picked is None:
         if sig is not None and not problem.is_empty:
-            _keep(_FP8_OUT_PLANS, sig, (None, None, None, None))
+            PREPARED.keep(SCALED_MM_FP8_OUT, sig, (None, None, None, None))
         return _scaled_mm_then_quantize(a, b, scale_a, scale_b, bias)
     inst, splits = picked
     plan = launch.plan(inst, problem.m, problem.n, splits, device.index, k=problem.k)
     allocate = fp8_output_allocator(problem.m, problem.n)
     if sig is not None:
-        _keep(_FP8_OUT_PLANS, sig, (plan, problem.recipe, ops.k_blocks, allocate))
+        PREPARED.keep(SCALED_MM_FP8_OUT, sig, (plan, problem.recipe, ops.k_blocks, allocate))
     q, scales = allocate(a)
     return plan.run_fp8_out(ops.a, ops.b, q, scales, ops.scale_a, ops.scale_b, ops.bias)
 

@@ -13,13 +13,13 @@ import torch
 from cutedsl_gemm import problem as P
 from cutedsl_gemm.ops.library import EAGER, OPS, _checked_on_metas, define
 from cutedsl_gemm.runtime import launch
+from cutedsl_gemm.runtime.plans import PREPARED
 from cutedsl_gemm.selection import dispatch
 
 # Call signature -> (launch plan, output shape). As in scaled_mm: what the compiled function checks itself before
 # every launch (dtypes, ranks, extents against the M, N, K it bound, strides, alignment) is not hashed again, and a
 # call it refuses is re-run through the full validation, which names what was expected.
-_PLANS: dict = {}
-_MAX_PLANS = 4096
+MM_WEIGHT_ONLY = "mm_weight_only"  # its entries in the one prepared-call cache, runtime.plans.PREPARED
 
 
 def _signature(x, packed_w, scales, zeros, group, bits, split_k):
@@ -30,7 +30,7 @@ def _signature(x, packed_w, scales, zeros, group, bits, split_k):
 def cached_plan(x, packed_w, scales, zeros=None, *, group: int = 128, bits: int = 4, split_k=None):
     """(launch plan, output shape) that a repeated call like this one reuses (``plan.run(x, packed_w, scales, zeros,
     out)``); None before the first such call."""
-    return _PLANS.get(_signature(x, packed_w, scales, zeros, group, bits, split_k))
+    return PREPARED.get(MM_WEIGHT_ONLY, _signature(x, packed_w, scales, zeros, group, bits, split_k))
 
 
 def mm_weight_only(x: torch.Tensor, packed_w: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor] = None,
@@ -57,7 +57,7 @@ def mm_weight_only(x: torch.Tensor, packed_w: torch.Tensor, scales: torch.Tensor
             and (zeros is None or type(zeros) is torch.Tensor) and (out is None or type(out) is torch.Tensor):
         sig = _signature(x, packed_w, scales, zeros, group, bits, split_k)
         try:
-            hit = _PLANS.get(sig)
+            hit = PREPARED.get(MM_WEIGHT_ONLY, sig)
         except TypeError:  # an unhashable argument: validate the long way (and say what is wrong)
             sig = hit = None
         if hit is not None:
@@ -75,9 +75,7 @@ def mm_weight_only(x: torch.Tensor, packed_w: torch.Tensor, scales: torch.Tensor
     inst, splits = dispatch.select_weight_only(problem)
     plan = launch.plan(inst, problem.m, problem.n, splits, device.index)
     if sig is not None:
-        if len(_PLANS) >= _MAX_PLANS:
-            _PLANS.clear()
-        _PLANS[sig] = (plan, (problem.m, problem.n))
+        PREPARED.keep(MM_WEIGHT_ONLY, sig, (plan, (problem.m, problem.n)))
     return plan.run(x, packed_w, scales, zeros, dst)
 
 
