@@ -720,3 +720,32 @@ def test_deepseek_experts_are_refused_with_the_reason():
     assert isinstance(model.model.layers[0].self_attn.q_proj, cnn.QuantizedLinear)
     assert model.model.layers[0].self_attn.q_proj.recipe == "deepseek"
     _accounted(before, report)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+def test_torch_compile_traces_the_experts_in_one_graph(layout):
+    """torch.compile(fullgraph=True) traces a converted experts module with no graph break: routing glue as torch
+    ops, the quantizer and the grouped GEMM as this library's operators (recorded, not run: the backend only keeps
+    the graph)."""
+    model = _model("mixtral")
+    _convert_quietly(model, "row")
+    experts = model.model.layers[0].mlp.experts
+    if layout == "masked":
+        experts.capacity = 16
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        outputs = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+        shapes = [(o.meta["example_value"].shape, o.meta["example_value"].dtype) for o in outputs]
+        return lambda *args: [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]  # the kernels need a GPU
+
+    torch._dynamo.reset()
+    compiled = torch.compile(experts, fullgraph=True, backend=keep_graph)
+    ids, w = _routing(16, 2, experts.num_experts, seed=3)
+    compiled(torch.randn(16, experts.hidden_dim, dtype=torch.bfloat16), ids, w)
+    assert len(graphs) == 1
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert sum("cutedsl_gemm.grouped_scaled_mm" in t for t in targets) == 2, targets  # gate_up and down
+    assert sum("cutedsl_gemm.quantize_fp8" in t for t in targets) == 2, targets
+    torch._dynamo.reset()

@@ -184,8 +184,10 @@ def combine_masked(expert_out: torch.Tensor, slot: torch.Tensor, topk_weights: t
 
 
 def _check_device(device: torch.device) -> None:
-    """The grouped GEMM runs on CUDA only: a call elsewhere is refused before any work (no torch fallback)."""
-    if device.type != "cuda":
+    """The grouped GEMM runs on CUDA only: a call elsewhere is refused before any work (no torch fallback). While
+    torch.compile traces, the ops are recorded, not run; the grouped op's own CPU implementation refuses the call
+    when the compiled graph runs."""
+    if device.type != "cuda" and not torch.compiler.is_compiling():
         raise ValueError(f"QuantizedExperts runs on CUDA tensors (the grouped FP8 GEMM kernels); got an input on "
                          f"{device}: move the model to the GPU (model.cuda())")
 
