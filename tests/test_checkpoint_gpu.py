@@ -1,0 +1,68 @@
+"""from_pretrained on a Hopper GPU: each FP8 checkpoint format adopted, then run. The loaded model's logits against
+a bf16 model holding the checkpoint's dequantized weights (the same products but for the activations' FP8
+quantization and the kernels' rounding), and against the original bf16 model; a bf16 checkpoint quantized while
+loading against convert on the GPU, bit for bit."""
+
+import pytest
+import torch
+
+from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.numerics import reference as R
+
+transformers = pytest.importorskip("transformers")
+from test_checkpoint import FORMATS, IGNORED, _ckpt_dequantized, _linears, _model, _write_fp8  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+# The activations' e4m3 quantization (3 mantissa bits) through two layers of a tiny random model: a few percent of
+# the logits; the checkpoint's own weight error is in both sides of the first comparison, so it stays below that.
+DEQUANTIZED_TOL = 0.08
+ORIGINAL_TOL = 0.15
+
+
+def _dequantized_twin(model, state, fmt):
+    """The bf16 model with every quantized linear's weight replaced by its dequantized checkpoint codes."""
+    _, how, scale_key, _ = FORMATS[fmt]
+    twin = _model("llama" if isinstance(model, transformers.LlamaForCausalLM) else "qwen2")
+    with torch.no_grad():
+        for name in _linears(twin):
+            if name in ("lm_head", IGNORED):
+                continue
+            w = _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how)
+            twin.get_submodule(name).weight.copy_(w.to(torch.bfloat16))
+    return twin.cuda()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_adopted_checkpoint_logits(tmp_path, kind, fmt):
+    model = _model(kind)
+    state = _write_fp8(tmp_path, model, fmt)
+    loaded, report = cnn.from_pretrained(str(tmp_path), device="cuda")
+    assert report.recipe == FORMATS[fmt][3] and report.converted
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+        twin = _dequantized_twin(model, state, fmt)(ids).logits.float()
+        original = model.cuda()(ids).logits.float()
+    assert not torch.isnan(got).any()
+    e_twin, e_orig = R.rel_error(got, twin), R.rel_error(got, original)
+    assert e_twin < DEQUANTIZED_TOL, f"{fmt}: {e_twin:.3e} from the dequantized-weight twin"
+    assert e_orig < ORIGINAL_TOL, f"{fmt}: {e_orig:.3e} from the original bf16 model"
+    assert e_twin < e_orig or e_twin < 0.02  # the twin shares the checkpoint's weight error
+
+
+@pytest.mark.parametrize("recipe", ["row", "deepseek", "int8", "int4_weight"])
+def test_quantize_on_load_equals_convert_on_the_gpu(tmp_path, recipe):
+    model = _model("qwen2")
+    model.save_pretrained(tmp_path)
+    loaded, _ = cnn.from_pretrained(str(tmp_path), recipe, device="cuda")
+    converted = model.cuda()
+    cnn.convert(converted, recipe)
+    mine, theirs = loaded.state_dict(), converted.state_dict()
+    for key in theirs:
+        a, b = mine[key], theirs[key]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), key
+    ids = torch.randint(0, 512, (1, 32), generator=torch.Generator().manual_seed(2)).cuda()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, converted(ids).logits)
