@@ -4,6 +4,7 @@ and a loop of this library's dense ``scaled_mm`` over the experts, in the same r
 
     python -m benchmarks.bench_grouped                                  (-> results/grouped.json)
     python -m benchmarks.bench_grouped --models dsv3,mixtral --tokens 64,4096 --routing uniform --layouts contiguous
+    python -m benchmarks.bench_grouped --tile-m 64 --name grouped_t64      (the table's instances with 64-row tiles)
 
 Per model, both expert GEMMs of its MoE layer: gate_up (N = 2I, K = H) and down (N = H, K = I). ``--tokens`` are
 the tokens routed (each to top-k experts, so T * k rows in all); routing "uniform" draws each token's k distinct
@@ -20,10 +21,12 @@ measured bandwidth; ``benchmarks.measure_floor``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 import cutedsl_gemm
+from cutedsl_gemm.families import sm90_grouped as G
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.ops.grouped import grouped_scaled_mm
 
@@ -61,7 +64,19 @@ def _weights(experts, n, k, gen):
     return w, q.view(experts, n, k), s.view(experts, 1, n)
 
 
-def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, floors, check):
+def our_call(a, b, sa, sb, offs=None, counts=None, tile_m=None):
+    """The call as ``grouped_scaled_mm`` runs it, or with ``tile_m`` the table's instance for it built with that many
+    rows a tile (a kernel option timed against the table's)."""
+    if tile_m is None:
+        return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
+    problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
+    plan = G.plan(dataclasses.replace(G.select(problem), tile_m=tile_m), a.device.index)
+    ka, kb = G.kernel_scales(problem, sa, sb)
+    out = torch.empty(problem.out_shape, dtype=torch.bfloat16, device=a.device)
+    return lambda: plan.run(a, b, out, ka, kb, offs if counts is None else counts)
+
+
+def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, floors, check, tile_m=None):
     rows_total = int(sizes.sum())
     w, qw, sw = _weights(experts, n, k, gen)
     b = qw.transpose(1, 2)  # (E, K, N), K contiguous
@@ -90,8 +105,7 @@ def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, f
     out = []
     for layout in layouts:
         if layout == "contiguous":
-            def ours():
-                return grouped_scaled_mm(qa, b, sa, sw, offs)
+            ours = our_call(qa, b, sa, sw, offs, tile_m=tile_m)
         else:
             cap = max(1, int(sizes.max()))
             am = torch.zeros(experts, cap, k, device="cuda", dtype=torch.float8_e4m3fn)
@@ -103,8 +117,7 @@ def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, f
                 start += size
             counts = sizes.to(torch.int32).cuda()
 
-            def ours(am=am, sam=sam, counts=counts):
-                return grouped_scaled_mm(am, b, sam, sw, counts=counts)
+            ours = our_call(am, b, sam, sw, counts=counts, tile_m=tile_m)
         t = common.bench(ours) * 1e3
         err = float("nan")
         if check and layout == "contiguous":
@@ -124,6 +137,8 @@ def main(argv=None):
     p.add_argument("--routing", default="uniform,skewed", help="uniform, skewed")
     p.add_argument("--layouts", default="contiguous,masked", help="contiguous, masked")
     p.add_argument("--check", action="store_true", help="also the error against the float64 reference (slow)")
+    p.add_argument("--tile-m", type=int, default=None, choices=(64, 128),
+                   help="rows a tile of the table's pick (a kernel option; default: the table's)")
     common.add_result_options(p, "grouped")
     args = p.parse_args(argv)
     models = args.models.split(",")
@@ -143,7 +158,7 @@ def main(argv=None):
                 sizes = sizes_of(route(tokens, experts, topk, routing, cpu_gen), experts)
                 for gemm, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
                     rows += run_gemm(model, gemm, n, k, experts, args.layouts.split(","), sizes, routing, tokens,
-                                     gen, floors, args.check)
+                                     gen, floors, args.check, args.tile_m)
                     torch.cuda.empty_cache()
     big = [r for r in rows if r[5] >= 1024 * r[6]]  # >= 1024 rows per touched expert
     summary = {"geomean torch fp8 / ours": round(common.geomean([r[14] for r in rows]), 3),
