@@ -51,9 +51,11 @@ def read_format_tag(raw: bytes, where: str = "QuantizedLinear") -> tuple:
 
 
 class FormatTagged:
-    """The saved-format tag of this library's quantized modules: ``_extra_state`` holds
-    ``format_tag(self.recipe)`` (uint8 ASCII), checked before anything loads (``check_format_tag``). ``saved_what``
-    names what a checkpoint of the module holds ("weights", "experts"), ``module_word`` the module in messages."""
+    """What this library's quantized modules share about their buffers: the saved-format tag (``_extra_state`` holds
+    ``format_tag(self.recipe)``, uint8 ASCII, checked before anything loads: ``check_format_tag``), the saved
+    buffers' dtypes (``check_saved_dtypes``), and casts that move the buffers but keep their dtypes (``_apply``).
+    ``saved_what`` names what a checkpoint of the module holds ("weights", "experts"), ``module_word`` the module in
+    messages."""
 
     saved_what = "weights"
     module_word = "layer"
@@ -79,6 +81,22 @@ class FormatTagged:
                                  f"{self.module_word} runs recipe {self.recipe!r}; convert with recipe={name!r} before "
                                  "loading")
         return where
+
+    def check_saved_dtypes(self, state_dict, prefix: str, where: str, names) -> None:
+        """Refuse a saved buffer of another dtype than the module's (an unconverted checkpoint)."""
+        for key in names:
+            t, mine = state_dict.get(prefix + key), getattr(self, key)
+            if isinstance(t, torch.Tensor) and mine is not None and t.dtype != mine.dtype:
+                raise ValueError(f"{where}.{key}: expected {mine.dtype} (recipe {self.recipe!r}), got {t.dtype}; "
+                                 "an unconverted checkpoint loads into the unconverted model, which convert quantizes")
+
+    def _apply(self, fn, recurse=True):
+        # Module.to(dtype) / .half() would cast the quantized codes and the fp32 scales: only the device follows
+        for name, t in self._buffers.items():
+            if t is not None:
+                moved = fn(t)
+                self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        return self
 
 
 def target_arch(recipe: LinearRecipe, device: torch.device) -> str:
@@ -292,20 +310,12 @@ class QuantizedLinear(FormatTagged, torch.nn.Module):
             if mine and not saved:
                 raise ValueError(f"{where}: this layer takes a static input_scale and the checkpoint has none: "
                                  "build it with input_scale=False (the activations' scale computed on every call)")
-        for key in QUANTIZED:
-            t, mine = state_dict.get(prefix + key), getattr(self, key)
-            if isinstance(t, torch.Tensor) and mine is not None and t.dtype != mine.dtype:
-                raise ValueError(f"{where}.{key}: expected {mine.dtype} (recipe {self.recipe!r}), got {t.dtype}; "
-                                 "an unconverted checkpoint loads into the unconverted model, which convert quantizes")
+        self.check_saved_dtypes(state_dict, prefix, where, QUANTIZED)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
 
     def _apply(self, fn, recurse=True):
-        # Module.to(dtype) / .half() would cast the quantized buffers and the fp32 scales: only the device follows
-        for name, t in self._buffers.items():
-            if t is not None:
-                moved = fn(t)
-                self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
+        super()._apply(fn, recurse)  # (FormatTagged: the buffers keep their dtypes)
         self._forget_launches()
         return self
 

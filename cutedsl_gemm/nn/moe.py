@@ -455,19 +455,6 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        where = self.check_format_tag(state_dict, prefix)
-        for key in EXPERT_BUFFERS:
-            t, mine = state_dict.get(prefix + key), getattr(self, key)
-            if isinstance(t, torch.Tensor) and t.dtype != mine.dtype:
-                raise ValueError(f"{where}.{key}: expected {mine.dtype} (recipe {self.recipe!r}), got {t.dtype}; "
-                                 "an unconverted checkpoint loads into the unconverted model, which convert quantizes")
+        self.check_saved_dtypes(state_dict, prefix, self.check_format_tag(state_dict, prefix), EXPERT_BUFFERS)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-
-    def _apply(self, fn, recurse=True):
-        # Module.to(dtype) / .half() would cast the FP8 codes and the fp32 scales: only the device follows
-        for name, t in self._buffers.items():
-            if t is not None:
-                moved = fn(t)
-                self._buffers[name] = moved if moved.dtype == t.dtype else t.to(moved.device)
-        return self
