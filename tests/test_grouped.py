@@ -169,3 +169,19 @@ def test_block_scaled_ptx_stages_scales_in_the_mainloop():
     assert rep.has(r"cp\.async\.mbarrier\.arrive\.noinc\.shared")
     assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) >= 2 * 64  # both fragments' 64 elements a K tile
     assert rep.frame_bytes == 0, f"{rep.name} spills"
+
+
+def test_call_signature_tells_calls_apart():
+    from cutedsl_gemm.ops.grouped import call_signature
+
+    args = _call(device="cpu")
+    sig = call_signature(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"], False, torch.bfloat16)
+    assert sig == call_signature(*(args[k] for k in ("a", "b", "scale_a", "scale_b", "offs")), False, torch.bfloat16)
+    hash(sig)
+    other_b = torch.empty(4, 256, 1024, dtype=FP8)[:, :, :512].transpose(1, 2)  # b's shape, other strides
+    assert other_b.shape == args["b"].shape and other_b.stride() != args["b"].stride()
+    assert call_signature(args["a"], other_b, args["scale_a"], args["scale_b"], args["offs"], False,
+                          torch.bfloat16) != sig
+    assert call_signature(*(args[k] for k in ("a", "b", "scale_a", "scale_b", "offs")), True, torch.bfloat16) != sig
+    assert call_signature(*(args[k] for k in ("a", "b", "scale_a", "scale_b", "offs")), False, torch.float16) != sig
+    assert call_signature(args["a"], args["b"], 1.0, args["scale_b"], args["offs"], False, torch.bfloat16) is None

@@ -196,3 +196,21 @@ def test_64_row_tiles_match_reference(layout, recipe):
     assert torch.equal(~torch.isnan(out), written), "rows written differ from the groups' rows"
     err = R.rel_error(out[written], ref[written])
     assert err < TOL, f"rel error {err:.3e}"
+
+
+def test_repeated_call_reuses_its_plan_and_refuses_a_wrong_out():
+    from cutedsl_gemm.ops.grouped import GROUPED, call_signature
+    from cutedsl_gemm.runtime.plans import PREPARED
+
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    e, n, k = 4, 256, 512
+    b, sb = _weights(e, n, k, "row", gen)
+    a, sa = _activations((300,), k, "row", gen)
+    offs = _offs([100, 0, 150, 50])
+    first = grouped_scaled_mm(a, b, sa, sb, offs)
+    sig = call_signature(a, b, sa, sb, offs, False, torch.bfloat16)
+    assert PREPARED.get(GROUPED, sig) is not None
+    again = grouped_scaled_mm(a, b, sa, sb, offs)
+    assert torch.equal(first, again)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        grouped_scaled_mm(a, b, sa, sb, offs, out=torch.empty(300, n, dtype=torch.float16, device="cuda"))

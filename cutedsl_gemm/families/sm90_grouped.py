@@ -247,11 +247,13 @@ def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
     return GroupedPlan(compiled(inst), device_info(device_index)[1])
 
 
-def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor]) -> torch.Tensor:
-    """Run the call ``problem`` describes (``describe``'s arguments) on the current stream."""
-    dst = torch.empty(problem.out_shape, dtype=torch.bfloat16 if problem.out_format == "bf16" else torch.float16,
-                      device=a.device) if out is None else out
+def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor],
+           prepared: Optional[GroupedPlan] = None) -> torch.Tensor:
+    """Run the call ``problem`` describes (``describe``'s arguments) on the current stream, with ``prepared`` (the
+    plan of ``problem``'s instance, kept by the op for repeated calls) or the plan looked up now."""
+    dst = a.new_empty(problem.out_shape, dtype=torch.bfloat16 if problem.out_format == "bf16" else torch.float16) \
+        if out is None else out
     if problem.is_empty:
         return dst
     sa, sb = kernel_scales(problem, scale_a, scale_b)
-    return plan(select(problem), a.device.index).run(a, b, dst, sa, sb, groups)
+    return (prepared or plan(select(problem), a.device.index)).run(a, b, dst, sa, sb, groups)

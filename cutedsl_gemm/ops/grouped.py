@@ -11,6 +11,7 @@ from torch._subclasses.fake_tensor import is_fake
 
 from cutedsl_gemm.families import sm90_grouped as G
 from cutedsl_gemm.ops.library import define
+from cutedsl_gemm.runtime.plans import PREPARED
 
 SCHEMA = ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? offs=None, *, Tensor? counts=None, "
           "ScalarType out_dtype=bfloat16) -> Tensor")
@@ -49,11 +50,38 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
             raise ValueError("grouped_scaled_mm(out=...) is eager only; under torch.compile use the returned tensor")
         return torch.ops.cutedsl_gemm.grouped_scaled_mm(a, b, scale_a, scale_b, offs, counts=counts,
                                                         out_dtype=out_dtype)
+    groups = offs if counts is None else counts
+    sig = call_signature(a, b, scale_a, scale_b, groups, counts is not None, out_dtype)
+    if sig is not None:
+        hit = PREPARED.get(GROUPED, sig)
+        if hit is not None:
+            try:
+                return G.launch(hit[0], a, b, scale_a, scale_b, groups, out, hit[1])
+            except (TypeError, ValueError):
+                pass  # refused before launch (e.g. a wrong out=): the full validation below says why
     problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out)
     if a.device.type != "cuda":
         raise ValueError(f"grouped_scaled_mm runs on Hopper (sm_90a) CUDA tensors; got tensors on {a.device} "
                          "(numerics.reference.reference_grouped_mm computes the product on any device)")
-    return G.launch(problem, a, b, scale_a, scale_b, offs if counts is None else counts, out)
+    if problem.is_empty:
+        return G.launch(problem, a, b, scale_a, scale_b, groups, out)
+    prepared = G.plan(G.select(problem), a.device.index)
+    if sig is not None:
+        PREPARED.keep(GROUPED, sig, (problem, prepared))
+    return G.launch(problem, a, b, scale_a, scale_b, groups, out, prepared)
+
+
+GROUPED = "grouped_scaled_mm"  # its entries in the one prepared-call cache (runtime.plans.PREPARED)
+
+
+def call_signature(a, b, scale_a, scale_b, groups, masked: bool, out_dtype):
+    """What chooses a call's plan and kernel views, from metadata (None for arguments that are not plain tensors:
+    those go the long way). What the compiled kernel checks before every launch (dtypes, extents against the ones
+    it bound, strides, alignment) is not hashed again: a call it refuses is validated the long way."""
+    ts = (a, b, scale_a, scale_b, groups)
+    if any(type(t) is not torch.Tensor for t in ts):
+        return None
+    return (masked, out_dtype, a.get_device(), *((t.shape, t.stride(), t.dtype) for t in ts))
 
 
 def _op(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16):
