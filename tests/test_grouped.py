@@ -129,7 +129,9 @@ def test_traced_by_make_fx():
 
 def test_rows_validate_and_cover_both_layouts():
     rows = M.select(op=M.GROUPED_GEMM)
-    assert {(i.schedule, i.recipe) for i in rows} == {(lay, r) for lay in G.LAYOUTS for r in G.RECIPES}
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import GROUPED_LAYOUTS, GROUPED_RECIPES
+
+    assert {(i.schedule, i.recipe) for i in rows} == {(lay, r) for lay in GROUPED_LAYOUTS for r in GROUPED_RECIPES}
     for inst in rows:
         M.validate(inst)
     with pytest.raises(M.InstanceTableError, match="tile"):

@@ -14,13 +14,12 @@ from typing import NamedTuple, Optional
 
 import torch
 
+from cutedsl_gemm.numerics.formats import DTYPE_FORMATS, ceil_div, float_format
 from cutedsl_gemm.selection import instances as M
 
-LAYOUTS = ("contiguous", "masked")
-RECIPES = ("tensor", "row", "1x128_128x128")
 BLOCK = 128  # the DeepSeek recipe's K block (A: 1 x 128 groups; W: 128 x 128 blocks)
-_FP8 = {torch.float8_e4m3fn: "e4m3"}
-_OUT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+A_DTYPES = (torch.float8_e4m3fn,)  # the grouped instances' operands
+OUT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,7 @@ def _scales(problem_layout: str, scale_a, scale_b, experts: int, rows: int, n: i
     if row_a and row_b:
         _need(scale_a.is_contiguous() and scale_b.is_contiguous(), "row-wise scales must be contiguous")
         return "row"
-    kb, nb = -(-k // BLOCK), -(-n // BLOCK)
+    kb, nb = ceil_div(k, BLOCK), ceil_div(n, BLOCK)
     a_blocks = (rows, kb) if problem_layout == "contiguous" else (experts, rows, kb)
     if tuple(scale_a.shape) == a_blocks and tuple(scale_b.shape) == (experts, kb, nb):
         return "1x128_128x128"
@@ -83,7 +82,7 @@ def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedPro
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        _need(t.dtype in _FP8, f"{name} must be float8_e4m3fn, got {t.dtype}")
+        _need(t.dtype in A_DTYPES, f"{name} must be float8_e4m3fn, got {t.dtype}")
     _need(b.dim() == 3, f"b must be (E, K, N) -- per expert the transpose of an (N, K) weight -- got {b.dim()}-D "
           f"{tuple(b.shape)}")
     experts, k, n = b.shape
@@ -119,8 +118,9 @@ def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedPro
         if isinstance(t, torch.Tensor) and t.device != a.device:
             raise ValueError(f"all tensors must be on one device: {name} is on {t.device}, a on {a.device}")
     recipe = _scales(layout, scale_a, scale_b, experts, rows, n, k)
-    _need(out_dtype in _OUT, f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
-    problem = GroupedProblem(layout, recipe, experts, rows, n, k, _FP8[a.dtype], _FP8[b.dtype], _OUT[out_dtype])
+    _need(out_dtype in OUT_DTYPES, f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
+    a_format, b_format, out_format = (DTYPE_FORMATS[d].name for d in (a.dtype, b.dtype, out_dtype))
+    problem = GroupedProblem(layout, recipe, experts, rows, n, k, a_format, b_format, out_format)
     if out is not None:
         _need(isinstance(out, torch.Tensor) and tuple(out.shape) == problem.out_shape and out.dtype == out_dtype
               and out.is_contiguous() and out.device == a.device,
@@ -251,8 +251,7 @@ def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optiona
            prepared: Optional[GroupedPlan] = None) -> torch.Tensor:
     """Run the call ``problem`` describes (``describe``'s arguments) on the current stream, with ``prepared`` (the
     plan of ``problem``'s instance, kept by the op for repeated calls) or the plan looked up now."""
-    dst = a.new_empty(problem.out_shape, dtype=torch.bfloat16 if problem.out_format == "bf16" else torch.float16) \
-        if out is None else out
+    dst = a.new_empty(problem.out_shape, dtype=float_format(problem.out_format).torch_dtype) if out is None else out
     if problem.is_empty:
         return dst
     sa, sb = kernel_scales(problem, scale_a, scale_b)
