@@ -367,9 +367,19 @@ def block_summary(rows) -> dict:
     return out
 
 
+def _floor_text(run) -> str:
+    return f"{run.hbm_tbps:g} TB/s (measured)" if run.hbm_tbps else "no HBM rate (floors not measured here)"
+
+
+def _failures_and_notes(run) -> str:
+    """The notes' tail: the variants not measured, with why, then the run's notes once each."""
+    return "".join(f"; not measured: {what} ({why})" for what, why in run.failed.items()) + "".join(
+        f"; {note}" for note in dict.fromkeys(run.notes))
+
+
 def block_notes(run) -> str:
     args = run.args
-    floor = f"{run.hbm_tbps:g} TB/s (measured)" if run.hbm_tbps else "no HBM rate (floors not measured here)"
+    floor = _floor_text(run)
     timing = ("wall clock (CPU)" if args.device == "cpu" else "common.bench (L2 emptied by a 256 MiB read before each "
               "run), the variants in turns")
     line = (f"blocks {', '.join(args.block_config)}{' (tiny configs)' if args.tiny else ''}, random weights "
@@ -378,8 +388,7 @@ def block_notes(run) -> str:
             f"(the eager implementation reads the routing on the host: eager); prefill eager; {timing}, median of "
             f"{args.rounds} rounds; rel err: the output against the anchor's; weight floor: the block's parameters "
             f"and buffers, of the experts only those hit, at {floor}")
-    return line + "".join(f"; not measured: {what} ({why})" for what, why in run.failed.items()) + "".join(
-        f"; {note}" for note in dict.fromkeys(run.notes))
+    return line + _failures_and_notes(run)
 
 
 def save_blocks(run) -> None:
@@ -487,15 +496,14 @@ def model_summary(rows) -> dict:
 
 def model_notes(run) -> str:
     args = run.args
-    floor = f"{run.hbm_tbps:g} TB/s (measured)" if run.hbm_tbps else "no HBM rate (floors not measured here)"
+    floor = _floor_text(run)
     how = "eager" if args.device == "cpu" else "a CUDA graph"
     line = (f"{args.layers} Qwen3-30B-A3B-shaped layers{' (tiny config)' if args.tiny else ''}, random weights; ours: "
             f"cnn.convert recipe {args.model_recipe}, LM head bf16; decode: {args.context} tokens in a static KV "
             f"cache, the step run by {how}, median of {args.rounds} rounds of {args.reps}, the models in turns; "
             f"prefill eager, no cache; logit rel err: last position against bf16; weight floor: every parameter and "
             f"buffer once, the step's embedding rows and of each layer's experts those hit, at {floor}")
-    return line + "".join(f"; not measured: {what} ({why})" for what, why in run.failed.items()) + "".join(
-        f"; {note}" for note in dict.fromkeys(run.notes))
+    return line + _failures_and_notes(run)
 
 
 def save_model(run) -> None:
