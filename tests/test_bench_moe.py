@@ -37,7 +37,9 @@ def reference_ops(monkeypatch):
 
     def grouped(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, out=None):
         assert out is None and a.dtype == b.dtype == torch.float8_e4m3fn and not a.is_cuda
-        recipe = "tensor" if tuple(scale_b.shape) == (b.shape[0],) else "row"
+        e, _, n = b.shape
+        shape = tuple(scale_b.shape)
+        recipe = "tensor" if shape == (e,) else "row" if shape == (e, 1, n) else "deepseek"
         calls.append(recipe)
         return R.reference_grouped_mm(a, b, scale_a, scale_b, offs, counts=counts, recipe=recipe,
                                       out_dtype=out_dtype)
@@ -52,7 +54,8 @@ def reference_ops(monkeypatch):
 # ---- arguments ------------------------------------------------------------------------------------------------------
 def test_arguments_and_result_names():
     args = B.parse_args([])
-    assert args.what == ["block", "model"] and args.block_config == ["qwen3"] and args.recipes == ["row", "tensor"]
+    assert args.what == ["block", "model"] and args.block_config == ["qwen3"]
+    assert args.recipes == ["row", "tensor", "deepseek"]
     assert args.bf16_experts == ["grouped_mm", "eager"] and args.model_recipe == "row"
     assert args.batches == [1, 16, 64] and args.prefill == 4096 and args.context == 512
     assert args.layers == 48 and args.device == "cuda" and args.save
@@ -70,7 +73,7 @@ def test_arguments_and_result_names():
 @pytest.mark.parametrize("argv, error", [
     (["--what", "blocks"], "expected some of block, model"),
     (["--block-config", "qwen3,llama"], "expected some of qwen3, mixtral, dsv3"),
-    (["--recipes", "deepseek"], "expected some of row, tensor"),
+    (["--recipes", "int8"], "expected some of row, tensor, deepseek"),
     (["--bf16-experts", "batched_mm"], "expected some of grouped_mm, eager"),
     (["--prefill", "-1"], "--prefill must be >= 0"),
     (["--name", "x"], "--name names one result file"),
@@ -218,16 +221,16 @@ def test_tiny_block_run_on_the_cpu(tmp_path, monkeypatch, reference_ops):
     monkeypatch.setattr(common, "write_result", lambda *a, **k: (writes.append(len(a[3])), real_write(*a, **k))[1])
     rows = B.main(TINY_BLOCK + ["--block-config", "qwen3,mixtral,dsv3", "--name", "moe_tiny"], floors=FLOORS)["block"]
     cells = [dict(zip(B.BLOCK_COLUMNS, row)) for row in rows]
-    variants = [("bf16", "grouped_mm"), ("bf16", "eager"), ("row", B.OURS), ("tensor", B.OURS)]
+    variants = [("bf16", "grouped_mm"), ("bf16", "eager"), ("row", B.OURS), ("tensor", B.OURS), ("deepseek", B.OURS)]
     phases = [("decode", 1), ("decode", 3), ("prefill", 24)]
     assert [(c["block"], c["phase"], c["tokens"], c["recipe"], c["experts implementation"]) for c in cells] == [
         (b, p, t, *v) for b in ("qwen3", "mixtral", "dsv3") for p, t in phases for v in variants]
-    assert writes == [4 * n for n in range(1, 10)] + [36]  # the file after each phase, and at the end
-    assert {"row", "tensor"} <= set(reference_ops)
+    assert writes == [5 * n for n in range(1, 10)] + [45]  # the file after each phase, and at the end
+    assert {"row", "tensor", "deepseek"} <= set(reference_ops)
     blocks = {}  # (block, recipe) -> the module as the run held it: bf16, or its experts converted
     for name in B.BLOCKS:
         blocks[name, "bf16"], _ = B.build_block(name, "cpu", tiny=True)
-        for recipe in ("row", "tensor"):
+        for recipe in ("row", "tensor", "deepseek"):
             blocks[name, recipe] = M.sharing_copy(blocks[name, "bf16"])
             cnn.convert(blocks[name, recipe], recipe)
     d = B.block_dims(B.block_config("qwen3", tiny=True))
@@ -256,10 +259,10 @@ def test_tiny_block_run_on_the_cpu(tmp_path, monkeypatch, reference_ops):
         nbytes = B.module_bytes(block) - experts + experts * c["experts hit"] // d.experts
         assert c["% of weight floor"] == pytest.approx(100 * nbytes / 1e9 * 1e3 / (c["us"] / 1e3), rel=2e-2, abs=0.1)
     got = json.loads((tmp_path / "moe_tiny.json").read_text())
-    assert got["columns"] == B.BLOCK_COLUMNS and len(got["rows"]) == 36 and "0.001 TB/s" in got["notes"]
+    assert got["columns"] == B.BLOCK_COLUMNS and len(got["rows"]) == 45 and "0.001 TB/s" in got["notes"]
     assert "anchor grouped_mm" in got["notes"] and "not measured" not in got["notes"]
     assert set(got["summary"]) == {f"{b} {r}: {p} {t} tokens: {m}" for b in ("qwen3", "mixtral", "dsv3")
-                                   for r in ("row", "tensor") for p, t in phases
+                                   for r in ("row", "tensor", "deepseek") for p, t in phases
                                    for m in (("ours x bf16", "rel err") if p == "prefill" else ("ours x bf16",))}
     results = render.load_results(tmp_path)  # renders as any result file does
     assert "MoE blocks" in render.render_benchmarks(results)

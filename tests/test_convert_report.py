@@ -68,7 +68,7 @@ def test_moe_experts_are_converted_by_default():
     assert "and 2 experts modules converted" in str(report)
 
 
-@pytest.mark.parametrize("recipe", ["deepseek", "int8", "int4_weight"])
+@pytest.mark.parametrize("recipe", ["int8", "int4_weight", "mxfp8"])
 def test_experts_a_recipe_cannot_take_are_skipped_listed_and_warned_about(recipe):
     model = _mixtral()
     with pytest.warns(UserWarning, match="left mixture-of-experts weights in high precision"):
@@ -76,7 +76,8 @@ def test_experts_a_recipe_cannot_take_are_skipped_listed_and_warned_about(recipe
     assert not report.converted_experts
     for n in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
         why = report.skipped[n]
-        assert f"recipe {recipe!r} has no grouped GEMM" in why and "per-tensor and row-wise scales" in why
+        assert f"recipe {recipe!r} has no grouped GEMM" in why
+        assert "per-tensor, row-wise and DeepSeek-V3 block scales" in why
         assert "\n" not in why and type(model.get_submodule(n)).__name__ == "MixtralExperts"
         for p in ("gate_up_proj", "down_proj"):
             assert report.kept[f"{n}.{p}"] == f"of a skipped experts module (MixtralExperts) ({why})"

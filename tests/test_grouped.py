@@ -140,12 +140,22 @@ def test_rows_validate_and_cover_both_layouts():
         M.validate(replace(rows[0], tile_n=192))
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+@pytest.mark.parametrize("rows, e, tile_m", [(300, 4, 128), (256, 4, 64), (257, 4, 128), (64, 256, 64),
+                                             (1, 1, 64), (0, 4, 64)])
+def test_tile_rows_follow_the_rows_per_group(layout, rows, e, tile_m):
+    """64-row tiles up to 64 rows per group (contiguous: the mean T / E; masked: the capacity C), 128 above."""
+    masked_rows = -(-rows // e) if layout == "masked" else rows  # the same rows per group in both layouts
+    p = _describe(_call(layout, "row", e=e, rows=masked_rows, n=256, k=256))
+    assert p.rows_per_group == -(-rows // e) and G.select(p).tile_m == tile_m
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_ptx_holds_wgmma_tma_and_group_reads(layout):
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16")[0]
+    inst = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16", tile_m=128)[0]
     rep = inspect_instance(inst)
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
     tma = set(re.findall(r"cp\.async\.bulk\.tensor\.(\dd)\.shared::cta\.global\.tile", rep.ptx))
@@ -165,7 +175,8 @@ def test_block_scaled_ptx_stages_scales_in_the_mainloop():
     promotion multiplies each K tile's fragment by its scales (fma) before adding it."""
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="1x128_128x128", out_dtype="bf16")[0]
+    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="1x128_128x128", out_dtype="bf16",
+                    tile_m=128)[0]
     rep = inspect_instance(inst)
     assert rep.has(r"cp\.async\.ca\.shared\.global\s+\[[^]]+\], \[[^]]+\], 4")
     assert rep.has(r"cp\.async\.mbarrier\.arrive\.noinc\.shared")

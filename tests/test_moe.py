@@ -24,8 +24,8 @@ transformers = pytest.importorskip("transformers")
 
 G = ScaleGranularity
 FP8_RECIPES = ["row", "deepseek", "tensor"]  # reference_grouped_mm's
-EXPERT_RECIPES = ["row", "tensor"]  # the grouped FP8 GEMM's (per-tensor and row-wise scales): QuantizedExperts'
-SCALES_WHY = "the grouped FP8 GEMM takes per-tensor and row-wise scales"
+EXPERT_RECIPES = ["row", "tensor", "deepseek"]  # the grouped FP8 GEMM's: QuantizedExperts'
+SCALES_WHY = "the grouped FP8 GEMM takes per-tensor, row-wise and DeepSeek-V3 block scales"
 SCALING = {"row": RECIPES["row"], "deepseek": RECIPES["1x128_128x128"], "tensor": RECIPES["tensor"]}
 ACT = {"row": G.ROW, "deepseek": G.GROUP_1x128, "tensor": G.TENSOR}
 MODELS = ["mixtral", "qwen3_moe", "deepseek_v3"]
@@ -387,13 +387,13 @@ def test_convert_quantizes_every_experts_module(kind, recipe):
     assert f"and {len(names)} experts modules converted" in str(report)
 
 
-@pytest.mark.parametrize("recipe", ["deepseek", "int4_weight", "int8", "mxfp8"])
+@pytest.mark.parametrize("recipe", ["int4_weight", "int8", "mxfp8"])
 def test_a_recipe_without_grouped_kernels_keeps_the_experts_with_the_reason(recipe):
     model = _model("mixtral")
     before = {n: p.numel() for n, p in model.named_parameters()}
     report, moe_warnings = _convert_quietly(model, recipe)
     assert moe_warnings and "left mixture-of-experts weights in high precision" in moe_warnings[0]
-    assert "recipe 'row' or 'tensor'" in moe_warnings[0]
+    assert "recipe 'row' or 'tensor' or 'deepseek'" in moe_warnings[0]
     for n in _experts_names(model):
         assert type(model.get_submodule(n)) is not cnn.QuantizedExperts
         assert f"recipe {recipe!r} has no grouped GEMM" in report.skipped[n]
@@ -409,7 +409,9 @@ def test_a_recipe_without_grouped_kernels_keeps_the_experts_with_the_reason(reci
     (dict(moe_intermediate_size=200), "row", "intermediate=200"),
     (dict(hidden_size=264, head_dim=66), "row", "hidden=264: the grouped GEMM of recipe 'row' takes sizes that are "
                                                 "multiples of 16"),
-    ({}, "deepseek", f"recipe 'deepseek' has no grouped GEMM for mixture-of-experts weights: {SCALES_WHY}"),
+    ({}, "int8", f"recipe 'int8' has no grouped GEMM for mixture-of-experts weights: {SCALES_WHY}"),
+    (dict(moe_intermediate_size=200), "deepseek", "intermediate=200: the grouped GEMM of recipe 'deepseek' takes "
+                                                  "sizes that are multiples of 16"),
     (dict(hidden_act="gelu"), "row", "activation is not SiLU"),
 ])
 def test_experts_the_grouped_gemm_cannot_run_are_kept_with_the_reason(over, recipe, why):
@@ -486,7 +488,8 @@ def _same_bits(a: dict, b: dict) -> bool:
 
 
 @pytest.mark.parametrize("kind, recipe", [("mixtral", "row"), ("qwen3_moe", "tensor"), ("deepseek_v3", "row"),
-                                          ("deepseek_v3", "tensor")])
+                                          ("deepseek_v3", "tensor"), ("deepseek_v3", "deepseek"),
+                                          ("qwen3_moe", "deepseek")])
 def test_converted_moe_model_round_trips_through_safetensors(kind, recipe, tmp_path):
     st = pytest.importorskip("safetensors.torch")
     model = _model(kind)
@@ -496,8 +499,10 @@ def test_converted_moe_model_round_trips_through_safetensors(kind, recipe, tmp_p
     assert bytes(state[f"{prefix}._extra_state"].tolist()).decode() == f"cutedsl_gemm/{cnn.FORMAT_VERSION}/{recipe}"
     assert state[f"{prefix}.gate_up_proj"].dtype == torch.float8_e4m3fn
     layer = model.get_submodule(prefix)
-    e, i = layer.num_experts, layer.intermediate_dim
-    assert tuple(state[f"{prefix}.gate_up_proj_scale"].shape) == {"row": (e, 1, 2 * i), "tensor": (e,)}[recipe]
+    e, h, i = layer.num_experts, layer.hidden_dim, layer.intermediate_dim
+    blocks = (e, -(-h // 128), -(-2 * i // 128))  # per expert its 128x128 blocks, transposed like b
+    assert tuple(state[f"{prefix}.gate_up_proj_scale"].shape) == \
+        {"row": (e, 1, 2 * i), "tensor": (e,), "deepseek": blocks}[recipe]
     st.save_file(state, tmp_path / "model.safetensors")
     fresh = _model(kind, seed=1)
     _convert_quietly(fresh, recipe)
@@ -687,7 +692,7 @@ def test_forward_on_the_cpu_is_refused():
 
 
 def test_empty_experts_module_arguments_are_checked():
-    with pytest.raises(ValueError, match="QuantizedExperts runs recipes 'row', 'tensor', not 'nvfp4'"):
+    with pytest.raises(ValueError, match="QuantizedExperts runs recipes 'row', 'tensor', 'deepseek', not 'nvfp4'"):
         cnn.QuantizedExperts(4, 256, 256, "nvfp4")
     with pytest.raises(ValueError, match="multiples of 16"):
         cnn.QuantizedExperts(4, 256, 200, "row")
@@ -697,29 +702,41 @@ def test_empty_experts_module_arguments_are_checked():
 
 
 
-def test_deepseek_experts_are_refused_with_the_reason():
-    """The grouped FP8 GEMM takes per-tensor and row-wise scales: no DeepSeek 1x128 x 128x128 block-scaled experts,
-    whichever way they are asked for (the dense layers still take the recipe)."""
-    assert moe.EXPERT_RECIPES == ("row", "tensor") and "deepseek" not in moe.ACTIVATION_GRANULARITY
-    refused = f"QuantizedExperts runs recipes 'row', 'tensor', not 'deepseek': {SCALES_WHY}"
+def test_int8_experts_are_refused_with_the_reason():
+    """The grouped GEMM is FP8 only: int8 experts are refused whichever way they are asked for, and a conversion
+    to int8 keeps them (the dense layers still take the recipe)."""
+    refused = f"QuantizedExperts runs recipes 'row', 'tensor', 'deepseek', not 'int8': {SCALES_WHY}"
     with pytest.raises(ValueError, match=refused):
-        cnn.QuantizedExperts(4, 256, 256, "deepseek")
+        cnn.QuantizedExperts(4, 256, 256, "int8")
     model = _model("mixtral")
     experts = model.model.layers[0].mlp.experts
-    assert moe.experts_unsupported(experts, "deepseek") == \
-        f"recipe 'deepseek' has no grouped GEMM for mixture-of-experts weights: {SCALES_WHY} (QuantizedExperts runs " \
-        "'row', 'tensor')"
-    with pytest.raises(ValueError, match=f"cannot run recipe 'deepseek': .*{SCALES_WHY}"):
-        cnn.QuantizedExperts.from_experts(experts, "deepseek")
-    with pytest.raises(ValueError, match=SCALES_WHY):
-        cnn.QuantizedExperts.quantized(experts, "deepseek")
+    assert moe.experts_unsupported(experts, "int8") == \
+        f"recipe 'int8' has no grouped GEMM for mixture-of-experts weights: {SCALES_WHY} (QuantizedExperts runs " \
+        "'row', 'tensor', 'deepseek')"
+    with pytest.raises(ValueError, match=f"cannot run recipe 'int8': .*{SCALES_WHY}"):
+        cnn.QuantizedExperts.from_experts(experts, "int8")
     before = {n: p.numel() for n, p in model.named_parameters()}
-    report, moe_warnings = _convert_quietly(model, "deepseek")
+    report, moe_warnings = _convert_quietly(model, "int8")
     assert moe_warnings and not report.converted_experts
     assert all(SCALES_WHY in report.skipped[n] for n in _experts_names(model))
     assert isinstance(model.model.layers[0].self_attn.q_proj, cnn.QuantizedLinear)
-    assert model.model.layers[0].self_attn.q_proj.recipe == "deepseek"
+    assert model.model.layers[0].self_attn.q_proj.recipe == "int8"
     _accounted(before, report)
+
+
+def test_deepseek_experts_hold_block_scales():
+    """DeepSeek-V3's recipe: per expert the 128x128 block scales of each weight, transposed (Kb, Nb) like b, and
+    the dequantized weights within FP8's rounding of the original."""
+    ref = _model("qwen3_moe", moe_intermediate_size=192).model.layers[0].mlp.experts
+    layer = cnn.QuantizedExperts.from_experts(ref, "deepseek")
+    e, h, i = layer.num_experts, layer.hidden_dim, layer.intermediate_dim
+    assert tuple(layer.gate_up_proj_scale.shape) == (e, -(-h // 128), -(-2 * i // 128))
+    assert tuple(layer.down_proj_scale.shape) == (e, -(-i // 128), -(-h // 128))
+    w = ref.down_proj.detach()[1].float()  # expert 1's block (0, 0) scale: its amax over e4m3's largest value
+    assert torch.allclose(layer.down_proj_scale[1, 0, 0], w[:128, :128].abs().max() / 448.0)
+    gate_up, down = layer.dequantize()
+    assert R.rel_error(gate_up, ref.gate_up_proj.detach().float()) < 0.05
+    assert R.rel_error(down, ref.down_proj.detach().float()) < 0.05
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers")
 
 pytestmark = pytest.mark.gpu
 
-RECIPES = ["row", "tensor"]  # the grouped FP8 GEMM's: per-tensor and row-wise scales
-GRANULARITY = {"row": G.ROW, "tensor": G.TENSOR}  # the activations' scales of each recipe
+RECIPES = ["row", "tensor", "deepseek"]  # the grouped FP8 GEMM's: per-tensor, row-wise and DeepSeek-V3 blocks
+GRANULARITY = {"row": G.ROW, "tensor": G.TENSOR, "deepseek": G.GROUP_1x128}  # the activations' scales of each
 LAYOUTS = {"contiguous": None, "masked": "tokens"}  # QuantizedExperts.capacity: None, or T (no pair dropped)
 # One grouped GEMM call against the float64 product of its own dequantized operands: the kernel accumulates in fp32
 # (promoted) and rounds once to bf16, at most 2^-9 of each element (RNE, 8 significant bits), so the relative
@@ -196,7 +196,10 @@ def _check_gemm(call, weights, what):
     """A grouped call's output against float64 dequant(a) @ W_e.T per expert (W_e of ``dequantize()``); the
     float64 product of the computed rows, expert after expert."""
     a, scale_a, _, _, groups, masked, out = call
-    a64 = a.double() * scale_a.double()  # (rows, K) x (rows, 1) or (1,); masked (E, C, K) x (E, C, 1) or (1,)
+    sa = scale_a.double()
+    if sa.dim() > 1 and sa.shape[-1] > 1:  # DeepSeek's (rows, Kb) / (E, C, Kb): each scale over 128 of K
+        sa = sa.repeat_interleave(128, dim=-1)[..., :a.shape[-1]]
+    a64 = a.double() * sa  # (rows, K) x (rows, 1 or K) or (1,); masked (E, C, K) x (E, C, 1 or K) or (1,)
     refs = []
     for (ex, rows), (_, got) in zip(_groups(a64, groups, masked), _groups(out, groups, masked)):
         if rows.shape[0] == 0:

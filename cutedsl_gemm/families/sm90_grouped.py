@@ -42,6 +42,12 @@ class GroupedProblem:
         return (self.rows, self.n) if self.layout == "contiguous" else (self.experts, self.rows, self.n)
 
     @property
+    def rows_per_group(self) -> int:
+        """The rows a group is expected to hold, what the instances' M ranges select by: contiguous, the mean
+        ceil(T / E) (the sizes stay on the device); masked, the capacity C."""
+        return self.rows if self.layout == "masked" else ceil_div(self.rows, max(self.experts, 1))
+
+    @property
     def is_empty(self) -> bool:
         return self.rows == 0 or self.n == 0 or self.experts == 0
 
@@ -144,18 +150,21 @@ def kernel_scales(problem: GroupedProblem, scale_a, scale_b):
 
 
 def select(problem: GroupedProblem) -> M.KernelInstance:
-    """The table's instance for the call (op GROUPED_GEMM, schedule = layout)."""
-    return _instance(problem.layout, problem.recipe, problem.a_format, problem.b_format, problem.out_format)
+    """The table's instance for the call (op GROUPED_GEMM, schedule = layout): the first whose M range holds the
+    problem's rows per group."""
+    rows = max(problem.rows_per_group, 1)
+    for inst in _instances(problem.layout, problem.recipe, problem.a_format, problem.b_format, problem.out_format):
+        if inst.m_min <= rows <= inst.m_max:
+            return inst
+    raise ValueError(f"no grouped GEMM instance for {problem.layout} {problem.recipe} {problem.a_format} x "
+                     f"{problem.b_format} -> {problem.out_format} at {rows} rows per group")
 
 
 @functools.lru_cache(maxsize=None)
-def _instance(layout: str, recipe: str, a_format: str, b_format: str, out_format: str) -> M.KernelInstance:
+def _instances(layout: str, recipe: str, a_format: str, b_format: str, out_format: str) -> tuple:
     # (a scan of the whole table costs milliseconds: once per kind of call)
-    found = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe=recipe, a_dtype=a_format, b_dtype=b_format,
-                     out_dtype=out_format)
-    if not found:
-        raise ValueError(f"no grouped GEMM instance for {layout} {recipe} {a_format} x {b_format} -> {out_format}")
-    return found[0]
+    return M.select(op=M.GROUPED_GEMM, schedule=layout, recipe=recipe, a_dtype=a_format, b_dtype=b_format,
+                    out_dtype=out_format)
 
 
 # ------------------------------------------------------------------------------------------------

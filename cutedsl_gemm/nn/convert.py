@@ -96,14 +96,14 @@ def convert(model: torch.nn.Module, recipe: str = "row",
 
     With ``experts=True`` (the default) every transformers experts module (``gate_up_proj`` (E, 2I, H) and
     ``down_proj`` (E, H, I), see :mod:`cutedsl_gemm.nn.moe`) that ``filter`` passes is replaced by a
-    :class:`QuantizedExperts` of ``recipe`` on the grouped FP8 GEMM, which takes per-tensor and row-wise scales:
-    recipes "row" and "tensor" (``moe.EXPERT_RECIPES``). Skipped, with the reason in ``skipped`` and their weights
-    in ``kept``: experts under any other recipe ("deepseek", "int8", the weight-only ones, ...), experts whose
-    gating, biases or activation it does not run, sizes the grouped GEMM does not take, weights tied to another
-    module and modules ``filter`` excludes. Routers and shared experts are not experts modules: a router keeps its
-    weight (a reason in ``kept``), shared experts are ``nn.Linear`` layers converted as such. ``experts=False``
-    keeps every experts module in its dtype, listed in ``kept``. Mixture-of-experts weights left in high precision,
-    for whatever reason, raise a UserWarning.
+    :class:`QuantizedExperts` of ``recipe`` on the grouped FP8 GEMM, which takes per-tensor, row-wise and DeepSeek-V3
+    block scales: recipes "row", "tensor" and "deepseek" (``moe.EXPERT_RECIPES``). Skipped, with the reason in
+    ``skipped`` and their weights in ``kept``: experts under any other recipe ("int8", the weight-only ones, ...),
+    experts whose gating, biases or activation it does not run, sizes the grouped GEMM does not take, weights tied
+    to another module and modules ``filter`` excludes. Routers and shared experts are not experts modules: a router
+    keeps its weight (a reason in ``kept``), shared experts are ``nn.Linear`` layers converted as such.
+    ``experts=False`` keeps every experts module in its dtype, listed in ``kept``. Mixture-of-experts weights left in
+    high precision, for whatever reason, raise a UserWarning.
     """
     r = linear_recipe(recipe)
     if type(model) is torch.nn.Linear:

@@ -32,6 +32,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from cutedsl_gemm.numerics.formats import ceil_div
 from cutedsl_gemm.ops.library import EAGER
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.runtime.device import device_info
@@ -40,12 +41,12 @@ from .linear import WEIGHT_DTYPES, FormatTagged
 from .recipes import linear_recipe
 
 #: The recipes the grouped FP8 GEMM runs (activations x weights): per token x per output channel, per tensor x per
-#: expert.
-EXPERT_RECIPES = ("row", "tensor")
+#: expert, DeepSeek-V3's 1x128 groups x 128x128 blocks.
+EXPERT_RECIPES = ("row", "tensor", "deepseek")
 #: The activations' granularity of each recipe (``quantize_fp8``'s names).
-ACTIVATION_GRANULARITY = {"row": "row", "tensor": "tensor"}
+ACTIVATION_GRANULARITY = {"row": "row", "tensor": "tensor", "deepseek": "1x128"}
 #: Why a recipe outside ``EXPERT_RECIPES`` has no experts module (one line, after the recipe's name).
-_SCALES = ("the grouped FP8 GEMM takes per-tensor and row-wise scales (QuantizedExperts runs "
+_SCALES = ("the grouped FP8 GEMM takes per-tensor, row-wise and DeepSeek-V3 block scales (QuantizedExperts runs "
            + ", ".join(map(repr, EXPERT_RECIPES)) + ")")
 #: The GPUs the grouped FP8 GEMM runs on.
 EXPERT_ARCHS = ("sm_90a",)
@@ -305,8 +306,10 @@ def experts_unsupported(module: torch.nn.Module, recipe) -> Optional[str]:
 
 
 def _scale_shape(recipe: str, e: int, n: int, k: int) -> tuple:
-    """The weight scales of (E, N, K) experts as the grouped GEMM takes them (its ``scale_b``): one per expert, or
-    one per expert and output channel."""
+    """The weight scales of (E, N, K) experts as the grouped GEMM takes them (its ``scale_b``): one per expert, one
+    per expert and output channel, or per expert its 128x128 blocks transposed (Kb, Nb)."""
+    if recipe == "deepseek":
+        return (e, ceil_div(k, 128), ceil_div(n, 128))
     return (e,) if recipe == "tensor" else (e, 1, n)
 
 
@@ -316,7 +319,8 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     the routing weights. Inference only, CUDA only (a CPU input is refused), buffers and no parameters.
 
     Per call: ``permute`` the (token, k) pairs by expert, quantize them in the recipe's activation form
-    (``quantize_fp8``: "row" per token, "tensor" one scale for all rows), the grouped
+    (``quantize_fp8``: "row" per token, "tensor" one scale for all rows, "deepseek" per token and 128-deep K
+    group), the grouped
     gate_up GEMM, ``SiLU(gate) * up`` in fp32 rounded to hidden's dtype, quantized again, the grouped down GEMM,
     ``combine``. With ``capacity`` set, the masked layout instead (``to_masked``, C = min(capacity, T); decode):
     every shape is then fixed by T, and a pair past the capacity makes its token's output NaN.
@@ -325,7 +329,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     (E, H, I) float8_e4m3fn, each expert's row-major weight quantized as ``QuantizedLinear`` quantizes a weight
     (the same bits); ``gate_up_proj_scale`` / ``down_proj_scale`` fp32 in the layout the grouped GEMM takes
     (per expert the transpose of the weight's scales, like ``scaled_mm``'s ``scale_b``): "row" (E, 1, N), "tensor"
-    (E,); ``_extra_state`` the format tag
+    (E,), "deepseek" (E, ceil(K / 128), ceil(N / 128)); ``_extra_state`` the format tag
     ``"cutedsl_gemm/<FORMAT_VERSION>/<recipe>"`` (uint8 ASCII), checked on load like QuantizedLinear's.
     ``QuantizedExperts(num_experts, hidden_dim, intermediate_dim, recipe)`` builds an empty module to load into.
     """
@@ -335,7 +339,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         super().__init__()
         if recipe not in EXPERT_RECIPES:
             raise ValueError(f"QuantizedExperts runs recipes {', '.join(map(repr, EXPERT_RECIPES))}, not {recipe!r}: "
-                             "the grouped FP8 GEMM takes per-tensor and row-wise scales")
+                             "the grouped FP8 GEMM takes per-tensor, row-wise and DeepSeek-V3 block scales")
         why = experts_shape_unsupported(recipe, hidden_dim, intermediate_dim)
         if why is not None:
             raise ValueError(why)
@@ -389,8 +393,8 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         return q, (s.reshape(1) if self.recipe == "tensor" else s)
 
     def _masked_scales(self, s: torch.Tensor, e: int, c: int) -> torch.Tensor:
-        """Activation scales of (E * C) rows as the masked layout takes them: an (E, C, 1) view, or the one
-        per-tensor scale."""
+        """Activation scales of (E * C) rows as the masked layout takes them: an (E, C, 1) or (E, C, Kb) view, or
+        the one per-tensor scale."""
         return s if self.recipe == "tensor" else s.view(e, c, -1)
 
     def _gated(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

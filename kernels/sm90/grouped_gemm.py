@@ -33,8 +33,8 @@ The epilogue stores the scaled, converted fragment straight from registers with 
 only): a TMA store would clip at the tensor's edge, not at the group's.
 
 Work units are (m tile of the concatenated groups, n tile), N fastest; every role walks the same units with a
-cursor over the groups that only moves forward (units grow along each CTA's walk), so a unit costs one or two
-group-size loads. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
+cursor over the groups that only moves forward (units grow along each CTA's walk), so a CTA loads each group size it
+passes once. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
 + E)``; a CTA stops at the first unit past the last group.
 """
 
@@ -183,16 +183,14 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
 
     # ---- the group walk -----------------------------------------------------------------------
     @cute.jit
-    def _group_rows(self, mGroups: cute.Tensor, e, experts, limit):
-        """(first row, rows) of group ``e``, 0 rows past the last group. Ill-formed sizes are clamped into
-        [0, ``limit``] (A's rows; masked: C), so that no launch reads or writes outside its tensors: a decreasing
-        end offset gives an empty group, offsets past the rows end there."""
-        i = cutlass.min(e, experts - 1)
-        end = cutlass.max(cutlass.min(mGroups[i], limit), Int32(0))
+    def _group_rows(self, mGroups: cute.Tensor, e, experts, limit, start):
+        """(first row, rows) of group ``e``, 0 rows past the last group; contiguous groups start at ``start``, the
+        previous group's end. Ill-formed sizes are clamped so that no launch reads or writes outside its tensors or
+        writes a row twice: ends into [``start``, ``limit``] (A's rows; masked: counts into [0, C]), so a
+        decreasing end offset gives an empty group and offsets past the rows end there."""
+        end = cutlass.max(cutlass.min(mGroups[cutlass.min(e, experts - 1)], limit), Int32(0))
         if cutlass.const_expr(self.masked):
             return Int32(0), cutlass.select_(e < experts, end, Int32(0))
-        prev = cutlass.max(cutlass.min(mGroups[cutlass.max(i - 1, 0)], limit), Int32(0))
-        start = cutlass.select_(i > 0, prev, Int32(0))
         return start, cutlass.select_(e < experts, cutlass.max(end - start, Int32(0)), Int32(0))
 
     # ---- device ---------------------------------------------------------------------------------
@@ -313,7 +311,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
     @cute.jit
     def _first_group(self, mGroups, experts, limit):
         """The walk's cursor at group 0: (group, its first m tile, its first row, its rows)."""
-        start, rows = self._group_rows(mGroups, Int32(0), experts, limit)
+        start, rows = self._group_rows(mGroups, Int32(0), experts, limit, Int32(0))
         return Int32(0), Int32(0), start, rows
 
     @cute.jit
@@ -325,7 +323,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
             first_tile += (rows + bM - 1) // bM
             e += 1
-            start, rows = self._group_rows(mGroups, e, experts, limit)
+            start, rows = self._group_rows(mGroups, e, experts, limit, start + rows)
         return e, first_tile, start, rows
 
     @cute.jit
