@@ -3,11 +3,14 @@ unquantized one quantized while loading (the same bits as convert, the peak memo
 model), and the checkpoints it refuses. Every checkpoint is written here: tiny transformers models, config.json
 and safetensors."""
 
+import copy
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -31,6 +34,14 @@ def _config(kind, **over):
         c = transformers.Qwen2Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
                                      tie_word_embeddings=False)
+    elif kind == "qwen3_moe":
+        c = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=256, intermediate_size=512,
+                                        moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, head_dim=64)
+    elif kind == "mixtral":
+        c = transformers.MixtralConfig(vocab_size=512, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                       num_experts_per_tok=2)
     else:
         c = transformers.DeepseekV3Config(vocab_size=512, hidden_size=256, intermediate_size=512,
                                           moe_intermediate_size=128, num_hidden_layers=2, first_k_dense_replace=1,
@@ -110,12 +121,31 @@ FORMATS = {  # name -> (quantization_config, how the weights are quantized, the 
 }
 
 
+def _per_expert(state: dict, name: str) -> dict:
+    """The experts module ``name``'s fused tensors popped from ``state``, as hub checkpoints store them: per expert
+    j ``{name}.{j}.gate_proj / up_proj / down_proj.weight`` (gate_up_proj's rows: gate first)."""
+    gate_up, down = state.pop(f"{name}.gate_up_proj"), state.pop(f"{name}.down_proj")
+    i = gate_up.shape[1] // 2
+    out = {}
+    for j in range(gate_up.shape[0]):
+        for proj, w in (("gate_proj", gate_up[j, :i]), ("up_proj", gate_up[j, i:]), ("down_proj", down[j])):
+            out[f"{name}.{j}.{proj}.weight"] = w.contiguous()
+    return out
+
+
+def _experts_names(model):
+    return [n for n, m in model.named_modules() if cnn.moe.is_experts(m)]
+
+
 def _write_fp8(path, model, fmt, scale_dtype=torch.float32, **qc):
     """An FP8 checkpoint of ``model`` in format ``fmt`` (FORMATS): every nn.Linear but the LM head and IGNORED
-    quantized; -> the checkpoint's tensors."""
+    quantized, and the routed experts per expert (the hub's layout); -> the checkpoint's tensors."""
     qconfig, how, scale_key, _ = FORMATS[fmt]
     state = _state(model)
-    for name in _linears(model):
+    for name in _experts_names(model):
+        state.update(_per_expert(state, name))
+    expert_linears = [k[: -len(".weight")] for k in state if ".experts." in k and k.endswith("_proj.weight")]
+    for name in _linears(model) + expert_linears:
         if name == "lm_head" or name == IGNORED:
             continue
         q, s = _quantize(state[f"{name}.weight"], how)
@@ -162,7 +192,7 @@ def test_fp8_checkpoint_adopted_bit_for_bit(tmp_path, kind, fmt):
     loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
 
     quantized = [n for n in _linears(model) if n not in ("lm_head", IGNORED)]
-    assert report.recipe == recipe and sorted(report.converted) == sorted(quantized)
+    assert report.recipe == recipe and sorted(report.converted) == sorted(quantized + _experts_names(model))
     assert "left unquantized by the checkpoint" in report.skipped[IGNORED]
     assert "lm_head" in report.skipped
     for name in quantized:
@@ -179,7 +209,7 @@ def test_fp8_checkpoint_adopted_bit_for_bit(tmp_path, kind, fmt):
 
     params = dict(loaded.named_parameters(remove_duplicate=False))
     for key, t in state.items():
-        if key.rpartition(".")[0] in quantized:
+        if key.rpartition(".")[0] in quantized or ".experts." in key:
             continue
         got = params.get(key)
         got = got if got is not None else loaded.get_buffer(key)
@@ -189,10 +219,88 @@ def test_fp8_checkpoint_adopted_bit_for_bit(tmp_path, kind, fmt):
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
         assert "tied to" in report.skipped["lm_head"]
     torch.testing.assert_close(loaded.model.rotary_emb.inv_freq, model.model.rotary_emb.inv_freq, rtol=0, atol=0)
-    if kind == "deepseek_v3":  # the routed experts stay bf16, listed with the reason
-        experts = [n for n in report.kept if ".experts." in n]
-        assert experts and all("mixture-of-experts" in report.kept[n] for n in experts)
+    if kind == "deepseek_v3":  # the routed experts adopted as stored: [gate; up] codes and block scales joined
+        assert report.converted_experts == _experts_names(model) == ["model.layers.1.mlp.experts"]
+        layer = loaded.get_submodule("model.layers.1.mlp.experts")
+        assert isinstance(layer, cnn.QuantizedExperts) and layer.recipe == "deepseek"
+        gate_up, down = layer.dequantize()
+        pre = "model.layers.1.mlp.experts"
+        for j in range(layer.num_experts):
+            (gq, gs), (uq, us), (dq, ds) = ((state[f"{pre}.{j}.{p}.weight"], state[f"{pre}.{j}.{p}.{scale_key}"])
+                                            for p in ("gate_proj", "up_proj", "down_proj"))
+            assert torch.equal(layer.gate_up_proj[j].view(torch.uint8), torch.cat([gq, uq]).view(torch.uint8))
+            assert torch.equal(layer.down_proj[j].view(torch.uint8), dq.view(torch.uint8))
+            assert torch.equal(layer.gate_up_proj_scale[j], torch.cat([gs, us]).float().t())
+            assert torch.equal(layer.down_proj_scale[j], ds.float().t())
+            assert torch.equal(gate_up[j], torch.cat([_ckpt_dequantized(gq, gs, how), _ckpt_dequantized(uq, us, how)]))
+            assert torch.equal(down[j], _ckpt_dequantized(dq, ds, how))
+        assert not any(".experts." in n for n in report.kept)
         assert "TopkRouter" in report.kept["model.layers.1.mlp.gate.weight"]
+
+
+@pytest.mark.parametrize("kind,fmt,over,why", [
+    ("qwen3_moe", "fbgemm", {}, None),  # per channel: adopted as recipe "row"
+    ("qwen3_moe", "ct_tensor", {}, "different per-tensor scales"),
+    ("deepseek_v3", "fp8", dict(moe_intermediate_size=192), "intermediate=192 is no multiple of 128"),
+])
+def test_fp8_experts_adopted_or_dequantized_with_the_reason(tmp_path, kind, fmt, over, why):
+    """Per-expert FP8 weights join into QuantizedExperts as stored where the layout maps exactly; where it does not
+    (gate and up under different per-tensor scales, blocks that do not meet at the gate / up boundary) they load
+    dequantized to bf16, with a warning and the reason."""
+    model = _model(kind, **over)
+    state = _write_fp8(tmp_path, model, fmt)
+    _, how, scale_key, recipe = FORMATS[fmt]
+    name = _experts_names(model)[0]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+    layer = loaded.get_submodule(name)
+    ckpt = {j: [(state[f"{name}.{j}.{p}.weight"], state[f"{name}.{j}.{p}.{scale_key}"])
+                for p in ("gate_proj", "up_proj", "down_proj")] for j in range(4)}
+    if why is None:
+        assert isinstance(layer, cnn.QuantizedExperts) and layer.recipe == recipe and name in report.converted_experts
+        gate_up, down = layer.dequantize()
+        for j, ((gq, gs), (uq, us), (dq, ds)) in ckpt.items():
+            assert torch.equal(layer.gate_up_proj[j].view(torch.uint8), torch.cat([gq, uq]).view(torch.uint8))
+            assert torch.equal(layer.gate_up_proj_scale[j], torch.cat([gs, us]).float().t())
+            assert torch.equal(gate_up[j], torch.cat([_ckpt_dequantized(gq, gs, how), _ckpt_dequantized(uq, us, how)]))
+            assert torch.equal(down[j], _ckpt_dequantized(dq, ds, how))
+        assert not any("dequantized" in str(w.message) for w in caught)
+        return
+    assert type(layer) is not cnn.QuantizedExperts and name not in report.converted_experts
+    assert why in report.skipped[name] and "dequantized from the checkpoint's FP8" in report.skipped[name]
+    assert any("loaded dequantized to torch.bfloat16" in str(w.message) for w in caught)
+    assert any(re.search(r"mixture-of-experts weights of \d+ experts modules in high precision", str(w.message))
+               for w in caught)
+    for j, ((gq, gs), (uq, us), (dq, ds)) in ckpt.items():
+        want = torch.cat([_ckpt_dequantized(gq, gs, how), _ckpt_dequantized(uq, us, how)]).to(torch.bfloat16)
+        assert torch.equal(layer.gate_up_proj[j], want)
+        assert torch.equal(layer.down_proj[j], _ckpt_dequantized(dq, ds, how).to(torch.bfloat16))
+    assert f"{name}.gate_up_proj" in report.kept and why in report.kept[f"{name}.gate_up_proj"]
+
+
+def test_fused_experts_checkpoint_and_missing_experts(tmp_path):
+    """Experts stored fused under the module's own names (gate_up_proj, down_proj) quantize on load as convert
+    quantizes them; a checkpoint without an experts module's weights is refused, naming what it expected."""
+    model = _model("qwen3_moe")
+    state = _state(model)
+    model.config.save_pretrained(tmp_path)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    loaded, report = cnn.from_pretrained(str(tmp_path), "row", device="cpu")
+    want = copy.deepcopy(model)
+    cnn.convert(want, "row")
+    names = _experts_names(model)
+    assert report.converted_experts == names
+    for name in names:
+        mine, theirs = loaded.get_submodule(name).state_dict(), want.get_submodule(name).state_dict()
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k].reshape(-1).view(torch.uint8), theirs[k].reshape(-1).view(torch.uint8))
+                   for k in mine)
+    del state[f"{names[0]}.down_proj"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"no weights for the experts module {re.escape(names[0])} "
+                                         r"\(Qwen3MoeExperts, 4 experts\): expected .*gate_up_proj"):
+        cnn.from_pretrained(str(tmp_path), "row", device="cpu")
 
 
 def test_fp8_layer_the_kernels_refuse_is_dequantized_and_reported(tmp_path):
@@ -309,11 +417,15 @@ def test_unquantized_checkpoint_needs_a_recipe(tmp_path):
         cnn.from_pretrained(str(tmp_path), device="cpu")
 
 
-@pytest.mark.parametrize("kind,recipe,stored", [("llama", "row", torch.bfloat16), ("qwen2", "deepseek", torch.bfloat16),
-                                                ("qwen2", "row", torch.float32)])
+@pytest.mark.parametrize("kind,recipe,stored", [
+    ("llama", "row", torch.bfloat16), ("qwen2", "deepseek", torch.bfloat16), ("qwen2", "row", torch.float32),
+    ("qwen3_moe", "deepseek", torch.bfloat16), ("mixtral", "tensor", torch.bfloat16),
+    ("deepseek_v3", "row", torch.float32), ("qwen3_moe", "int8", torch.bfloat16)])
 def test_quantize_on_load_equals_convert(tmp_path, kind, recipe, stored):
     """Sharded checkpoints (model.safetensors.index.json); an fp32 one is read through bf16, as the model loaded
-    whole holds it (Qwen2's biases included)."""
+    whole holds it (Qwen2's biases included). Mixture-of-experts models as save_pretrained stores them, per expert
+    (Mixtral's w1 / w3 / w2 under block_sparse_moe), quantized into QuantizedExperts; under int8, which has no
+    grouped GEMM, their weights load in bf16, listed as convert lists them."""
     model = _model(kind).to(stored)
     if stored == torch.float32:
         with torch.no_grad():  # values bf16 cannot hold
@@ -322,16 +434,22 @@ def test_quantize_on_load_equals_convert(tmp_path, kind, recipe, stored):
     model.save_pretrained(tmp_path, max_shard_size="300KB")
     assert (tmp_path / "model.safetensors.index.json").exists()
     skip_down = lambda name, m: not name.endswith("layers.1.mlp.down_proj")  # noqa: E731
-    loaded, report = cnn.from_pretrained(str(tmp_path), recipe, device="cpu", filter=skip_down)
-
-    whole = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
-    want = cnn.convert(whole, recipe, filter=skip_down)
+    experts = _experts_names(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded, report = cnn.from_pretrained(str(tmp_path), recipe, device="cpu", filter=skip_down)
+        whole = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.bfloat16).eval()
+        want = cnn.convert(whole, recipe, filter=skip_down)
+    kept_experts = [str(w.message) for w in caught if "mixture-of-experts weights" in str(w.message)]
+    assert report.converted_experts == want.converted_experts == (experts if recipe != "int8" else [])
+    assert len(kept_experts) == (2 if experts and recipe == "int8" else 0)  # from_pretrained's and convert's
     assert report.converted == want.converted and report.skipped == want.skipped and report.kept == want.kept
     assert (report.kept_elements, report.total_elements) == (want.kept_elements, want.total_elements)
     mine, theirs = loaded.state_dict(), whole.state_dict()
     assert mine.keys() == theirs.keys()
     for key, t in theirs.items():
-        assert mine[key].dtype == t.dtype and torch.equal(mine[key].view(torch.uint8), t.view(torch.uint8)), key
+        bits = lambda x: x.reshape(-1).view(torch.uint8)  # noqa: E731
+        assert mine[key].dtype == t.dtype and torch.equal(bits(mine[key]), bits(t)), key
     assert dict(loaded.named_buffers()).keys() == dict(whole.named_buffers()).keys()
     if whole.config.tie_word_embeddings:
         assert loaded.lm_head.weight is loaded.model.embed_tokens.weight

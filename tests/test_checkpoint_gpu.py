@@ -10,7 +10,15 @@ from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.numerics import reference as R
 
 transformers = pytest.importorskip("transformers")
-from test_checkpoint import FORMATS, IGNORED, _ckpt_dequantized, _linears, _model, _write_fp8  # noqa: E402
+from test_checkpoint import (  # noqa: E402
+    FORMATS,
+    IGNORED,
+    _ckpt_dequantized,
+    _experts_names,
+    _linears,
+    _model,
+    _write_fp8,
+)
 
 pytestmark = pytest.mark.gpu
 
@@ -50,6 +58,40 @@ def test_adopted_checkpoint_logits(tmp_path, kind, fmt):
     assert e_twin < DEQUANTIZED_TOL, f"{fmt}: {e_twin:.3e} from the dequantized-weight twin"
     assert e_orig < ORIGINAL_TOL, f"{fmt}: {e_orig:.3e} from the original bf16 model"
     assert e_twin < e_orig or e_twin < 0.02  # the twin shares the checkpoint's weight error
+
+
+@pytest.mark.parametrize("kind,fmt", [("deepseek_v3", "fp8"), ("qwen3_moe", "fbgemm")])
+def test_adopted_moe_checkpoint_logits(tmp_path, kind, fmt):
+    """Per-expert FP8 experts adopted into QuantizedExperts (the grouped GEMM), against the bf16 model holding
+    every dequantized weight of the checkpoint, dense and experts."""
+    model = _model(kind)
+    state = _write_fp8(tmp_path, model, fmt)
+    loaded, report = cnn.from_pretrained(str(tmp_path), device="cuda")
+    assert report.converted_experts == _experts_names(model)
+    _, how, scale_key, _ = FORMATS[fmt]
+    twin = _model(kind)
+    with torch.no_grad():
+        for name in _linears(twin):
+            if name not in ("lm_head", IGNORED):
+                w = _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how)
+                twin.get_submodule(name).weight.copy_(w.to(torch.bfloat16))
+        for name in _experts_names(twin):
+            experts = twin.get_submodule(name)
+            for j in range(experts.gate_up_proj.shape[0]):
+                gate, up, down = (_ckpt_dequantized(state[f"{name}.{j}.{p}.weight"],
+                                                    state[f"{name}.{j}.{p}.{scale_key}"], how)
+                                  for p in ("gate_proj", "up_proj", "down_proj"))
+                experts.gate_up_proj[j].copy_(torch.cat([gate, up]).to(torch.bfloat16))
+                experts.down_proj[j].copy_(down.to(torch.bfloat16))
+    ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad():
+        got = loaded(ids).logits.float()
+        want = twin.cuda()(ids).logits.float()
+        original = model.cuda()(ids).logits.float()
+    assert torch.isfinite(got).all()
+    e_twin, e_orig = R.rel_error(got, want), R.rel_error(got, original)
+    assert e_twin < DEQUANTIZED_TOL, f"{kind} {fmt}: {e_twin:.3e} from the dequantized-weight twin"
+    assert e_orig < ORIGINAL_TOL, f"{kind} {fmt}: {e_orig:.3e} from the original bf16 model"
 
 
 @pytest.mark.parametrize("recipe", ["row", "deepseek", "int8", "int4_weight"])

@@ -1,7 +1,9 @@
 """``from_pretrained``: a causal language model from a local transformers checkpoint (``config.json`` and
 ``*.safetensors``), its linear layers as ``QuantizedLinear``: an FP8 checkpoint's layers adopted as stored (the FP8
 bytes and their scales, no re-quantization), or a bf16 / fp16 / fp32 checkpoint's layers quantized one by one while
-loading, so that the high-precision model never sits in memory whole.
+loading, so that the high-precision model never sits in memory whole; mixture-of-experts weights likewise, into
+``QuantizedExperts`` (:mod:`cutedsl_gemm.nn.checkpoint_experts`). The checkpoint's format and its reading are in
+:mod:`cutedsl_gemm.nn.checkpoint_format`.
 
 FP8 formats adopted (``quantization_config`` in ``config.json``):
 
@@ -23,7 +25,6 @@ Static per-tensor activation scales (``input_scale``, ``activation_scale``) load
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import warnings
@@ -31,164 +32,26 @@ from typing import Callable, Optional
 
 import torch
 
+from . import checkpoint_experts as X
+from .checkpoint_format import (
+    FP8_DTYPES,
+    Checkpoint,
+    Fp8Format,
+    checkpoint_format,
+    dequantized,
+    kernel_scale,
+    read_scale,
+    renamer,
+    unquantized_by_config,
+)
 from .convert import ConversionReport, _holders, _list_kept
 from .linear import QuantizedLinear, target_arch, unsupported
 from .recipes import STATIC_INPUT_RECIPES, linear_recipe
 
-FP8_DTYPES = ("F8_E4M3",)  # safetensors names of the FP8 weights adopted
-BLOCK = 128  # the "deepseek" recipe's weight block (128 x 128)
 DEQUANTIZED = "dequantized from the checkpoint's FP8 to {dtype}"
 
 
-# --- the checkpoint's format ---------------------------------------------------------------------------------------
-
-
-class Fp8Format:
-    """An FP8 checkpoint format: the recipe its layers run, the name of the weight's scale tensor, of a static
-    activation scale (None: dynamic), the module names the config leaves unquantized (patterns) and why."""
-
-    def __init__(self, name: str, recipe: str, scale_key: str, input_scale_key: Optional[str], unquantized: list,
-                 source: str, scale_dtypes=(torch.float32, torch.bfloat16, torch.float16)):
-        self.name, self.recipe, self.scale_key, self.input_scale_key = name, recipe, scale_key, input_scale_key
-        self.unquantized, self.source, self.scale_dtypes = list(unquantized or ()), source, scale_dtypes
-        self.e8m0_bytes = False
-
-
-def _fine_grained_fp8(q: dict) -> Fp8Format:
-    block = q.get("weight_block_size")
-    if block is None or list(block) != [BLOCK, BLOCK]:
-        raise ValueError(f"FineGrainedFP8 checkpoint with weight_block_size {block}: the kernels run 128x128 weight "
-                         "blocks (recipe 'deepseek') only")
-    if q.get("expert_dtype", "fp8") != "fp8":
-        raise ValueError(f"FineGrainedFP8 checkpoint with expert_dtype {q['expert_dtype']!r}: only FP8 is taken")
-    scheme = str(q.get("activation_scheme", "dynamic")).lower()
-    if scheme not in ("dynamic", "static"):
-        raise ValueError(f"FineGrainedFP8 activation_scheme {scheme!r}: expected 'dynamic' or 'static'")
-    skip = q.get("modules_to_not_convert", q.get("ignored_layers"))
-    fmt = Fp8Format("FineGrainedFP8 (128x128 blocks)", "deepseek", "weight_scale_inv",
-                    "activation_scale" if scheme == "static" else None, skip,
-                    "quantization_config.modules_to_not_convert",
-                    scale_dtypes=(torch.float32, torch.bfloat16, torch.float8_e8m0fnu))
-    fmt.e8m0_bytes = q.get("scale_fmt", "float") == "ue8m0"  # power-of-two scales, saved as their exponent bytes
-    return fmt
-
-
-def _fbgemm_fp8(q: dict) -> Fp8Format:
-    return Fp8Format("fbgemm FP8 (per-channel weights, per-token activations)", "row", "weight_scale", None,
-                     q.get("modules_to_not_convert"), "quantization_config.modules_to_not_convert")
-
-
-def _ct_recipe(group: str, scheme: dict) -> tuple:
-    """(recipe, static) for one compressed-tensors config group: FP8 weights and dynamic or static activations."""
-    w, a = scheme.get("weights") or {}, scheme.get("input_activations")
-    if w.get("type") != "float" or w.get("num_bits") != 8:
-        raise ValueError(f"compressed-tensors group {group!r} quantizes weights to {w.get('num_bits')}-bit "
-                         f"{w.get('type')}: only FP8 weights (type 'float', num_bits 8) are adopted")
-    if a is None:
-        raise ValueError(f"compressed-tensors group {group!r} leaves the activations unquantized (FP8 weight-only): "
-                         "the kernels quantize the activations, which would change the checkpoint's numerics")
-    if a.get("type") != "float" or a.get("num_bits") != 8:
-        raise ValueError(f"compressed-tensors group {group!r}: activations {a.get('num_bits')}-bit {a.get('type')}, "
-                         "expected FP8")
-    ws, as_, dynamic = w.get("strategy"), a.get("strategy"), bool(a.get("dynamic"))
-    if ws == "block":
-        if list(w.get("block_structure") or ()) != [BLOCK, BLOCK] or as_ != "group" or a.get("group_size") != BLOCK \
-                or not dynamic:
-            raise ValueError(f"compressed-tensors group {group!r}: block weights {w.get('block_structure')} with "
-                             f"{as_} activations; the kernels run 128x128 blocks with dynamic groups of 128")
-        return "deepseek", False
-    if ws not in ("channel", "tensor"):
-        raise ValueError(f"compressed-tensors group {group!r}: weight strategy {ws!r}; expected 'channel', 'tensor' "
-                         "or 'block'")
-    if as_ == "token" and dynamic:
-        return "row", False
-    if as_ == "tensor":
-        return ("tensor" if ws == "tensor" else "row"), not dynamic
-    raise ValueError(f"compressed-tensors group {group!r}: {'dynamic' if dynamic else 'static'} {as_!r} activations; "
-                     "expected dynamic per-token or per-tensor activations")
-
-
-def _compressed_tensors(q: dict) -> Fp8Format:
-    fmt = q.get("format", "dense")
-    if fmt not in ("float-quantized", "naive-quantized", "dense"):
-        raise ValueError(f"compressed-tensors format {fmt!r}: only FP8 weights stored as they are "
-                         "('float-quantized', 'naive-quantized') are adopted")
-    groups = q.get("config_groups") or {}
-    if not groups:
-        raise ValueError("compressed-tensors checkpoint with no config_groups")
-    found = {name: _ct_recipe(name, scheme) for name, scheme in groups.items()}
-    if len(set(found.values())) > 1:
-        raise ValueError(f"compressed-tensors groups of different schemes ({found}): one recipe per model is taken")
-    recipe, static = next(iter(found.values()))
-    return Fp8Format(f"compressed-tensors FP8 ({recipe!r})", recipe, "weight_scale", "input_scale" if static else None,
-                     q.get("ignore"), "quantization_config.ignore")
-
-
-FORMATS = {"fp8": _fine_grained_fp8, "fbgemm_fp8": _fbgemm_fp8, "compressed-tensors": _compressed_tensors}
-
-
-def checkpoint_format(config) -> Optional[Fp8Format]:
-    """The FP8 format ``config``'s ``quantization_config`` declares, None for an unquantized checkpoint; a format
-    or layout the kernels cannot run raises ValueError."""
-    q = getattr(config, "quantization_config", None)
-    if q is None:
-        return None
-    q = q if isinstance(q, dict) else q.to_dict()
-    method = q.get("quant_method", "")
-    method = str(getattr(method, "value", method))
-    if method not in FORMATS:
-        raise ValueError(f"quantization_config.quant_method {method!r} is not adopted; FP8 checkpoints of "
-                         f"quant_method {', '.join(map(repr, FORMATS))} are, and unquantized ones are quantized while "
-                         "loading")
-    return FORMATS[method](q)
-
-
-def _unquantized_by_config(name: str, patterns: list) -> bool:
-    """transformers' module matching (``should_convert_module``): a prefix at a module boundary, a regex (a
-    compressed-tensors ``re:`` pattern) or a suffix."""
-    for p in patterns:
-        p = p[3:] if p.startswith("re:") else p
-        if re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", name) or name.endswith(p):
-            return True
-    return False
-
-
-# --- reading the checkpoint ----------------------------------------------------------------------------------------
-
-
-class Checkpoint:
-    """The tensors of a local safetensors checkpoint (one file or shards with ``model.safetensors.index.json``),
-    read one at a time."""
-
-    def __init__(self, path: str):
-        from safetensors import safe_open
-
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            with open(index) as f:
-                files = sorted(set(json.load(f)["weight_map"].values()))
-        else:
-            files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-        if not files:
-            raise ValueError(f"{path}: no *.safetensors files")
-        self._stack = contextlib.ExitStack()
-        self.where: dict = {}
-        for name in files:
-            f = self._stack.enter_context(safe_open(os.path.join(path, name), framework="pt", device="cpu"))
-            self.where.update((key, f) for key in f.keys())
-
-    def __contains__(self, key) -> bool:
-        return key in self.where
-
-    def get(self, key: str) -> torch.Tensor:
-        return self.where[key].get_tensor(key)
-
-    def dtype(self, key: str) -> str:
-        """The stored dtype's safetensors name ("F8_E4M3", "BF16", ...)."""
-        return self.where[key].get_slice(key).get_dtype()
-
-    def close(self):
-        self._stack.close()
+# --- building the model --------------------------------------------------------------------------------------------
 
 
 @contextlib.contextmanager
@@ -218,31 +81,6 @@ def _skeleton(config, dtype: torch.dtype):
 
 
 # --- filling the layers --------------------------------------------------------------------------------------------
-
-
-def kernel_scale(recipe: str, scale: torch.Tensor, n: int, k: int, where: str) -> torch.Tensor:
-    """A checkpoint's FP8 weight scale (multiplying the codes) in the layout ``QuantizedLinear.weight_scale`` holds
-    for ``recipe``: "deepseek" (ceil(N/128), ceil(K/128)) -> its transpose; "row" (N, 1), (1, N), (N,) or one
-    scale -> (1, N); "tensor" one scale -> (). fp32, exactly the checkpoint's values."""
-    s = scale.to(torch.float32)
-    if recipe == "deepseek":
-        want = (-(-n // BLOCK), -(-k // BLOCK))
-        if tuple(s.shape) != want:
-            raise ValueError(f"{where}: block scales of shape {tuple(s.shape)}, expected {want} for a ({n}, {k}) "
-                             "weight in 128x128 blocks")
-        return s.t().contiguous()
-    if recipe == "row" and s.numel() in (n, 1) and (s.numel() == 1 or max(s.shape, default=1) == n):
-        return s.reshape(1, -1).expand(1, n).contiguous()
-    if recipe == "tensor" and s.numel() == 1:
-        return s.reshape(())
-    raise ValueError(f"{where}: a scale of shape {tuple(s.shape)} is not recipe {recipe!r}'s for a ({n}, {k}) weight")
-
-
-def dequantized(q: torch.Tensor, scale: torch.Tensor, recipe: str, where: str) -> torch.Tensor:
-    """W = codes x scales in fp32, ``scale`` in the checkpoint's layout (``kernel_scale``'s input): the layer's own
-    dequantization (``LinearRecipe.dequantize_weight``) of the buffers the checkpoint would fill."""
-    n, k = q.shape
-    return linear_recipe(recipe).dequantize_weight(q, kernel_scale(recipe, scale, n, k, where), None, None, k)
 
 
 def _local_directory(path) -> str:
@@ -293,16 +131,17 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     An FP8 checkpoint (the module docstring lists the formats) is adopted bit for bit: each quantized layer's FP8
     bytes and scales as stored, the scales mapped once into the kernel's layout; ``recipe`` may be None or the
     format's recipe (another is refused). An unquantized checkpoint is quantized while loading with ``recipe``
-    (required), one layer at a time: the same bits as ``convert(model, recipe, experts=False)`` on the model loaded
-    whole (mixture-of-experts weights load in ``dtype``, listed in ``kept``), the
-    peak memory about the quantized model plus one layer in high precision. Every other tensor (embeddings, norms,
-    the LM head, the layers the checkpoint leaves unquantized) loads as stored, floating point cast to ``dtype``;
-    tied weights stay tied. ``filter(name, module)`` false leaves a linear layer in ``dtype`` (an FP8 one
-    dequantized). An FP8 layer whose shape the kernels refuse is dequantized to ``dtype``, with a warning and the
-    reason in the report; a layout they cannot run (blocks other than 128x128, weight-only FP8, a static activation
-    scale the layer cannot hold) or an unknown ``quant_method`` raises ValueError, and so do checkpoint tensors
-    the model has no place for under their stored names (those transformers renames or merges while loading, such
-    as per-expert MoE weights it fuses into 3-D tensors).
+    (required), one layer at a time: the same bits as ``convert(model, recipe)`` on the model loaded whole, the
+    peak memory about the quantized model plus one layer in high precision. Mixture-of-experts weights (per expert
+    or fused in the checkpoint) become ``QuantizedExperts``, adopted from FP8 or quantized on load as
+    :mod:`cutedsl_gemm.nn.checkpoint_experts` says, or load in ``dtype`` with the reason. Every other tensor
+    (embeddings, norms, the LM head, the layers the checkpoint leaves unquantized) loads as stored, floating point
+    cast to ``dtype``; tied weights stay tied; keys are read under the names transformers renames them to.
+    ``filter(name, module)`` false leaves a linear layer or experts module in ``dtype`` (an FP8 one dequantized). An
+    FP8 layer whose shape the kernels refuse is dequantized to ``dtype``, with a warning and the reason in the
+    report; a layout they cannot run (blocks other than 128x128, weight-only FP8, a static activation scale the layer
+    cannot hold) or an unknown ``quant_method`` raises ValueError, and so do checkpoint tensors the model has no
+    place for.
     """
     from transformers import AutoConfig
 
@@ -324,7 +163,7 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
         raise ValueError(f"{path}: {fmt.name} with static activation scales ({fmt.input_scale_key}): {why}")
     r = linear_recipe(fmt.recipe if fmt is not None else recipe)
     arch = target_arch(r, device)
-    ckpt = Checkpoint(path)
+    ckpt = Checkpoint(path, renamer(config))
     try:
         model = _skeleton(config, dtype)
         report = _load(model, ckpt, fmt, r, arch, device, dtype, filter)
@@ -345,7 +184,7 @@ def _plan(model, ckpt: Checkpoint, fmt: Optional[Fp8Format], r, arch, dtype, fil
         if fmt is not None and not fp8:
             if others:
                 skipped[name] = f"its weight is tied to {', '.join(others)}, stored unquantized in the checkpoint"
-            elif _unquantized_by_config(name, fmt.unquantized):
+            elif unquantized_by_config(name, fmt.unquantized):
                 skipped[name] = f"left unquantized by the checkpoint ({fmt.source})"
             else:
                 skipped[name] = f"stored unquantized in the checkpoint ({ckpt.dtype(key) if key in ckpt else 'absent'})"
@@ -378,27 +217,36 @@ def _plan(model, ckpt: Checkpoint, fmt: Optional[Fp8Format], r, arch, dtype, fil
 def _load(model, ckpt: Checkpoint, fmt, r, arch, device, dtype, filter) -> ConversionReport:
     holders = _holders(model)
     take, skipped, dequantize = _plan(model, ckpt, fmt, r, arch, dtype, filter, holders)
-    report = ConversionReport(r.name, converted=list(take), skipped=skipped)
-    _list_kept(model, report, {id(m): None for m in take.values()})
-    if dequantize:
-        warnings.warn(f"{len(dequantize)} FP8 layers of the checkpoint are loaded dequantized to {dtype} (print the "
-                      "report for why)", UserWarning, stacklevel=3)
+    experts = X.find_experts(model, ckpt)
+    experts_take, experts_skipped, experts_dequantize = X.plan(experts, ckpt, fmt, r, arch, filter, holders)
+    skipped.update(experts_skipped)
+    names = [src.name for src in experts_take]
+    report = ConversionReport(r.name, converted=list(take) + names, converted_experts=names, skipped=skipped)
+    _list_kept(model, report, {id(m): None for m in [*take.values(), *(src.module for src in experts_take)]})
+    if dequantize or experts_dequantize:
+        count = len(dequantize) + len(experts_dequantize)
+        warnings.warn(f"{count} FP8 layers or experts modules of the checkpoint are loaded dequantized to {dtype} "
+                      "(print the report for why)", UserWarning, stacklevel=3)
+    if experts_skipped:
+        warnings.warn(f"from_pretrained left the mixture-of-experts weights of {len(experts_skipped)} experts modules "
+                      "in high precision: print the ConversionReport for why", UserWarning, stacklevel=3)
     used = set()
     for name, module in take.items():
         _replace(model, name, _fill(ckpt, name, module, fmt, r, device, dtype, used))
     for name in dequantize:
         module = model.get_submodule(name)
-        q, s = ckpt.get(f"{name}.weight"), _scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
+        q, s = ckpt.get(f"{name}.weight"), read_scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
         _set(model, holders, module.weight, dequantized(q, s, fmt.recipe, name).to(device, dtype))
         used.update((f"{name}.weight", f"{name}.{fmt.scale_key}"))
+    converting = {id(src) for src in experts_take}
+    for src in experts:  # one module's weights in memory at a time
+        layer = X.fill(ckpt, src, fmt, r, device, dtype, convert=id(src) in converting)
+        if layer is not None:
+            _replace(model, src.name, layer)
+        used.update(k for k in src.keys(fmt.scale_key if fmt is not None else None) if k in ckpt)
     _load_rest(model, ckpt, holders, device, dtype, used)
     model.to(device)  # the buffers the code computed
     return report
-
-
-def _scale(ckpt: Checkpoint, key: str, fmt: Fp8Format) -> torch.Tensor:
-    s = ckpt.get(key)
-    return s.view(torch.float8_e8m0fnu) if s.dtype == torch.uint8 and fmt.e8m0_bytes else s
 
 
 def _fill(ckpt: Checkpoint, name: str, module: torch.nn.Linear, fmt, r, device, dtype, used: set) -> QuantizedLinear:
@@ -423,7 +271,7 @@ def _fill(ckpt: Checkpoint, name: str, module: torch.nn.Linear, fmt, r, device, 
     static = fmt.input_scale_key is not None
     layer = QuantizedLinear(k, n, has_bias, r.name, device=device, dtype=dtype, **({"input_scale": True} if static
                                                                                    else {}))
-    q, s = ckpt.get(keys[0]), _scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
+    q, s = ckpt.get(keys[0]), read_scale(ckpt, f"{name}.{fmt.scale_key}", fmt)
     used.add(f"{name}.{fmt.scale_key}")
     if tuple(q.shape) != (n, k):
         raise ValueError(f"{keys[0]}: shape {tuple(q.shape)}, the model's layer is ({n}, {k})")

@@ -564,12 +564,12 @@ def _opened(path):
     shards of ``model.safetensors.index.json``)."""
     from safetensors import safe_open
 
-    from .checkpoint import Checkpoint
+    from .checkpoint_format import Checkpoint
 
     if os.path.isdir(path):
         ckpt = Checkpoint(os.fspath(path))
         try:
-            yield ckpt.where
+            yield {key: f for key, (f, _) in ckpt.where.items()}  # no renames: the stored names
         finally:
             ckpt.close()
     else:
