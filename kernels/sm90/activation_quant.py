@@ -144,7 +144,7 @@ def release_token_scales(rows: RowScales, slot):
 
 @dataclass(frozen=True)
 class ActivationQuantStaging:
-    """Warps 1..3's part of the producer walk (``Sm90Fp8Gemm._walk_producer_stages``) in a kernel that quantizes
+    """Warps 1..3's part of the producer walk (``producer_roles.TmaProducer.walk``) in a kernel that quantizes
     its activations (module docstring). Frozen: the DSL lets it into run-time loops without carrying it (the
     register it carries is an rmem tensor, stored to)."""
 

@@ -134,7 +134,7 @@ def stage_scales(
 
 @dataclass(frozen=True)
 class ScaleStaging:
-    """Warp 1's part of the producer walk (``Sm90Fp8Gemm._walk_producer_stages``) in the block-scaled kernels:
+    """Warp 1's part of the producer walk (``producer_roles.TmaProducer.walk``) in the block-scaled kernels:
     once a stage is empty, copy its K tile's A and W scales into it and arrive on its full barrier as the copies
     land. It waits as the TMA warp does (a wait does not consume the phase). Kept off the TMA warp because the
     work between a freed stage and its TMA issue is on the refill path (staging the scales there is slower).

@@ -15,8 +15,9 @@ Bit for bit: the bf16 values staged are the ones the TMA store would have writte
 and copy), and the quantizer's code turns them into ``quantize_fp8``'s bits, so on the same tile and K splits the
 output is ``quantize_fp8(scaled_mm(..., out_dtype=torch.bfloat16), "1x128")``'s.
 
-``FP8OutputEpilogue`` is mixed into ``Sm90Fp8Gemm``: its entry ``call_fp8_out`` takes the FP8 output and its
-scales in the output's place, and ``_quantize_slice`` is the epilogue's branch (``Sm90Fp8Gemm._store_tile``).
+``FP8OutputEpilogue`` is the epilogue role (``epilogue_roles.py``) that ``Sm90Fp8Gemm`` binds for ``d_quant``: the
+kernel's entry ``Sm90Fp8Gemm.call_fp8_out`` takes the FP8 output and its scales in the output's place, and the role's
+``store_slice`` hook quantizes each staged slice where ``TmaStoreEpilogue`` issues its TMA store.
 """
 
 from __future__ import annotations
@@ -26,44 +27,28 @@ import cutlass.cute as cute
 
 from .activation_quant import E4M3_MAX
 from .block_scales import SCALE_BLOCK
+from .epilogue_roles import TmaStoreEpilogue
 from .quantize_fp8 import VEC, emit_quantized, group_scale
 
 LANES_PER_GROUP = SCALE_BLOCK // VEC  # 8 lanes x 16 elements: one 1x128 group of a row
 
 
-class FP8OutputEpilogue:
-    """The FP8-output epilogue of ``Sm90Fp8Gemm`` (mixed in; the module docstring)."""
+class FP8OutputEpilogue(TmaStoreEpilogue):
+    """The FP8-output epilogue role of ``Sm90Fp8Gemm`` (the module docstring): ``TmaStoreEpilogue`` up to the bf16
+    slice, which its threads then quantize and store themselves (no TMA store, one slice buffer)."""
 
-    # The FP8 output's scales while ``call_fp8_out`` traces the kernel (the kernel's ``mQScales``); None otherwise.
-    q_scales = None
+    def make_store(self, mD, d_smem):
+        return None, mD  # stored by the epilogue's threads: no TMA store
 
-    @cute.jit
-    def call_fp8_out(
-        self,
-        mA: cute.Tensor,  # (M, K) K-major
-        mB: cute.Tensor,  # (K, N) column-major
-        mQ: cute.Tensor,  # (M, N) e4m3, row-major: the output, quantized
-        mQScales: cute.Tensor,  # (M, N / 128) fp32, M-major (quantize_fp8's "1x128" layout): its group scales
-        mSA: cute.Tensor,
-        mSB: cute.Tensor,
-        mBias: cute.Tensor,
-        mWorkspace: cute.Tensor,
-        mCounters: cute.Tensor,
-        splits: cutlass.Int32,
-        max_clusters: cutlass.Int32,
-        stream,
-    ):
-        """The entry of a kernel built with ``d_quant``: ``__call__``'s arguments, with the FP8 output and its scales
-        in the output's place."""
-        if cutlass.const_expr(self.cfg.d_quant is None):
-            raise TypeError("call_fp8_out enters a kernel built with d_quant; this one is entered through __call__")
-        self.q_scales = mQScales
-        self.__call__(mA, mB, mQ, mSA, mSB, mBias, mWorkspace, mCounters, splits, max_clusters, stream)
-        self.q_scales = None
+    def prefetch(self, tma_d):
+        pass
+
+    def slice_targets(self, tma_d, sD, gD_tile):
+        return None
 
     @cute.jit
-    def _quantize_slice(self, tiled_copy_r2s, rD, tRS_sD, sD, mQ, mQScales, tm, tn, s: cutlass.Constexpr,
-                        epi_barrier):
+    def store_slice(self, tiled_copy_r2s, rD, tRS_sD, sD, s: cutlass.Constexpr, slices: cutlass.Constexpr, first,
+                    targets, tma_d, store_pipe, epi_barrier, warp_idx, mQ, mQScales, tm, tn):
         """Stage slice ``s`` of tile (tm, tn) (``rD``: this thread's bf16 values of it) in the one buffer, read it back
         and store it quantized into ``mQ`` and ``mQScales``."""
         if cutlass.const_expr(mQScales is None):
@@ -71,10 +56,11 @@ class FP8OutputEpilogue:
         epi_barrier.arrive_and_wait()  # every thread has read the previous slice
         cute.copy(tiled_copy_r2s, rD, tRS_sD[(None, None, None, 0)])
         epi_barrier.arrive_and_wait()  # ... and written this one
-        bM, bN, _ = self.tile_shape_mnk
+        g = self.gemm
+        bM, bN, _ = g.tile_shape_mnk
         tidx, _, _ = cute.arch.thread_idx()
         _quantize_groups(sD[(None, None, 0)], mQ, mQScales, tm * bM, tn * bN + s * SCALE_BLOCK,
-                         tidx - self.num_threads_per_warp_group, self.num_mma_threads, bM)
+                         tidx - g.num_threads_per_warp_group, g.num_mma_threads, bM)
 
 
 @cute.jit

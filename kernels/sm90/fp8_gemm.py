@@ -11,6 +11,8 @@ can be as narrow as 16, instead of zero-filling 128-row A tiles.
 
 from __future__ import annotations  # noqa: I001
 
+from dataclasses import dataclass
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -24,46 +26,80 @@ from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
 from .promoted_mainloops import PromotedMainloops
 from .epilogue_quant import FP8OutputEpilogue
+from .epilogue_roles import TmaStoreEpilogue
 from .split_k import k_tile_range, reduce_partials
-from .tma_loads import ATileScalesByTma, TmaLoads
-from .activation_quant import (
-    HANDOFF_UNITS, QUANT_BARRIER_ID, QUANT_WARPS, W_SCALE_SLOTS, ActivationQuantStaging, init_row_scale_barriers,
-    make_row_scales, make_tag, release_token_scales, row_scale_floats, w_prefetch_floats, wait_token_scales,
+from .producer_roles import (
+    BlockScaledProducer, ProducerView, QuantizingProducer, TmaProducer, TokenQuantizingProducer,
 )
-from .block_scales import (
-    BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales, a_scale_tma_atom, a_scale_tma_view,
-    is_block_scaled, unrolled_fragment_loops,
-)
+from .block_scales import BLOCK_RECIPES, SCALE_REGS, TileScales, is_block_scaled
 # Re-exported: the host compile path and tests import the configuration from here.
 from .gemm_plan import Sm90GemmConfig, Sm90GemmPlan, cutlass_dtype, is_integer, smem_capacity  # noqa: F401
 
 
-class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
+@dataclass(frozen=True)
+class ConsumerFragments:
+    """A consumer warp group's main-loop registers and operand views (``Sm90Fp8Gemm._consumer_fragments``; frozen:
+    the DSL lets it into run-time loops without carrying it)."""
+
+    tCrA: object  # A's WGMMA operand views of the stages
+    tCrB: object  # W's (split in N: a pair, one per half)
+    acc: object  # the fp32 (int8: int32) accumulator
+    acc_f32: object  # the fp32 fragment the epilogue scales and stores: ``acc``, or its int32 sums converted
+    temps: object  # promoted accumulation: the K-tile fragments (split in N: the two halves); else None
+    scale_regs: object  # block-scaled: the scales of each K tile in flight; else None
+    tile_coords: object  # block-scaled: each accumulator element's (row, column) in the tile; else None
+    half_mmas: object  # split in N: the 64 x tile_n/2 (fresh, accumulating) MMAs; else None
+
+
+class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     """Persistent cooperative WGMMA FP8 GEMM; INT8 (s8 x s8 -> s32) with ``a_dtype = b_dtype = "int8"``.
 
-    Warp roles (registers per thread after setmaxnreg):
+    Warp roles (registers per thread after setmaxnreg). Warp group 0 runs the producer role ``self.producer``
+    (``producer_roles.py``), the consumer warp groups the main loop ``self._consumer_mainloop`` and then the epilogue
+    role ``self.epilogue`` (``epilogue_roles.py``); ``_setup_attributes`` binds all three from the configuration.
 
-    * warp group 0, warp 0 -- TMA producer: A and W tiles into the mainloop pipeline, multicast across the
-      cluster; on 64-row tiles A's 1x128 scales too when the call's layout allows (``ATileScalesByTma``).
-      40 registers (setmaxnreg.dec); 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM.
-    * warp group 0, warp 1 -- block-scaled recipes: scale producer, each K tile's W scales and (unless they
-      came by TMA) A scales into its stage (``block_scales.ScaleStaging``). Registers as warp 0.
-    * warp group 0, warps 1 .. 3 -- with ``a_input`` (the kernel quantizes its activations) instead: the
-      activation quantizers, stage by stage in turn, each filling its stage's FP8 token tile, token scales and W
-      scales (``activation_quant.ActivationQuantStaging``); the TMA warp loads the W tiles alone. 96 registers
-      (200 for the consumers). Per token (recipe "row", FP8 or int8), they first find each token tile's scales
-      and hand them to the epilogue through a ring of ``HANDOFF_UNITS`` units (full / empty barriers).
-    * warp groups 1 .. tile_m/64 -- MMA consumers: each owns 64 rows of the tile_m x tile_n tile (cooperative
-      when two), then the epilogue. 232 registers (setmaxnreg.inc); 240 for promoted 144-wide tiles; 216 with
-      two CTAs per SM (224 block-scaled).
+    | warps | role (class) | work | registers |
+    |---|---|---|---|
+    | WG 0, warp 0 | TMA producer (every producer role) | A, W tiles into the stages, cluster multicast [1] | 40 [2] |
+    | WG 0, warp 1 | scale warp (``BlockScaledProducer``) | each K tile's block scales into its stage [3] | 40 [2] |
+    | WG 0, warps 1..3 | quantizers (``QuantizingProducer``) | each stage's token tile quantized to FP8 [4] | 96 |
+    | WG 1 .. tile_m/64 | consumers | 64 rows of the tile each: main loop, then epilogue | 232 [5] |
 
-    Pipelines:
+    [1] On 64-row block-scaled tiles A's 1x128 scales too, when the call's layout allows (``ATileScalesByTma``).
+    A quantizing kernel's warp 0 loads the W tiles and the unquantized token tiles instead.
+    [2] 24 for promoted 144-wide tiles; 32 block-scaled with two CTAs per SM; 96 in a quantizing kernel.
+    [3] W's and, unless they came by TMA, A's (``block_scales.ScaleStaging``).
+    [4] ``activation_quant.ActivationQuantStaging``: stage by stage in turn, its FP8 token tile, token scales and W
+    scales. Per token (``TokenQuantizingProducer``, recipe "row"), each token tile's scales are found first and handed
+    to the epilogue through a ring of ``HANDOFF_UNITS`` units.
+    [5] 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled); 200 in a quantizing kernel.
 
-    * mainloop (PipelineTmaAsync): TMA warp (+ scale warp) -> both consumer warp groups; ``stages`` stages
-      (>= 4 where shared memory allows).
-    * epilogue store (PipelineTmaStore): consumer warp groups -> TMA store engine; ``epi_stages`` output
-      slices (>= 2, up to a tile). An FP8 output (``d_quant``) the consumers quantize and store themselves from
-      one 128-column slice (``epilogue_quant.py``).
+    Pipelines and their stages:
+
+    | pipeline | from -> to | stages |
+    |---|---|---|
+    | mainloop (PipelineTmaAsync) | producer warps (``arrivals``) -> consumers | ``ab_stages`` (>= 4 if smem allows) |
+    | unquantized token tiles (mbarriers) | TMA warp -> quantizing warps | ``ab_stages`` |
+    | token-scale ring (full / empty mbarriers) | quantizing warp 1 -> consumers | ``HANDOFF_UNITS`` |
+    | epilogue store (PipelineTmaStore) | consumers -> TMA store engine | ``epi_stages`` slices (>= 2, <= a tile) |
+
+    An FP8 output (``d_quant``) the consumers quantize and store themselves from one 128-column slice buffer
+    (``epilogue_quant.FP8OutputEpilogue``).
+
+    Hooks. ``kernel`` branches on no variant: it calls the roles' hooks in order, and a variant is a role class.
+
+    * producer role (``producer_roles.TmaProducer`` and subclasses): host ``make_b_load``, ``make_a_scale_load``,
+      ``make_storage``, ``kernel_x``; device ``stage_tx_bytes``, ``arrivals``, ``init_smem``, ``b_destination``,
+      ``run`` (warp 0's ``TmaLoads`` with ``a_tile_scales`` / ``b_stage``, then ``helper_warps``), and for the
+      consumers ``epilogue_scales`` / ``release_epilogue_scales``.
+    * epilogue role (``epilogue_roles.TmaStoreEpilogue`` and subclasses): host ``make_store``; device ``prefetch``,
+      ``setup``, ``begin``, ``visit`` (the fp32 tile math), ``store_tile`` (``slice_targets`` / ``store_slice``).
+    * main loop (``_consumer_mainloop``): one of ``promoted_mainloops.py``'s loops, or ``_mainloop_fast``.
+
+    A new epilogue fusion (SiLU * mul, a residual add) is one more epilogue role: a subclass of
+    ``TmaStoreEpilogue`` (or ``FP8OutputEpilogue``) whose ``visit`` runs the base ``visit`` and then its fp32 step on
+    ``acc_f32``, bound in ``_setup_attributes``; an operand it reads enters through an entry of its own, as an FP8
+    output's scales enter through ``call_fp8_out``.
 
     Tiles are visited by the shared persistent scheduler (grouped rasterisation, cluster-aware); one
     compilation serves every M, N, K (all three are run-time values). The epilogue (after converting an int8
@@ -104,17 +140,23 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
         self.bias_dtype = cutlass_dtype(cfg.bias_dtype) if cfg.bias_dtype else None
         # The WGMMA accumulator: fp32, or int32 for s8 x s8 (converted to fp32 for the epilogue).
         self.integer = is_integer(cfg)
+        self.acc_dtype = Int32 if self.integer else Float32
         # The kernel quantizes the activations (kernel B when swapped) itself: they arrive in this dtype.
         self.quantizes_a = cfg.a_input is not None
         # ... per token (a scale per activation row, over all of K) rather than in 1x128 groups
         self.per_token_quant = self.quantizes_a and cfg.recipe == "row"
-        self.acc_dtype = Int32 if self.integer else Float32
+        self.block_scaled = is_block_scaled(cfg.recipe)
+        self._setup_attributes()
+
+    def _setup_attributes(self):
+        """What the configuration implies: tiles and warp groups, the block-scale plan, stages and registers, and the
+        roles (producer, main loop, epilogue) the kernel runs."""
+        cfg = self.cfg
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, cfg.tile_k)
         self.num_mma_warp_groups = cfg.tile_m // 64
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.num_threads_per_warp_group
         self.num_mma_threads = self.num_mma_warp_groups * self.num_threads_per_warp_group
         self.epi_tile = (cfg.tile_m, self.epi_n(cfg))
-        self.block_scaled = is_block_scaled(cfg.recipe)
         # (kernel A, kernel B) scale granularity, or None; swapped operands swap their scales too.
         gran = BLOCK_RECIPES.get(cfg.recipe)
         self.scale_gran = gran[::-1] if gran and cfg.swap_ab else gran
@@ -134,6 +176,21 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages, self.epi_stages)
+        # The roles, bound once. How warp group 0 fills the stages:
+        producer = TokenQuantizingProducer if self.per_token_quant else QuantizingProducer if self.quantizes_a else (
+            BlockScaledProducer if self.block_scaled else TmaProducer)
+        self.producer = producer(self)
+        # ... the consumers' main loop (promoted_mainloops.py; ``_mainloop`` for fast accumulation) ...
+        self._consumer_mainloop = (
+            self._mainloop_fast if cfg.accum == "fast" else self._mainloop_serial_ahead if self.read_ahead
+            else self._mainloop_split_n if self.split_n
+            else self._mainloop_promoted if cfg.tile_n <= self.overlapped_promote_max_n
+            else self._mainloop_promoted_serial)
+        # ... and what they do with a finished tile.
+        self.epilogue = (FP8OutputEpilogue if cfg.d_quant else TmaStoreEpilogue)(self)
+
+    # The FP8 output's scales while ``call_fp8_out`` traces the kernel (the kernel's ``mQScales``); None otherwise.
+    q_scales = None
 
     @cute.jit
     def __call__(
@@ -166,23 +223,10 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
         d_smem = sm90_utils.make_smem_layout_epi(self.d_dtype, self.d_layout, self.epi_tile, self.epi_stages)
 
         tma_a, tA = self._make_tma_load(mA, a_smem, (bM, bK), cn)
-        x_smem = None
-        self.x_dtype = mB.element_type  # (the kernel sees B as its TMA coordinate tensor)
-        if cutlass.const_expr(self.quantizes_a):
-            # The unquantized activations' tile of each stage, row-major (the quantizing warps read 16-element
-            # vectors of a row), loaded by TMA onto the stage's own barrier (activation_quant.py).
-            x_smem = cute.make_layout((bN, bK, self.ab_stages), stride=(bK, 1, bN * bK))
-            tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp(), mB, cute.slice_(x_smem, (None, None, 0)), (bN, bK))
-        else:
-            tma_b, tB = self._make_tma_load(mB, b_smem, (bN, bK), cm)
-        a_scales_by_tma = tma_sa = tSA = None
-        if cutlass.const_expr(self.a_scale_tma):
-            a_scales_by_tma, sa_view = a_scale_tma_view(mSA)
-            tma_sa, tSA = a_scale_tma_atom(sa_view, bM)
-        # (an FP8 output is stored by the epilogue's threads, epilogue_quant.py: no TMA store)
-        tma_d, tD = (None, mD) if cutlass.const_expr(self.cfg.d_quant) else cute.nvgpu.cpasync.make_tiled_tma_atom(
-            cute.nvgpu.cpasync.CopyBulkTensorTileS2GOp(), mD, cute.slice_(d_smem, (None, None, 0)), self.epi_tile)
+        # x_smem: the unquantized token tiles' stages of a kernel that quantizes its activations (else None)
+        tma_b, tB, x_smem = self.producer.make_b_load(mB, b_smem)
+        a_scales_by_tma, tma_sa, tSA = self.producer.make_a_scale_load(mSA)
+        tma_d, tD = self.epilogue.make_store(mD, d_smem)
 
         @cute.struct
         class SharedStorage:
@@ -197,22 +241,7 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
             split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
 
         self.shared_storage = SharedStorage
-        self.quant_storage = None
-        smem_bytes = SharedStorage.size_in_bytes()
-        if cutlass.const_expr(self.quantizes_a):
-            @cute.struct
-            class QuantStorage:
-                # Each stage's unquantized activation tile and its TMA barrier; the quantizing warps' W-scale buffers.
-                sX: cute.struct.Align[cute.struct.MemRange[self.x_dtype, cute.cosize(x_smem)], 128]
-                x_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages]
-                w_prefetch: cute.struct.Align[cute.struct.MemRange[Float32, w_prefetch_floats()], 16]
-                # Per token: the token scales and the epilogue ring's barriers (activation_quant.RowScales).
-                row_scales: cute.struct.Align[cute.struct.MemRange[
-                    Float32, row_scale_floats(bN) if self.per_token_quant else 1], 16]
-                ring_barriers: cute.struct.MemRange[cutlass.Int64, 2 * HANDOFF_UNITS if self.per_token_quant else 1]
-
-            self.quant_storage = QuantStorage
-            smem_bytes += QuantStorage.size_in_bytes() + 128  # (allocated after the rest, 128-byte aligned)
+        smem_bytes = SharedStorage.size_in_bytes() + self.producer.make_storage(x_smem)
         assert smem_bytes <= smem_capacity(self.cfg.ctas_per_sm), (smem_bytes, self.cfg)
 
         M, N = mD.shape
@@ -227,7 +256,7 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
         self.kernel(
             tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, tma_d, tD, mSA, mSB, tma_sa, tSA, a_scales_by_tma,
             mBias, mWorkspace, mCounters, self.q_scales,
-            a_smem, b_smem, d_smem, x_smem, mB if self.per_token_quant else None, tiles_m, tiles_n, splits,
+            a_smem, b_smem, d_smem, x_smem, self.producer.kernel_x(mB), tiles_m, tiles_n, splits,
         ).launch(
             grid=(cm, cn, grid_clusters),
             block=(self.threads_per_cta, 1, 1),
@@ -242,6 +271,30 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
             stream=stream,
             use_pdl=self.cfg.pdl,
         )
+
+    @cute.jit
+    def call_fp8_out(
+        self,
+        mA: cute.Tensor,  # (M, K) K-major
+        mB: cute.Tensor,  # (K, N) column-major
+        mQ: cute.Tensor,  # (M, N) e4m3, row-major: the output, quantized
+        mQScales: cute.Tensor,  # (M, N / 128) fp32, M-major (quantize_fp8's "1x128" layout): its group scales
+        mSA: cute.Tensor,
+        mSB: cute.Tensor,
+        mBias: cute.Tensor,
+        mWorkspace: cute.Tensor,
+        mCounters: cute.Tensor,
+        splits: Int32,
+        max_clusters: Int32,
+        stream,
+    ):
+        """The entry of a kernel built with ``d_quant`` (``epilogue_quant.FP8OutputEpilogue``): ``__call__``'s
+        arguments, with the FP8 output and its scales in the output's place."""
+        if cutlass.const_expr(self.cfg.d_quant is None):
+            raise TypeError("call_fp8_out enters a kernel built with d_quant; this one is entered through __call__")
+        self.q_scales = mQScales
+        self.__call__(mA, mB, mQ, mSA, mSB, mBias, mWorkspace, mCounters, splits, max_clusters, stream)
+        self.q_scales = None
 
     def _make_tiled_mma(self, n):
         """The warp groups' WGMMA over bM x n (64 x n per warp group)."""
@@ -320,12 +373,8 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
         if warp_idx == 0:
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
-            if cutlass.const_expr(tma_d is not None):
-                cute.nvgpu.cpasync.prefetch_descriptor(tma_d)
-        if cutlass.const_expr(self.cfg.pdl):
-            # Every CTA of a persistent grid is resident from the start: the next kernel may take the idle SMs.
-            if tidx == 0:
-                cute.arch.griddepcontrol_launch_dependents()
+            self.epilogue.prefetch(tma_d)
+        self._launch_dependents(tidx)
 
         cta_layout = cute.make_layout((cm, cn, 1))
         cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -336,51 +385,27 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
-        # The bytes TMA brings per stage (the quantizing warps write the B tile themselves).
-        stage_bytes = cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
-        if cutlass.const_expr(not self.quantizes_a):
-            stage_bytes += cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0)))
+        # The bytes TMA brings per stage.
+        stage_bytes = self.producer.stage_tx_bytes(a_smem, b_smem)
         # Every consumer warp releases a stage to each CTA that multicast into it.
         consumer_arrivals = (cm + cn - 1) * self.num_mma_warp_groups * 4
-        # Block scales: every scale-warp lane also arrives (after its cp.async copies land).
-        # (and every lane of the quantizing warp that filled the stage)
-        producer_arrivals = 1 + PRODUCER_LANES if self.block_scaled or self.quantizes_a else 1
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mainloop_barriers.data_ptr(),
             num_stages=self.ab_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, producer_arrivals),
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.producer.arrivals),
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, consumer_arrivals),
             tx_count=stage_bytes,
             cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)),
             defer_sync=True,
         )
-        x_full = qstorage = None
-        if cutlass.const_expr(self.quantizes_a):
-            qstorage = smem.allocate(self.quant_storage, byte_alignment=128)
-            x_full = qstorage.x_barriers.data_ptr()
-            if tidx == 0:
-                for s in cutlass.range_constexpr(self.ab_stages):
-                    cute.arch.mbarrier_init(x_full + s, 1)  # the TMA warp's arrive with the tile's bytes
-                if cutlass.const_expr(self.per_token_quant):
-                    init_row_scale_barriers(qstorage.ring_barriers.data_ptr(), self.num_mma_threads)
-        row_scales = None
-        if cutlass.const_expr(self.per_token_quant):
-            row_scales = make_row_scales(
-                mX, qstorage.row_scales.get_tensor(cute.make_layout(row_scale_floats(bN))),
-                qstorage.ring_barriers.data_ptr(), bN,
-                pipeline.NamedBarrier(barrier_id=QUANT_BARRIER_ID, num_threads=QUANT_WARPS * 32))
+        psmem = self.producer.init_smem(smem, tidx, mX)  # the producer role's own shared memory
         pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, cn), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         sD = storage.sD.get_tensor(d_smem.outer, swizzle=d_smem.inner)
         split_flag = storage.split_flag.get_tensor(cute.make_layout(1))
-        scale_slots = None
-        if cutlass.const_expr(self.block_scaled):
-            scale_slots = (
-                storage.sSA.get_tensor(cute.make_layout((bM, self.ab_stages))),
-                storage.sSB.get_tensor(cute.make_layout((bN, self.ab_stages))),
-            )
+        scale_slots = self._scale_slots(storage)
 
         gA = cute.local_tile(mA, (bM, bK), (None, None))  # (bM, bK, tiles_m, tiles_k)
         gB = cute.local_tile(mB, (bN, bK), (None, None))
@@ -394,10 +419,7 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
             cute.group_modes(sA, 0, 2),
             cute.group_modes(gA, 0, 2),
         )
-        # B's TMA destination: the B stages, multicast along the cluster's rows; or, in a kernel that quantizes its
-        # activations, the unquantized tiles' stages (no clusters)
-        sX = qstorage.sX.get_tensor(x_smem) if cutlass.const_expr(self.quantizes_a) else None
-        b_dst, b_rank, b_ctas = (sX, 0, 1) if cutlass.const_expr(self.quantizes_a) else (sB, cluster_coord[0], cm)
+        b_dst, b_rank, b_ctas = self.producer.b_destination(sB, psmem, x_smem, cluster_coord)
         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
             tma_b,
             b_rank,
@@ -413,35 +435,10 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            if warp_idx == 0:
-                a_scales = None
-                if cutlass.const_expr(self.a_scale_tma):
-                    a_scales = ATileScalesByTma(tma_sa, tSA, scale_slots[0], bM, a_scales_by_tma, stage_bytes)
-                b_stage = None
-                if cutlass.const_expr(self.quantizes_a):
-                    b_stage = (x_full, cute.size_in_bytes(self.x_dtype, cute.slice_(x_smem, (None, None, 0))))
-                loads = TmaLoads(mainloop, tma_a, tma_b, tAgA, tBgB, tAsA, tBsB, a_mcast_mask, b_mcast_mask,
-                                 a_scales, b_stage)
-                state = self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
-                                                   k_tiles, loads)
-                mainloop.producer_tail(state)
-            if cutlass.const_expr(self.quantizes_a):
-                assert QUANT_WARPS == self.num_threads_per_warp_group // 32 - 1  # every warp but the TMA warp
-                if warp_idx >= 1:
-                    w_buf = qstorage.w_prefetch.get_tensor(cute.make_layout((W_SCALE_SLOTS, QUANT_WARPS)))
-                    quantizer = ActivationQuantStaging(
-                        mainloop, mB, sX, x_full, mSA, w_buf, sB, scale_slots,
-                        self.scale_gran[0] if self.block_scaled else None, (bM, bN), warp_idx - 1,
-                        cute.arch.lane_idx(), make_tag(self.per_token_quant), k_tiles, row_scales)
-                    self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
-                                               k_tiles, quantizer)
-            elif cutlass.const_expr(self.block_scaled):
-                if warp_idx == 1:
-                    staging = ScaleStaging(mainloop, mSA, mSB, scale_slots, self.scale_gran, (bM, bN),
-                                           cute.arch.lane_idx(), a_scales_by_tma if self.a_scale_tma else False)
-                    self._walk_producer_stages(tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord,
-                                               k_tiles, staging)
-                    cute.arch.cp_async_wait_group(0)
+            self.producer.run(ProducerView(
+                mainloop, stage_bytes, tma_a, tma_b, tAgA, tBgB, tAsA, tBsB, a_mcast_mask, b_mcast_mask, mSA, mSB, mB,
+                sB, b_dst, x_smem, scale_slots, (tma_sa, tSA, a_scales_by_tma), psmem,
+                (tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord, k_tiles)), warp_idx)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             # Releases with the signalling lane and the mapped barrier address worked out once (stage_release.py).
@@ -452,159 +449,54 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
             # The A/W shared-memory descriptors depend only on the warp group: built from its first thread's
             # slice (a warp-uniform index), ptxas keeps them in uniform registers instead of rebuilding them
             # from the thread index and moving them over with R2UR before every WGMMA.
-            thr_mma_wg = tiled_mma.get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
-            tCsA = thr_mma_wg.partition_A(sA)
-            tCsB = thr_mma_wg.partition_B(sB)
-            tCrA = tiled_mma.make_fragment_A(tCsA)
-            tCrB = tiled_mma.make_fragment_B(tCsB)
-            acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0)]).shape
-            acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-            # The fp32 fragment the epilogue scales and stores: the accumulator itself, or its int32 sums converted.
-            acc_f32 = cute.make_rmem_tensor(acc_shape, Float32) if self.integer else acc
-            temps = None
-            scale_regs = None
-            half_mmas = None
-            if cutlass.const_expr(self.split_n):
-                # Fresh and accumulating 64 x bN/2 MMAs, and their operands: A as before, W by halves of the
-                # stage's tile. A 64 x N WGMMA fragment lists its N/8 column groups in order, four values each,
-                # so a half's fragment is elements bN/4 * h.. of the tile's (test_split_n_halves_are_...).
-                half_mmas = (self._make_tiled_mma(bN // 2), self._make_tiled_mma(bN // 2))
-                half_wg = half_mmas[1].get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
-                tCrA = half_mmas[1].make_fragment_A(half_wg.partition_A(sA))
-                sB_halves = cute.flat_divide(sB, (bN // 2,))  # (bN/2, 2, bK, stages)
-                tCrB = tuple(
-                    half_mmas[1].make_fragment_B(half_wg.partition_B(sB_halves[(None, h, None, None)]))
-                    for h in range(2)
-                )
-                half_shape = half_mmas[1].get_slice(mma_tidx).partition_C(
-                    cute.make_identity_tensor((bM, bN // 2))).shape
-                temps = tuple(cute.make_rmem_tensor(half_shape, self.acc_dtype) for _ in range(2))
-            elif cutlass.const_expr(self.cfg.accum == "promoted"):
-                n_frags = 2 if bN <= self.overlapped_promote_max_n else 1
-                temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
-            if cutlass.const_expr(self.cfg.accum == "promoted" and self.block_scaled):
-                # The scales of each K tile in flight (read_stage_scales / read_raw_scales): one set per
-                # fragment; split in N, the K tile running and the one before it; reading ahead, the K tile
-                # running and the next one.
-                n_sets = 2 if self.read_ahead else len(temps)
-                scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_sets))
-            tile_coords = None
-            if cutlass.const_expr(self.block_scaled):
-                # Each accumulator element's (row, column) inside the tile picks its scales.
-                tile_coords = thr_mma.partition_C(cute.make_identity_tensor((bM, bN)))
-
-            epi = self._make_epilogue(tiled_mma, sD, mma_tidx)
-            store_pipe = pipeline.PipelineTmaStore.create(
-                num_stages=self.epi_stages,
-                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_threads),
-            )
-            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_threads)
+            frags = self._consumer_fragments(tiled_mma, sA, sB, gD, wg_idx, mma_tidx, thr_mma)
+            epi, store_pipe, epi_barrier = self.epilogue.setup(tiled_mma, sD, mma_tidx)
 
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.ab_stages)
-            # ACCUMULATE stays a trace-time constant (True), set outside the run-time loops (a value set
-            # inside one would escape its region); zeroing the accumulator per tile is cheap.
-            tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-            tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-            mmas = (tiled_mma_fresh, tiled_mma)
-            if cutlass.const_expr(self.split_n):
-                half_mmas[1].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
-                half_mmas[0].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
-                mmas = half_mmas
+            mmas = self._mainloop_mmas(tiled_mma, tiled_mma_fresh, frags)
             tiles_done = Int32(0)
             units_done = Int32(0)  # (per-token quantization: the epilogue ring's position)
-            alpha = None
-            if cutlass.const_expr(self.cfg.recipe == "tensor"):
-                # Read the per-tensor scales once, before the first tile: loaded in each tile's epilogue, their
-                # L2 latency stands between the main loop and the first multiply of every tile.
-                if cutlass.const_expr(self.cfg.pdl):
-                    cute.arch.griddepcontrol_wait()  # the previous kernel may still be writing them
-                alpha = Float32(mSA[0]) * Float32(mSB[0])
+            alpha = self.epilogue.begin(mSA, mSB)
             unit = cluster_id
             while unit < sched.num_units:
                 tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
                 _, k_count = k_tile_range(k_tiles, nsplit, split)
-                if cutlass.const_expr(self.cfg.accum == "fast"):
-                    read_state, release_state = self._mainloop(
-                        tiled_mma, acc, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count
-                    )
-                else:
-                    scales = None
-                    if cutlass.const_expr(self.block_scaled):
-                        scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, self.scale_gran, (bM, bN),
-                                            self.raw_scales)
-                    if cutlass.const_expr(self.read_ahead):
-                        read_state, release_state = self._mainloop_serial_ahead(
-                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
-                        )
-                    elif cutlass.const_expr(self.split_n):
-                        read_state, release_state = self._mainloop_split_n(
-                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
-                        )
-                    elif cutlass.const_expr(len(temps) == 2):
-                        read_state, release_state = self._mainloop_promoted(
-                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
-                        )
-                    else:
-                        read_state, release_state = self._mainloop_promoted_serial(
-                            mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_count, scales
-                        )
-                owns_epilogue = True
-                if cutlass.const_expr(self.cfg.split_k):
-                    # Tiles past the edge (cluster padding) have nothing to reduce or store.
-                    if cutlass.const_expr(self.cfg.split_tail):
-                        if sched.is_split(unit) and tm < tiles_m and tn < tiles_n:
-                            owns_epilogue = reduce_partials(
-                                acc, mWorkspace, mCounters, sched.split_slot(unit, cluster_coord[0], cluster_coord[1]),
-                                split, splits, mma_tidx, self.num_mma_threads, epi_barrier, split_flag,
-                            )
-                    elif splits > 1 and tm < tiles_m and tn < tiles_n:
-                        owns_epilogue = reduce_partials(
-                            acc, mWorkspace, mCounters, tm * tiles_n + tn, split, splits, mma_tidx,
-                            self.num_mma_threads, epi_barrier, split_flag,
-                        )
-                token_scales = None
-                if cutlass.const_expr(self.per_token_quant):
-                    ring_slot = wait_token_scales(row_scales, units_done)
-                    token_scales = row_scales.ring[(None, ring_slot)]
+                read_state, release_state = self._consumer_mainloop(
+                    mmas, frags.acc, frags.temps, frags.tCrA, frags.tCrB, consumer_mainloop, read_state, release_state,
+                    k_count, self._tile_scales(scale_slots, frags, tn))
+                owns_epilogue = self._reduce_splits(sched, unit, cluster_coord, tm, tn, split, splits, tiles_m, tiles_n,
+                                                    frags.acc, mWorkspace, mCounters, mma_tidx, epi_barrier, split_flag)
+                # (per-token quantization: the unit's token scales, which the producer's quantizing warps found)
+                token_scales, ring_slot = self.producer.epilogue_scales(psmem, units_done)
                 if owns_epilogue:
-                    if cutlass.const_expr(self.integer):
-                        acc_f32.store(acc.load().to(Float32))
-                    self._apply_scales(acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales)
-                if cutlass.const_expr(self.per_token_quant):
-                    release_token_scales(row_scales, ring_slot)
-                    units_done += 1
+                    self.epilogue.visit(frags.acc, frags.acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha,
+                                        token_scales)
+                units_done = self.producer.release_epilogue_scales(psmem, ring_slot, units_done)
                 if owns_epilogue:
-                    self._store_tile(epi, acc_f32, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier,
-                                     warp_idx, mD, mQScales)
+                    self.epilogue.store_tile(epi, frags.acc_f32, tma_d, sD, gD, tm, tn, tiles_done, store_pipe,
+                                             epi_barrier, warp_idx, mD, mQScales)
                     tiles_done += 1
                 unit += num_clusters
             store_pipe.producer_tail()
 
     @cute.jit
-    def _walk_producer_stages(self, tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord, k_tiles, role):
-        """The producer warps' walk: this cluster's work units in schedule order, each unit's K tiles, one mainloop
-        stage per K tile. Warp 0 (``TmaLoads``) and, for the block-scaled recipes, warp 1 (``ScaleStaging``) both
-        take it, so they fill the same stages with the same K tiles: ``role.unit_views(tm, tn)`` once per unit,
-        ``role.fill_stage(views, tm, tn, kt, state)`` per K tile. Returns the producer state past the last stage."""
-        sched = self._scheduler(tiles_m, tiles_n, splits, num_clusters)
-        state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.ab_stages)
-        unit = cluster_id
+    def _launch_dependents(self, tidx):
+        """Programmatic dependent launch: every CTA of a persistent grid is resident from the start, so the next
+        kernel may take the idle SMs at once."""
         if cutlass.const_expr(self.cfg.pdl):
-            # Wait for the previous kernel (its writes are then visible) before the first load. Everything this
-            # grid reads or writes follows the producers' loads, so this orders the whole kernel after it.
-            # (Loading weight tiles before the wait would be faster back to back, but would read a weight the
-            # previous kernel may still be writing: FP8 training quantizes W right before its GEMM.)
-            cute.arch.griddepcontrol_wait()
-        while unit < sched.num_units:
-            tm, tn, split, nsplit = self._unit(sched, unit, cluster_coord, splits)
-            views = role.unit_views(tm, tn)
-            k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
-            for i in cutlass.range(k_count, unroll=1):
-                role.fill_stage(views, tm, tn, k_begin + i, state)
-                state.advance()
-            unit += num_clusters
-        return state
+            if tidx == 0:
+                cute.arch.griddepcontrol_launch_dependents()
+
+    def _scale_slots(self, storage):
+        """The block scales' (A, W) slots of each stage (block-scaled recipes; else None)."""
+        if not self.block_scaled:
+            return None
+        bM, bN, _ = self.tile_shape_mnk
+        return (
+            storage.sSA.get_tensor(cute.make_layout((bM, self.ab_stages))),
+            storage.sSB.get_tensor(cute.make_layout((bN, self.ab_stages))),
+        )
 
     def _scheduler(self, tiles_m, tiles_n, splits, num_clusters):
         cm, cn = self.cfg.cluster_shape_mn
@@ -620,6 +512,106 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
         return tm, tn, split, splits
 
     # ---- consumer pieces -------------------------------------------------------------------------
+    @cute.jit
+    def _consumer_fragments(self, tiled_mma, sA, sB, gD, wg_idx, mma_tidx, thr_mma):
+        """A consumer warp group's register fragments and views (``ConsumerFragments``) for the main loop picked in
+        ``__init__`` (``_consumer_mainloop``)."""
+        bM, bN, _ = self.tile_shape_mnk
+        # The A/W shared-memory descriptors depend only on the warp group: built from its first thread's
+        # slice (a warp-uniform index), ptxas keeps them in uniform registers instead of rebuilding them
+        # from the thread index and moving them over with R2UR before every WGMMA.
+        thr_mma_wg = tiled_mma.get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
+        tCsA = thr_mma_wg.partition_A(sA)
+        tCsB = thr_mma_wg.partition_B(sB)
+        tCrA = tiled_mma.make_fragment_A(tCsA)
+        tCrB = tiled_mma.make_fragment_B(tCsB)
+        acc_shape = thr_mma.partition_C(gD[(None, None, 0, 0)]).shape
+        acc = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+        # The fp32 fragment the epilogue scales and stores: the accumulator itself, or its int32 sums converted.
+        acc_f32 = cute.make_rmem_tensor(acc_shape, Float32) if self.integer else acc
+        temps = None
+        scale_regs = None
+        half_mmas = None
+        if cutlass.const_expr(self.split_n):
+            # Fresh and accumulating 64 x bN/2 MMAs, and their operands: A as before, W by halves of the
+            # stage's tile. A 64 x N WGMMA fragment lists its N/8 column groups in order, four values each,
+            # so a half's fragment is elements bN/4 * h.. of the tile's (test_split_n_halves_are_...).
+            half_mmas = (self._make_tiled_mma(bN // 2), self._make_tiled_mma(bN // 2))
+            half_wg = half_mmas[1].get_slice((wg_idx - 1) * self.num_threads_per_warp_group)
+            tCrA = half_mmas[1].make_fragment_A(half_wg.partition_A(sA))
+            sB_halves = cute.flat_divide(sB, (bN // 2,))  # (bN/2, 2, bK, stages)
+            tCrB = tuple(
+                half_mmas[1].make_fragment_B(half_wg.partition_B(sB_halves[(None, h, None, None)]))
+                for h in range(2)
+            )
+            half_shape = half_mmas[1].get_slice(mma_tidx).partition_C(
+                cute.make_identity_tensor((bM, bN // 2))).shape
+            temps = tuple(cute.make_rmem_tensor(half_shape, self.acc_dtype) for _ in range(2))
+        elif cutlass.const_expr(self.cfg.accum == "promoted"):
+            n_frags = 2 if bN <= self.overlapped_promote_max_n else 1
+            temps = tuple(cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(n_frags))
+        if cutlass.const_expr(self.cfg.accum == "promoted" and self.block_scaled):
+            # The scales of each K tile in flight (read_stage_scales / read_raw_scales): one set per
+            # fragment; split in N, the K tile running and the one before it; reading ahead, the K tile
+            # running and the next one.
+            n_sets = 2 if self.read_ahead else len(temps)
+            scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(n_sets))
+        tile_coords = None
+        if cutlass.const_expr(self.block_scaled):
+            # Each accumulator element's (row, column) inside the tile picks its scales.
+            tile_coords = thr_mma.partition_C(cute.make_identity_tensor((bM, bN)))
+        return ConsumerFragments(tCrA, tCrB, acc, acc_f32, temps, scale_regs, tile_coords, half_mmas)
+
+    def _mainloop_mmas(self, tiled_mma, tiled_mma_fresh, frags):
+        """(fresh, accumulating) MMAs of the main loop: the first K block of a promoted K tile overwrites its
+        fragment, the rest accumulate (split in N: the half-width pair)."""
+        # ACCUMULATE stays a trace-time constant (True), set outside the run-time loops (a value set
+        # inside one would escape its region); zeroing the accumulator per tile is cheap.
+        tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+        tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+        mmas = (tiled_mma_fresh, tiled_mma)
+        if self.split_n:
+            frags.half_mmas[1].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
+            frags.half_mmas[0].set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
+            mmas = frags.half_mmas
+        return mmas
+
+    def _tile_scales(self, scale_slots, frags, tn):
+        """The block-scaled recipes' ``TileScales`` of tile column ``tn`` (built once per tile, outside its K loop);
+        None for the epilogue-scaled ones."""
+        if not self.block_scaled:
+            return None
+        bM, bN, _ = self.tile_shape_mnk
+        return TileScales(scale_slots, frags.tile_coords, tn * bN, frags.scale_regs, self.scale_gran, (bM, bN),
+                          self.raw_scales)
+
+    @cute.jit
+    def _reduce_splits(self, sched, unit, cluster_coord, tm, tn, split, splits, tiles_m, tiles_n, acc, mWorkspace,
+                       mCounters, mma_tidx, epi_barrier, split_flag):
+        """Split-K: reduce the unit's partial sums (``split_k.reduce_partials``); returns whether this CTA runs the
+        tile's epilogue (always, unsplit)."""
+        owns_epilogue = True
+        if cutlass.const_expr(self.cfg.split_k):
+            # Tiles past the edge (cluster padding) have nothing to reduce or store.
+            if cutlass.const_expr(self.cfg.split_tail):
+                if sched.is_split(unit) and tm < tiles_m and tn < tiles_n:
+                    owns_epilogue = reduce_partials(
+                        acc, mWorkspace, mCounters, sched.split_slot(unit, cluster_coord[0], cluster_coord[1]),
+                        split, splits, mma_tidx, self.num_mma_threads, epi_barrier, split_flag,
+                    )
+            elif splits > 1 and tm < tiles_m and tn < tiles_n:
+                owns_epilogue = reduce_partials(
+                    acc, mWorkspace, mCounters, tm * tiles_n + tn, split, splits, mma_tidx,
+                    self.num_mma_threads, epi_barrier, split_flag,
+                )
+        return owns_epilogue
+
+    @cute.jit
+    def _mainloop_fast(self, mmas, acc, temps, tCrA, tCrB, mainloop, read_state, release_state, k_tiles, scales):
+        """Fast accumulation (``accum="fast"``): ``_mainloop`` with the accumulating MMA, in the promoted loops'
+        signature."""
+        return self._mainloop(mmas[1], acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles)
+
     @cute.jit
     def _mainloop(self, tiled_mma, acc, tCrA, tCrB, mainloop, read_state, release_state, k_tiles):
         """acc = A_tile @ W_tile^T over all K tiles; keeps one WGMMA batch in flight."""
@@ -650,84 +642,3 @@ class Sm90Fp8Gemm(PromotedMainloops, FP8OutputEpilogue, Sm90GemmPlan):
             coord = (None, None, kb, stage)
             cute.gemm(tiled_mma, acc, tCrA[coord], tCrB[coord], acc)
         cute.nvgpu.warpgroup.commit_group()
-
-    @cute.jit
-    def _apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales=None):
-        """acc <- acc * scale (+ bias) in fp32, with scale from the epilogue-scaled recipe (per-tensor: the
-        product ``alpha`` read before the tile loop; per token, computed in the kernel: ``token_scales``, the
-        tile's columns' scales in shared memory)."""
-        bM, bN, _ = self.tile_shape_mnk
-        M, N = mD.shape
-        cD = cute.local_tile(cute.make_identity_tensor((M, N)), (bM, bN), (tm, tn))
-        tCcD = thr_mma.partition_C(cD)
-        if cutlass.const_expr(self.block_scaled):
-            pass  # applied per K tile in the main loop
-        elif cutlass.const_expr(self.cfg.recipe == "tensor"):
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                acc[i] = acc[i] * alpha
-        else:
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                m, n = tCcD[i]
-                # Rows/columns past the edge are clipped by the TMA store; clamp so the loads stay in bounds.
-                sa = Float32(mSA[cutlass.min(m, M - 1), 0])
-                if cutlass.const_expr(token_scales is not None):
-                    sb = token_scales[n - tn * bN]
-                else:
-                    sb = Float32(mSB[0, cutlass.min(n, N - 1)])
-                acc[i] = acc[i] * (sa * sb)
-        if cutlass.const_expr(self.bias_dtype is not None):
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                m, n = tCcD[i]
-                # The bias runs along the user's N: the kernel's rows when swapped.
-                if cutlass.const_expr(self.cfg.swap_ab):
-                    acc[i] = acc[i] + Float32(mBias[cutlass.min(m, M - 1)])
-                else:
-                    acc[i] = acc[i] + Float32(mBias[cutlass.min(n, N - 1)])
-
-    def _make_epilogue(self, tiled_mma, sD, mma_tidx):
-        copy_atom_r2s = sm90_utils.sm90_get_smem_store_op(self.d_layout, elem_ty_d=self.d_dtype,
-                                                          elem_ty_acc=Float32)
-        copy_atom_d = cute.make_copy_atom(
-            cute.nvgpu.warp.StMatrix8x8x16bOp(self.d_layout.is_m_major_c(), 4), self.d_dtype
-        )
-        tiled_copy_r2s = cute.make_tiled_copy_S(copy_atom_r2s, cute.make_tiled_copy_C_atom(copy_atom_d, tiled_mma))
-        thr_copy_r2s = tiled_copy_r2s.get_slice(mma_tidx)
-        return tiled_copy_r2s, thr_copy_r2s.partition_D(sD), cute.shape(thr_copy_r2s.partition_S(sD))
-
-    @cute.jit
-    def _store_tile(self, epi, acc, tma_d, sD, gD, tm, tn, tiles_done, store_pipe, epi_barrier, warp_idx, mQ, mQs):
-        """Registers -> shared memory (stmatrix) -> global memory (TMA store), one tile_m x 32 slice at a time; an FP8
-        output (``d_quant``: ``mQ`` and its scales ``mQs``) one 128-column group at a time (``_quantize_slice``)."""
-        tiled_copy_r2s, tRS_sD, rD_shape = epi
-        tRS_rAcc = tiled_copy_r2s.retile(acc)
-        tRS_rD = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, Float32)
-        tRS_rD_out = cute.make_rmem_tensor(cute.make_layout(rD_shape[:3]).shape, self.d_dtype)
-        n_per_slice = cute.size(tRS_rD)
-
-        gD_tile = cute.zipped_divide(gD[(None, None, tm, tn)], self.epi_tile)
-        slices = cute.size(gD_tile, mode=[1])
-        if cutlass.const_expr(tma_d is not None):
-            bSG_sD, bSG_gD = cute.nvgpu.cpasync.tma_partition(
-                tma_d, 0, cute.make_layout(1), cute.group_modes(sD, 0, 2), gD_tile
-            )
-            slice_layout = cute.make_layout(gD_tile.shape[1], stride=(gD_tile.shape[1][1], 1))
-        first = tiles_done * slices
-        for s in cutlass.range_constexpr(slices):
-            with unrolled_fragment_loops():  # register arrays: element indices must be trace-time constants
-                for v in cutlass.range_constexpr(n_per_slice):
-                    tRS_rD[v] = tRS_rAcc[s * n_per_slice + v]
-            tRS_rD_out.store(tRS_rD.load().to(self.d_dtype))
-            if cutlass.const_expr(tma_d is None):
-                self._quantize_slice(tiled_copy_r2s, tRS_rD_out, tRS_sD, sD, mQ, mQs, tm, tn, s, epi_barrier)
-            else:
-                # A buffer per slice: slice s always uses buffer s (no run-time modulo).
-                buf = s if cutlass.const_expr(self.epi_stages == slices) else (first + s) % self.epi_stages
-                cute.copy(tiled_copy_r2s, tRS_rD_out, tRS_sD[(None, None, None, buf)])
-                # stmatrix writes are generic-proxy; the TMA engine reads through the async proxy.
-                cute.arch.fence_proxy("async.shared", space="cta")
-                epi_barrier.arrive_and_wait()
-                if warp_idx == 4:
-                    cute.copy(tma_d, bSG_sD[(None, buf)], bSG_gD[(None, slice_layout.get_hier_coord(s))])
-                    store_pipe.producer_commit()
-                    store_pipe.producer_acquire()
-                epi_barrier.arrive_and_wait()

@@ -1,4 +1,4 @@
-"""The TMA warp's part of the Hopper GEMM's producer walk (``Sm90Fp8Gemm._walk_producer_stages``): each K tile's A and
+"""The TMA warp's part of the Hopper GEMM's producer walk (``producer_roles.TmaProducer.walk``): each K tile's A and
 W tiles by TMA, multicast across the cluster, and on 64-row block-scaled tiles A's 1x128 scales with them."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .block_scales import load_a_scale_box
 
 @dataclass(frozen=True)
 class TmaLoads:
-    """Warp 0's part of the producer walk (``Sm90Fp8Gemm._walk_producer_stages``): each K tile's A and W tiles by
+    """Warp 0's part of the producer walk (``producer_roles.TmaProducer.walk``): each K tile's A and W tiles by
     TMA, multicast across the cluster (frozen: the DSL lets it into run-time loops without carrying it)."""
 
     mainloop: object
