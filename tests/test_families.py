@@ -30,6 +30,21 @@ def test_every_arch_op_of_the_table_has_exactly_one_family():
         assert all(callable(getattr(family, name, None)) for name in FAMILY_API), family.__name__
     assert R.family_of(M.SM90, M.QUANT_GEMM) is R.family_of(M.SM90, "gemm") is R.family_of(M.SM90, M.GEMM_FP8_OUT)
     assert len({f.__name__ for f in R.FAMILIES.values()}) == 4
+    # the GEMM families plan their launches for runtime.launch.plan; the grouped one launches its own calls
+    for key, family in R.FAMILIES.items():
+        assert callable(getattr(family, "launch_plan" if key[1] != M.GROUPED_GEMM else "launch", None)), key
+
+
+def test_runtime_launch_dispatches_plans_to_the_families(monkeypatch):
+    """runtime.launch.plan hands every argument to the instance's family's launch_plan and returns its plan."""
+    from cutedsl_gemm.runtime import launch
+
+    for arch, op in [(M.SM90, "gemm"), (M.SM90, M.WEIGHT_ONLY), (M.SM100, "gemm")]:
+        inst, got = _first(arch=arch, op=op), []
+        family = R.family_of(arch, op)
+        monkeypatch.setattr(family, "launch_plan", lambda *args, got=got, **kw: got.append((args, kw)) or "the plan")
+        assert launch.plan(inst, 100, 200, 1, 0, k=256, fmt_a="e4m3", fmt_b="e4m3") == "the plan"
+        assert got == [((inst, 100, 200, 1, 0), dict(k=256, fmt_a="e4m3", fmt_b="e4m3"))], (arch, op)
 
 
 def test_every_row_passes_its_family_check():

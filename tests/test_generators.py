@@ -113,7 +113,7 @@ def test_cli_export_of_an_arch_without_an_exporter_is_an_error(tmp_path, capsys,
 def test_precompile_uses_the_runtime_cache_key(monkeypatch):
     """precompile must fill exactly the entry scaled_mm looks up."""
     from cutedsl_gemm.generators.precompile import cache_key
-    from cutedsl_gemm.runtime import launch
+    from cutedsl_gemm.runtime import launch, resources
 
     seen = []
 
@@ -122,7 +122,7 @@ def test_precompile_uses_the_runtime_cache_key(monkeypatch):
             seen.append((key, arch))
             return "compiled"
 
-    monkeypatch.setattr(launch, "KERNEL_CACHE", Recorder())
+    monkeypatch.setattr(resources, "KERNEL_CACHE", Recorder())
     insts = [instance(ROW_BF16), instance(WEIGHT_ONLY_DECODE)]
     for inst in insts:
         launch.compiled(inst)

@@ -17,10 +17,11 @@ import torch
 
 import cutedsl_gemm
 from cutedsl_gemm import problem as P
+from cutedsl_gemm.families import sm100_gemm
 from cutedsl_gemm.numerics import codecs, scale_layouts
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import E2M1, E2M3, E3M2, E4M3, E5M2, RECIPES
-from cutedsl_gemm.runtime import launch
+from cutedsl_gemm.runtime import launch, resources
 from cutedsl_gemm.selection import dispatch
 from cutedsl_gemm.selection import instances as table
 from cutedsl_gemm.tools.ptx_inspect import keep_artifacts
@@ -476,10 +477,10 @@ def test_launch_plans_pass_the_kernel_arguments_in_order(monkeypatch):
     calls = []
     views = tuple(torch.zeros(128, w, dtype=torch.uint8) for w in (128, 96, 64))
     unit, no_bias = torch.ones(1), torch.zeros(1)
-    monkeypatch.setattr(launch, "compiled", lambda inst: lambda *args: calls.append(args))
-    monkeypatch.setattr(launch, "device_info", lambda index: ("sm_100a", 148))
-    monkeypatch.setattr(launch, "_sm100_stand_ins", lambda index: (views, unit))
-    monkeypatch.setattr(launch, "dummy_bias", lambda index: no_bias)
+    monkeypatch.setattr(resources, "compiled", lambda inst: lambda *args: calls.append(args))
+    monkeypatch.setattr(sm100_gemm, "device_info", lambda index: ("sm_100a", 148))
+    monkeypatch.setattr(sm100_gemm, "_stand_ins", lambda index: (views, unit))
+    monkeypatch.setattr(resources, "dummy_bias", lambda index: no_bias)
 
     def same(got, want):
         assert len(got) == len(want) and all(g is w if isinstance(w, torch.Tensor) else g == w

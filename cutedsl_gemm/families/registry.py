@@ -7,11 +7,14 @@ A family is a module of ``cutedsl_gemm.families`` with, for its instances:
 - ``check(inst)``: raise ValueError / TypeError with the reason if the instance cannot be built
   (``selection.instances.validate``);
 - ``resources(inst)`` -> (dynamic shared memory bytes, mainloop stages), as the kernel's plan sets them
-  (``tools.ptx_inspect.kernel_resources``).
+  (``tools.ptx_inspect.kernel_resources``);
+- the GEMM families (``scaled_mm``'s and ``mm_weight_only``'s): ``launch_plan(inst, m, n, splits, device_index, *,
+  k, fmt_a, fmt_b)`` -> a plan whose ``run`` launches the compiled kernel in its argument order
+  (``runtime.launch.plan``); the grouped family plans its calls itself (``sm90_grouped.launch``).
 
-The runtime's compile path, the table's validation and the PTX inspection look the family up here; none of them
-switches on (arch, op). Importing this module loads no DSL and no kernel module (the families import them inside
-their functions).
+The runtime's compile and launch paths, the table's validation and the PTX inspection look the family up here;
+none of them switches on (arch, op). Importing this module loads no DSL and no kernel module (the families import
+them inside their functions).
 """
 
 from __future__ import annotations

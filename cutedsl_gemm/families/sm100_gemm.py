@@ -1,11 +1,17 @@
 """The Blackwell tcgen05 GEMM family (sm_100a, op "gemm"; ``kernels/sm100``): the dense f8f6f4 kind and the
 block-scaled MX / NVFP4 kinds. The kernel object of an instance, its checks, its compile entry (kernel object and
-shape-symbolic fake arguments) and its shared-memory plan.
+shape-symbolic fake arguments), its shared-memory plan and its launch plan (``Sm100LaunchPlan``).
 
 The kernel modules are imported inside the functions: importing this module loads no DSL."""
 
 from __future__ import annotations
 
+from typing import NamedTuple, Optional
+
+import torch
+
+from cutedsl_gemm.runtime import resources as R
+from cutedsl_gemm.runtime.device import device_info
 from cutedsl_gemm.selection.instances import SM100_KINDS
 
 #: Base alignment the sm_100a GEMM assumes of its operand views (``problem`` checks it before every call): 16 bytes
@@ -118,3 +124,73 @@ def resources(inst) -> tuple[int, int]:
 
     res = describe_resources(inst.sm100_kernel())
     return res["smem_bytes"], res["num_ab_stage"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the launch plan
+# ------------------------------------------------------------------------------------------------
+class Sm100LaunchPlan(NamedTuple):
+    """Everything a launch of one sm_100a instance on one problem needs besides the tensors. The operands come
+    as (rows, row bytes) uint8 views; each goes into the storage view of its format (8-bit, 6-bit or 4-bit TMA
+    unpacking; the packed FP4 kinds load bytes), dummies fill the other two."""
+
+    fn: object
+    max_clusters: int
+    k: int
+    code_a: int  # tcgen05 instruction-descriptor format codes
+    code_b: int
+    storage_a: int  # which of the three storage views each operand fills
+    storage_b: int
+    dummy_views: tuple
+    dummy_bias: torch.Tensor
+    unit: torch.Tensor  # 1.0: the global scales of recipes that have none
+    block_scaled: bool
+
+    def run(self, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:
+        """Launch on the current stream. ``scale_a``/``scale_b``: (1,) fp32 per-tensor scales, or for the
+        block-scaled kinds the blocked scales as (row atoms, col atoms x 128) int32 words; ``global_a``/``global_b``:
+        NVFP4's (1,) fp32 per-tensor scales (None: 1)."""
+        a_views, b_views = list(self.dummy_views), list(self.dummy_views)
+        a_views[self.storage_a] = a
+        b_views[self.storage_b] = b
+        tail = (self.dummy_bias if bias is None else bias, self.k, self.code_a, self.code_b, self.max_clusters)
+        if self.block_scaled:
+            self.fn(*a_views, *b_views, scale_a, scale_b, out, self.unit if global_a is None else global_a,
+                    self.unit if global_b is None else global_b, *tail)
+        else:
+            self.fn(*a_views, *b_views, out, scale_a, scale_b, *tail)
+        return out
+
+
+@R.buffer_cache
+def _stand_ins(index: int):
+    """Valid, aligned operand views for the storage classes an operand does not use (never read), and 1.0."""
+    dev = torch.device("cuda", index)
+    buf, unit = R.persistent_buffer(index, lambda: (torch.zeros(128 * 128 + 256, dtype=torch.uint8, device=dev),
+                                                  torch.ones(1, dtype=torch.float32, device=dev)))
+    off = (-buf.data_ptr()) % 256
+    flat = buf[off: off + 128 * 128]
+    views = (flat.view(128, 128), flat[: 128 * 96].view(128, 96), flat[: 128 * 64].view(128, 64))
+    return views, unit
+
+
+def launch_plan(inst, m: int, n: int, splits: int, device_index: int, *, k: int = 0, fmt_a: Optional[str] = None,
+                fmt_b: Optional[str] = None) -> Sm100LaunchPlan:
+    """Compile (once) and size a launch of ``inst``: K and the operand formats too (the kernel reads both at run
+    time); no split-K reduction."""
+    if splits != 1:
+        raise ValueError(f"{inst.name} is built without the split-K reduction; got splits={splits}")
+    from cutedsl_gemm.kernels.sm100.f8f6f4_gemm import MMA_FORMAT_CODE, STORAGE_8BIT, STORAGE_OF_CODE
+
+    try:
+        code_a, code_b = MMA_FORMAT_CODE[fmt_a], MMA_FORMAT_CODE[fmt_b]
+    except KeyError:
+        raise ValueError(f"{inst.name} takes operand formats {', '.join(MMA_FORMAT_CODE)}; got {fmt_a} x {fmt_b}") \
+            from None
+    packed = inst.a_dtype == "e2m1"  # the packed FP4 kinds read their operands' bytes through the 8-bit view
+    storage_a = STORAGE_8BIT if packed else STORAGE_OF_CODE[code_a]
+    storage_b = STORAGE_8BIT if packed else STORAGE_OF_CODE[code_b]
+    views, unit = _stand_ins(device_index)
+    clusters = device_info(device_index)[1] // inst.cluster_m  # a persistent grid of one CTA per SM
+    return Sm100LaunchPlan(R.compiled(inst), clusters, k, code_a, code_b, storage_a, storage_b, views,
+                           R.dummy_bias(device_index), unit, inst.mma_kind != "f8f6f4")

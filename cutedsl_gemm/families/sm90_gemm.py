@@ -1,15 +1,20 @@
 """The Hopper FP8 / INT8 GEMM family (ops "gemm", ``QUANT_GEMM``, ``GEMM_FP8_OUT``; ``kernels/sm90/fp8_gemm.py``):
 the kernel configuration of an instance, its checks, its compile entry (kernel object and shape-symbolic fake
-arguments) and its shared-memory plan.
+arguments), its shared-memory plan and its launch plan (``LaunchPlan``, in the kernel's argument order).
 
 The kernel modules are imported inside the functions: importing this module loads no DSL."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
 
 from cutedsl_gemm.families.keys import GEMM_FP8_OUT, QUANT_GEMM
+from cutedsl_gemm.runtime import resources as R
+from cutedsl_gemm.runtime.device import launch_clusters
+from cutedsl_gemm.runtime.resources import split_k_buffers  # (a plain name in the launch path)
 
 if TYPE_CHECKING:
     from cutedsl_gemm.kernels.sm90.gemm_plan import Sm90GemmConfig
@@ -152,3 +157,44 @@ def resources(inst) -> tuple[int, int]:
 
     kernel = Sm90Fp8Gemm(inst.sm90_config())
     return kernel.smem_bytes, kernel.ab_stages
+
+
+# ------------------------------------------------------------------------------------------------
+# the launch plan
+# ------------------------------------------------------------------------------------------------
+class LaunchPlan(NamedTuple):
+    """Everything a launch of one Hopper instance on one problem size needs besides the tensors."""
+
+    fn: object  # the compiled kernel
+    max_clusters: int
+    splits: int
+    ws_need: tuple  # (fp32 partials, counters) the split-K workspace must hold
+    device_index: int
+    dummy_bias: torch.Tensor
+    idle_ws: tuple  # stand-ins for the split-K buffers when splits == 1 (never read)
+
+    def run(self, a, b, out, scale_a, scale_b, bias, global_a=None, global_b=None) -> torch.Tensor:
+        """Launch on the current stream; ``scale_a``/``scale_b`` are the kernel's scale views (no global scales)."""
+        partials, counters = split_k_buffers(self)
+        self.fn(a, b, out, scale_a, scale_b, self.dummy_bias if bias is None else bias, partials, counters,
+                self.splits, self.max_clusters)
+        return out
+
+    def run_fp8_out(self, a, b, q, q_scales, scale_a, scale_b, bias):
+        """Launch an instance that emits FP8 in 1x128 groups (op GEMM_FP8_OUT, ``Sm90Fp8Gemm.call_fp8_out``) on the
+        current stream: ``q`` (M, N) e4m3 and ``q_scales`` (M, N / 128) M-major as ``quantize_fp8`` returns them."""
+        partials, counters = split_k_buffers(self)
+        self.fn(a, b, q, q_scales, scale_a, scale_b, self.dummy_bias if bias is None else bias, partials, counters,
+                self.splits, self.max_clusters)
+        return q, q_scales
+
+
+def launch_plan(inst, m: int, n: int, splits: int, device_index: int, **_formats) -> LaunchPlan:
+    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits: the persistent
+    grid, the split-K workspace (grown now, before any capture of the launch) and the never-read stand-ins."""
+    clusters = launch_clusters(device_index, inst)
+    need = R.workspace_need(inst, m, n, splits, clusters)
+    if splits > 1:
+        R._workspace(device_index).get(*need)
+    return LaunchPlan(R.compiled(inst), clusters, splits, need, device_index, R.dummy_bias(device_index),
+                      R._idle_workspace(device_index))

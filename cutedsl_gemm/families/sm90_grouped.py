@@ -251,7 +251,7 @@ class GroupedPlan(NamedTuple):
 def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
     """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: one CTA per SM."""
     from cutedsl_gemm.runtime.device import device_info
-    from cutedsl_gemm.runtime.launch import compiled
+    from cutedsl_gemm.runtime.resources import compiled
 
     return GroupedPlan(compiled(inst), device_info(device_index)[1])
 

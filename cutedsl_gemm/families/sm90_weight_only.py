@@ -1,6 +1,7 @@
 """The Hopper weight-only GEMM family (op ``WEIGHT_ONLY``, ``kernels/sm90/weight_only_gemm.py``): bf16 / fp16
 activations x packed int4 / int8 weights. The kernel configuration of an instance, its checks, its compile entry
-(kernel object and shape-symbolic fake arguments) and its shared-memory plan.
+(kernel object and shape-symbolic fake arguments), its shared-memory plan and its launch plan
+(``WeightOnlyLaunchPlan``).
 
 The recipes it runs with (``WEIGHT_ONLY_RECIPES``, ``WEIGHT_ONLY_FORMATS``) are table data and stay with the table
 (``selection/instances.py``). The kernel modules are imported inside the functions: importing this module loads
@@ -8,8 +9,14 @@ no DSL."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
+import torch
+
+from cutedsl_gemm.numerics.formats import float_format
+from cutedsl_gemm.runtime import resources as R
+from cutedsl_gemm.runtime.device import launch_clusters
+from cutedsl_gemm.runtime.resources import split_k_buffers  # (a plain name in the launch path)
 from cutedsl_gemm.selection.instances import WEIGHT_ONLY_FORMATS, WEIGHT_ONLY_RECIPES
 
 if TYPE_CHECKING:
@@ -93,3 +100,42 @@ def resources(inst) -> tuple[int, int]:
 
     kernel = Sm90WeightOnlyGemm(config(inst))
     return kernel.smem_bytes, kernel.stages
+
+
+# ------------------------------------------------------------------------------------------------
+# the launch plan
+# ------------------------------------------------------------------------------------------------
+class WeightOnlyLaunchPlan(NamedTuple):
+    """A launch of one weight-only instance (``kernels/sm90/weight_only_gemm.py``) on one problem size."""
+
+    fn: object
+    max_clusters: int
+    splits: int
+    ws_need: tuple
+    device_index: int
+    idle_ws: tuple
+    no_zeros: torch.Tensor  # stands in for the zero points of instances built without them (never read)
+
+    def run(self, x, w, scales, zeros, out) -> torch.Tensor:
+        """Launch on the current stream: activations, packed weights, scales and zero points in the kernel's
+        layouts (``numerics.int_packing``), ``out`` (M, N)."""
+        partials, counters = split_k_buffers(self)
+        self.fn(x, w, scales, self.no_zeros if zeros is None else zeros, out, partials, counters, self.splits,
+                self.max_clusters)
+        return out
+
+
+@R.buffer_cache
+def _no_zeros(index: int, dtype: torch.dtype) -> torch.Tensor:
+    return R._zeros(index, 8, dtype)
+
+
+def launch_plan(inst, m: int, n: int, splits: int, device_index: int, **_formats) -> WeightOnlyLaunchPlan:
+    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits."""
+    clusters = launch_clusters(device_index, inst)
+    need = R.workspace_need(inst, m, n, splits, clusters)
+    if splits > 1:
+        R._workspace(device_index).get(*need)  # grown now, before any capture of the launch
+    no_zeros = _no_zeros(device_index, float_format(inst.a_dtype).torch_dtype)
+    return WeightOnlyLaunchPlan(R.compiled(inst), clusters, splits, need, device_index,
+                                R._idle_workspace(device_index), no_zeros)

@@ -1,4 +1,5 @@
-"""What the runtime needs to know about a GPU: its arch string, SM count and how many clusters fit."""
+"""What the runtime needs to know about a GPU: its arch string, SM count and how many clusters fit (and so the
+persistent grid of an instance: ``launch_clusters``, which dispatch reads too)."""
 
 from __future__ import annotations
 
@@ -33,3 +34,9 @@ def max_active_clusters(index: int, cluster_size: int) -> int:
             fallback = device_info(index)[1] // cluster_size
             warnings.warn(f"cluster occupancy query failed ({e}); assuming {fallback} clusters", stacklevel=2)
             return fallback
+
+
+def launch_clusters(index: int, inst) -> int:
+    """The persistent grid's cluster count for ``inst`` (an instance of the table) on GPU ``index``: the resident
+    clusters of one CTA per SM, times the CTAs an instance fits per SM."""
+    return max_active_clusters(index, inst.cluster_m * inst.cluster_n) * inst.ctas_per_sm

@@ -6,7 +6,7 @@ import functools
 from dataclasses import replace
 
 from cutedsl_gemm.kernels.sm90.scale_recipes import BLOCK_RECIPES, is_block_scaled
-from cutedsl_gemm.runtime.launch import launch_clusters
+from cutedsl_gemm.runtime.device import launch_clusters
 from cutedsl_gemm.selection.instances import (
     GEMM_FP8_OUT,
     QUANT_GEMM,
