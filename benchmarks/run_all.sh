@@ -9,7 +9,7 @@
 #     bench-ops      quantization, one kernel vs two, weight-only (int4, int8), host cost               ~5 min
 #     bench-sweep    the serving-batch sweep (compiles its instances first)                             ~8 min
 #     bench-decode   decode GEMMs back to back (and over the sweep's layers), the linear stack          ~5 min
-#     bench-models   the 32-layer Llama-3-8B-shaped model (needs .[models])                             ~6 min
+#     bench-models   the 32-layer Llama-3-8B-shaped model, checkpoint load times (needs .[models])       ~9 min
 #     bench-moe      mixture of experts: grouped GEMMs over MoE shapes, the MoE blocks, a Qwen3-30B-A3B model  ~9 min
 #   bash benchmarks/run_all.sh                tests, then bench
 # Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
@@ -72,6 +72,7 @@ bench_models() {
   # needs .[models]; the full-depth model, every Hopper recipe, the LM head bf16 and converted, the step split
   "$py" -m benchmarks.bench_model --layers 32 --recipes row,deepseek,int8,int4_weight --lm-head both --split \
     --compile --compile-recipes row --compile-batches 1
+  "$py" -m benchmarks.bench_load --layers 8  # from_pretrained (bf16 -> row, FP8) vs transformers + convert
 }
 
 bench_moe() {
