@@ -517,3 +517,72 @@ def test_quantize_on_load_peak_memory(tmp_path):
           f"then converted: {whole / 2**20:.1f} MiB")
     assert peak < held + 8 * largest and peak < 0.75 * total
     assert whole > total  # the measure sees a whole bf16 model
+
+
+# ------------------------------------------------------------------------------------------------
+# this library's own checkpoints: save_pretrained, then from_pretrained as saved
+# ------------------------------------------------------------------------------------------------
+
+
+def _same_state(a: dict, b: dict):
+    assert a.keys() == b.keys()
+    for key, t in b.items():
+        bits = lambda x: x.reshape(-1).view(torch.uint8)  # noqa: E731
+        assert a[key].dtype == t.dtype and torch.equal(bits(a[key]), bits(t)), key
+
+
+@pytest.mark.parametrize("kind,recipe", [("llama", "row"), ("qwen2", "int4_weight"), ("qwen3_moe", "deepseek"),
+                                         ("deepseek_v3", "tensor")])
+def test_save_pretrained_then_from_pretrained_gives_the_same_model(tmp_path, kind, recipe):
+    """The converted model (experts included) saved, sharded, and loaded back: the same buffers bit for bit, the
+    same layers converted, tied weights tied again; nothing quantized twice."""
+    model = _model(kind)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the routers and embeddings kept: convert's report says so)
+        want = cnn.convert(model, recipe, filter=lambda name, m: name != "lm_head")
+    cnn.save_pretrained(model, tmp_path, max_shard_size="200KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["quant_method"] == "cutedsl_gemm"
+    assert config["quantization_config"]["recipe"] == recipe
+    loaded, report = cnn.from_pretrained(str(tmp_path), device="cpu")
+    assert sorted(report.converted) == sorted(want.converted)
+    assert report.converted_experts == want.converted_experts
+    assert report.recipe == recipe and "lm_head" in report.skipped
+    _same_state(loaded.state_dict(), model.state_dict())
+    if model.config.tie_word_embeddings:
+        assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    again, _ = cnn.from_pretrained(str(tmp_path), recipe, device="cpu")  # naming the saved recipe is the same
+    _same_state(again.state_dict(), model.state_dict())
+
+
+def test_own_checkpoints_refuse_what_they_cannot_be(tmp_path):
+    model = _model("llama")
+    with pytest.raises(ValueError, match="has no cutedsl_gemm layers .*convert it first"):
+        cnn.save_pretrained(model, tmp_path)
+    cnn.convert(model, "row", filter=lambda name, m: "layers.0." not in name)
+    cnn.convert(model, "deepseek")  # the rest: a second recipe
+    with pytest.raises(ValueError, match="recipes 'deepseek', 'row': a cutedsl_gemm checkpoint holds one recipe"):
+        cnn.save_pretrained(model, tmp_path)
+    model = _model("llama")
+    cnn.convert(model, "row")
+    cnn.save_pretrained(model, tmp_path)
+    with pytest.raises(ValueError, match="holds recipe 'row' layers; pass recipe=None"):
+        cnn.from_pretrained(str(tmp_path), "deepseek", device="cpu")
+    with pytest.raises(ValueError, match="loads its layers as saved; filter= applies"):
+        cnn.from_pretrained(str(tmp_path), device="cpu", filter=lambda name, m: True)
+    with pytest.raises(ValueError, match=r"load it with cutedsl_gemm.nn.from_pretrained\(path\)"):
+        import cutedsl_gemm.nn.hf_quantizer  # noqa: F401  (registers quant_method "cutedsl_gemm")
+
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    state = dict(safe_open_all(tmp_path))
+    name = "model.layers.0.self_attn.q_proj._extra_state"
+    state[name] = torch.tensor(list(b"cutedsl_gemm/99/row"), dtype=torch.uint8)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="format version 99 .* reads versions up to"):
+        cnn.from_pretrained(str(tmp_path), device="cpu")
+
+
+def safe_open_all(path):
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        return [(k, f.get_tensor(k)) for k in f.keys()]

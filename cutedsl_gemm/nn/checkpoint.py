@@ -35,17 +35,20 @@ import torch
 from . import checkpoint_experts as X
 from .checkpoint_format import (
     FP8_DTYPES,
+    OWN_METHOD,
     Checkpoint,
     Fp8Format,
     checkpoint_format,
     dequantized,
     kernel_scale,
+    quant_method,
     read_scale,
     renamer,
     unquantized_by_config,
 )
 from .convert import ConversionReport, _holders, _list_kept
-from .linear import QuantizedLinear, target_arch, unsupported
+from .linear import FORMAT_VERSION, QuantizedLinear, read_format_tag, target_arch, unsupported
+from .moe import QuantizedExperts, _layout, is_experts
 from .recipes import STATIC_INPUT_RECIPES, linear_recipe
 
 DEQUANTIZED = "dequantized from the checkpoint's FP8 to {dtype}"
@@ -151,6 +154,8 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
                          "CPU (its QuantizedLinear layers run on GPUs)")
     path = _local_directory(path)
     config = AutoConfig.from_pretrained(path)
+    if quant_method(config) == OWN_METHOD:
+        return _from_own_checkpoint(path, config, recipe, device, dtype, filter)
     fmt = checkpoint_format(config)
     if fmt is not None and recipe is not None and linear_recipe(recipe).name != fmt.recipe:
         raise ValueError(f"{path}: the checkpoint is {fmt.name}, which runs as recipe {fmt.recipe!r}; pass "
@@ -167,6 +172,113 @@ def from_pretrained(path, recipe: Optional[str] = None, *, device="cuda", dtype:
     try:
         model = _skeleton(config, dtype)
         report = _load(model, ckpt, fmt, r, arch, device, dtype, filter)
+    finally:
+        ckpt.close()
+    return model, report
+
+
+# --- this library's own checkpoints ---------------------------------------------------------------------------------
+
+
+def save_pretrained(model, path, *, max_shard_size="5GB") -> None:
+    """Save a transformers model converted by this library (``convert``, ``from_pretrained``) as a checkpoint that
+    ``from_pretrained(path)`` loads back as it is: ``config.json`` with ``quantization_config`` ``{"quant_method":
+    "cutedsl_gemm", "recipe": ...}`` and the state dict in safetensors (sharded above ``max_shard_size``, with
+    ``model.safetensors.index.json``; a tied tensor once, under its first name): the quantized layers' buffers in
+    their saved format (format tag in ``_extra_state``), everything else as the model holds it. A model with no
+    ``QuantizedLinear`` / ``QuantizedExperts`` is refused, and so is one mixing recipes (a checkpoint holds one)."""
+    import json
+
+    from huggingface_hub import split_torch_state_dict_into_shards
+    from safetensors.torch import save_file
+
+    from .hf_quantizer import CuteDslGemmConfig
+
+    config = getattr(model, "config", None)
+    if not hasattr(config, "to_dict"):
+        raise ValueError(f"save_pretrained saves a transformers model (with its config); got {type(model).__name__}")
+    layers = [m for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedExperts))]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no cutedsl_gemm layers (QuantizedLinear, QuantizedExperts): "
+                         "convert it first, or save it with its own save_pretrained")
+    recipes = sorted({m.recipe for m in layers})
+    if len(recipes) > 1:
+        raise ValueError(f"the model's layers run recipes {', '.join(map(repr, recipes))}: a cutedsl_gemm checkpoint "
+                         "holds one recipe")
+    state, seen = {}, set()
+    for name, t in model.state_dict().items():
+        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and ident in seen:
+            continue  # a tied tensor's second name: loading ties it again
+        seen.add(ident)
+        state[name] = t.detach().contiguous()
+    os.makedirs(path, exist_ok=True)
+    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
+                                               filename_pattern="model{suffix}.safetensors")
+    for filename, names in split.filename_to_tensors.items():
+        save_file({n: state[n] for n in names}, os.path.join(path, filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": split.metadata, "weight_map": split.tensor_to_filename}, f, indent=1)
+    config.save_pretrained(path)
+    with open(os.path.join(path, "config.json")) as f:
+        saved = json.load(f)
+    experts = any(isinstance(m, QuantizedExperts) for m in layers)
+    saved["quantization_config"] = CuteDslGemmConfig(recipe=recipes[0], experts=experts).to_dict()
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(saved, f, indent=2)
+
+
+def _from_own_checkpoint(path, config, recipe, device, dtype, filter):
+    """``from_pretrained`` of a checkpoint ``save_pretrained`` wrote: each saved layer built empty from its format
+    tag and filled by its own ``load_state_dict`` (which checks the tag, the dtypes and the shapes)."""
+    if filter is not None:
+        raise ValueError(f"{path}: a cutedsl_gemm checkpoint loads its layers as saved; filter= applies when "
+                         "quantizing or adopting an FP8 checkpoint")
+    ckpt = Checkpoint(path)  # the names save_pretrained wrote: the model's own
+    try:
+        model = _skeleton(config, dtype)
+        holders = _holders(model)
+        by_module: dict = {}
+        for key in ckpt.where:
+            by_module.setdefault(key.rpartition(".")[0], []).append(key)
+        take, skipped = {}, {}
+        for name, module in model.named_modules():
+            tag = f"{name}._extra_state"
+            if tag not in ckpt:
+                if type(module) is torch.nn.Linear or is_experts(module):
+                    skipped[name] = "stored unquantized in the checkpoint"
+                continue
+            version, saved = read_format_tag(bytes(ckpt.get(tag).tolist()), name)
+            if version > FORMAT_VERSION:  # (the layer's own load says it too; here before anything is built)
+                raise ValueError(f"{name}: the checkpoint holds format version {version} of cutedsl_gemm's layers "
+                                 f"and this cutedsl_gemm reads versions up to {FORMAT_VERSION}; upgrade cutedsl_gemm")
+            if recipe is not None and linear_recipe(recipe).name != saved:
+                raise ValueError(f"{path}: {name} holds recipe {saved!r} layers; pass recipe=None (or {saved!r}) to "
+                                 "load them as saved")
+            if is_experts(module):
+                e, h, i, _ = _layout(module)
+                layer = QuantizedExperts(e, h, i, saved, device=device)
+            elif type(module) is torch.nn.Linear:
+                layer = QuantizedLinear(module.in_features, module.out_features, module.bias is not None, saved,
+                                        device=device, dtype=dtype, input_scale=f"{name}.input_scale" in ckpt)
+            else:
+                raise ValueError(f"{name}: the checkpoint holds a cutedsl_gemm layer where the model has a "
+                                 f"{type(module).__name__}")
+            take[name] = (module, layer)
+        recipes = sorted({layer.recipe for _, layer in take.values()})
+        names = list(take)
+        experts = [n for n, (_, layer) in take.items() if isinstance(layer, QuantizedExperts)]
+        report = ConversionReport(",".join(recipes), converted=names, converted_experts=experts, skipped=skipped)
+        _list_kept(model, report, {id(module): None for module, _ in take.values()})
+        used = set()
+        for name, (_, layer) in take.items():
+            keys = [k for k in by_module.get(name, ())]
+            layer.load_state_dict({k[len(name) + 1:]: ckpt.get(k) for k in keys}, strict=True)
+            _replace(model, name, layer)
+            used.update(keys)
+        _load_rest(model, ckpt, holders, device, dtype, used)
+        model.to(device)
     finally:
         ckpt.close()
     return model, report

@@ -106,15 +106,28 @@ def _compressed_tensors(q: dict) -> Fp8Format:
 FORMATS = {"fp8": _fine_grained_fp8, "fbgemm_fp8": _fbgemm_fp8, "compressed-tensors": _compressed_tensors}
 
 
-def checkpoint_format(config) -> Optional[Fp8Format]:
-    """The FP8 format ``config``'s ``quantization_config`` declares, None for an unquantized checkpoint; a format
-    or layout the kernels cannot run raises ValueError."""
+#: ``quant_method`` of the checkpoints this library saves (``save_pretrained``): its own layers' buffers as stored.
+OWN_METHOD = "cutedsl_gemm"
+
+
+def quant_method(config) -> Optional[str]:
+    """``config``'s ``quantization_config.quant_method``, None for an unquantized checkpoint."""
     q = getattr(config, "quantization_config", None)
     if q is None:
         return None
     q = q if isinstance(q, dict) else q.to_dict()
     method = q.get("quant_method", "")
-    method = str(getattr(method, "value", method))
+    return str(getattr(method, "value", method))
+
+
+def checkpoint_format(config) -> Optional[Fp8Format]:
+    """The FP8 format ``config``'s ``quantization_config`` declares, None for an unquantized checkpoint; a format
+    or layout the kernels cannot run raises ValueError."""
+    method = quant_method(config)
+    if method is None:
+        return None
+    q = config.quantization_config
+    q = q if isinstance(q, dict) else q.to_dict()
     if method not in FORMATS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not adopted; FP8 checkpoints of "
                          f"quant_method {', '.join(map(repr, FORMATS))} are, and unquantized ones are quantized while "

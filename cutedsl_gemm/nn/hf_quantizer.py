@@ -14,8 +14,8 @@ the model in place with the config's recipe: the same layers, bits and ``Convers
 ``experts=False`` keeps mixture-of-experts experts in high precision. For the FP8 checkpoints this library adopts
 as stored (FineGrainedFP8, compressed-tensors, fbgemm FP8) and a lower peak memory while quantizing, use
 ``cnn.from_pretrained``, which loads one layer at a time. A model quantized this way is saved with
-``safetensors.torch.save_file(model.state_dict(), ...)`` and loaded into a model converted with the same recipe
-(``save_pretrained`` refuses it: its FP8 buffers have no transformers loader).
+``cnn.save_pretrained(model, path)`` and loaded back with ``cnn.from_pretrained(path)`` (transformers' own
+``save_pretrained`` refuses it: its FP8 buffers have no transformers loader).
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ class CuteDslGemmHfQuantizer(HfQuantizer):
     def __init__(self, quantization_config: CuteDslGemmConfig, **kwargs):
         super().__init__(quantization_config, **kwargs)
         if self.pre_quantized:
-            raise ValueError("this checkpoint's config.json names quant_method 'cutedsl_gemm': a model quantized by "
-                             "cutedsl_gemm loads with load_state_dict into a model converted with the same recipe "
-                             "(cnn.convert), not through transformers' loader")
+            raise ValueError("this checkpoint's config.json names quant_method 'cutedsl_gemm' (saved by "
+                             "cutedsl_gemm.nn.save_pretrained): load it with cutedsl_gemm.nn.from_pretrained(path), "
+                             "which takes its layers as saved, not through transformers' loader")
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         return False  # every tensor loads as stored; convert quantizes after loading
