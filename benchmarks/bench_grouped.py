@@ -5,6 +5,7 @@ and a loop of this library's dense ``scaled_mm`` over the experts, in the same r
     python -m benchmarks.bench_grouped                                  (-> results/grouped.json)
     python -m benchmarks.bench_grouped --models dsv3,mixtral --tokens 64,4096 --routing uniform --layouts contiguous
     python -m benchmarks.bench_grouped --tile-m 64 --name grouped_t64      (the table's instances with 64-row tiles)
+    python -m benchmarks.bench_grouped --tile-n 64 --check --no-save       (64-column tiles, checked)
 
 Per model, both expert GEMMs of its MoE layer: gate_up (N = 2I, K = H) and down (N = H, K = I). ``--tokens`` are
 the tokens routed (each to top-k experts, so T * k rows in all); routing "uniform" draws each token's k distinct
@@ -64,19 +65,19 @@ def _weights(experts, n, k, gen):
     return w, q.view(experts, n, k), s.view(experts, 1, n)
 
 
-def our_call(a, b, sa, sb, offs=None, counts=None, tile_m=None):
-    """The call as ``grouped_scaled_mm`` runs it, or with ``tile_m`` the table's instance for it built with that many
-    rows a tile (a kernel option timed against the table's)."""
-    if tile_m is None:
+def our_call(a, b, sa, sb, offs=None, counts=None, tile=None):
+    """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` ({"tile_m": rows, "tile_n": columns}, either) the
+    table's instance for it built with that tile (a kernel option timed against the table's)."""
+    if not tile:
         return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
     problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
-    plan = G.plan(dataclasses.replace(G.select(problem), tile_m=tile_m), a.device.index)
+    plan = G.plan(dataclasses.replace(G.select(problem), **tile), a.device.index)
     ka, kb = G.kernel_scales(problem, sa, sb)
     out = torch.empty(problem.out_shape, dtype=torch.bfloat16, device=a.device)
     return lambda: plan.run(a, b, out, ka, kb, offs if counts is None else counts)
 
 
-def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, floors, check, tile_m=None):
+def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, floors, check, tile=None):
     rows_total = int(sizes.sum())
     w, qw, sw = _weights(experts, n, k, gen)
     b = qw.transpose(1, 2)  # (E, K, N), K contiguous
@@ -105,7 +106,7 @@ def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, f
     out = []
     for layout in layouts:
         if layout == "contiguous":
-            ours = our_call(qa, b, sa, sw, offs, tile_m=tile_m)
+            ours = our_call(qa, b, sa, sw, offs, tile=tile)
         else:
             cap = max(1, int(sizes.max()))
             am = torch.zeros(experts, cap, k, device="cuda", dtype=torch.float8_e4m3fn)
@@ -117,7 +118,7 @@ def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, f
                 start += size
             counts = sizes.to(torch.int32).cuda()
 
-            ours = our_call(am, b, sam, sw, counts=counts, tile_m=tile_m)
+            ours = our_call(am, b, sam, sw, counts=counts, tile=tile)
         t = common.bench(ours) * 1e3
         err = float("nan")
         if check and layout == "contiguous":
@@ -139,6 +140,8 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="also the error against the float64 reference (slow)")
     p.add_argument("--tile-m", type=int, default=None, choices=(64, 128),
                    help="rows a tile of the table's pick (a kernel option; default: the table's)")
+    p.add_argument("--tile-n", type=int, default=None, choices=(32, 64, 128),
+                   help="columns a tile of the table's pick (a kernel option; default: the table's)")
     common.add_result_options(p, "grouped")
     args = p.parse_args(argv)
     models = args.models.split(",")
@@ -149,6 +152,7 @@ def main(argv=None):
     floors = common.measured_floors()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
+    tile = {k: v for k, v in (("tile_m", args.tile_m), ("tile_n", args.tile_n)) if v is not None}
     print(" | ".join(COLUMNS))
     rows = []
     for model in models:
@@ -158,7 +162,7 @@ def main(argv=None):
                 sizes = sizes_of(route(tokens, experts, topk, routing, cpu_gen), experts)
                 for gemm, n, k in (("gate_up", 2 * inter, hidden), ("down", hidden, inter)):
                     rows += run_gemm(model, gemm, n, k, experts, args.layouts.split(","), sizes, routing, tokens,
-                                     gen, floors, args.check, args.tile_m)
+                                     gen, floors, args.check, tile)
                     torch.cuda.empty_cache()
     big = [r for r in rows if r[5] >= 1024 * r[6]]  # >= 1024 rows per touched expert
     summary = {"geomean torch fp8 / ours": round(common.geomean([r[14] for r in rows]), 3),
