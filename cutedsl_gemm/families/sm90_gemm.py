@@ -13,7 +13,6 @@ import torch
 
 from cutedsl_gemm.families.keys import GEMM_FP8_OUT, QUANT_GEMM
 from cutedsl_gemm.runtime import resources as R
-from cutedsl_gemm.runtime.device import launch_clusters
 from cutedsl_gemm.runtime.resources import split_k_buffers  # (a plain name in the launch path)
 
 if TYPE_CHECKING:
@@ -190,11 +189,7 @@ class LaunchPlan(NamedTuple):
 
 
 def launch_plan(inst, m: int, n: int, splits: int, device_index: int, **_formats) -> LaunchPlan:
-    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits: the persistent
-    grid, the split-K workspace (grown now, before any capture of the launch) and the never-read stand-ins."""
-    clusters = launch_clusters(device_index, inst)
-    need = R.workspace_need(inst, m, n, splits, clusters)
-    if splits > 1:
-        R._workspace(device_index).get(*need)
-    return LaunchPlan(R.compiled(inst), clusters, splits, need, device_index, R.dummy_bias(device_index),
-                      R._idle_workspace(device_index))
+    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits
+    (``resources.split_k_sizing``)."""
+    clusters, need, idle = R.split_k_sizing(inst, m, n, splits, device_index)
+    return LaunchPlan(R.compiled(inst), clusters, splits, need, device_index, R.dummy_bias(device_index), idle)

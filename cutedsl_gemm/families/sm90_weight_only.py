@@ -15,7 +15,6 @@ import torch
 
 from cutedsl_gemm.numerics.formats import float_format
 from cutedsl_gemm.runtime import resources as R
-from cutedsl_gemm.runtime.device import launch_clusters
 from cutedsl_gemm.runtime.resources import split_k_buffers  # (a plain name in the launch path)
 from cutedsl_gemm.selection.instances import WEIGHT_ONLY_FORMATS, WEIGHT_ONLY_RECIPES
 
@@ -127,15 +126,12 @@ class WeightOnlyLaunchPlan(NamedTuple):
 
 @R.buffer_cache
 def _no_zeros(index: int, dtype: torch.dtype) -> torch.Tensor:
-    return R._zeros(index, 8, dtype)
+    return R.zeros(index, 8, dtype)
 
 
 def launch_plan(inst, m: int, n: int, splits: int, device_index: int, **_formats) -> WeightOnlyLaunchPlan:
-    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits."""
-    clusters = launch_clusters(device_index, inst)
-    need = R.workspace_need(inst, m, n, splits, clusters)
-    if splits > 1:
-        R._workspace(device_index).get(*need)  # grown now, before any capture of the launch
+    """Compile (once) and size a launch of ``inst`` for an M x N output with ``splits`` K splits
+    (``resources.split_k_sizing``)."""
+    clusters, need, idle = R.split_k_sizing(inst, m, n, splits, device_index)
     no_zeros = _no_zeros(device_index, float_format(inst.a_dtype).torch_dtype)
-    return WeightOnlyLaunchPlan(R.compiled(inst), clusters, splits, need, device_index,
-                                R._idle_workspace(device_index), no_zeros)
+    return WeightOnlyLaunchPlan(R.compiled(inst), clusters, splits, need, device_index, idle, no_zeros)

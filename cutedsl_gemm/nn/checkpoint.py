@@ -273,7 +273,7 @@ def _from_own_checkpoint(path, config, recipe, device, dtype, filter):
         _list_kept(model, report, {id(module): None for module, _ in take.values()})
         used = set()
         for name, (_, layer) in take.items():
-            keys = [k for k in by_module.get(name, ())]
+            keys = by_module.get(name, [])
             layer.load_state_dict({k[len(name) + 1:]: ckpt.get(k) for k in keys}, strict=True)
             _replace(model, name, layer)
             used.update(keys)

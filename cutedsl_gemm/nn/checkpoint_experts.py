@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from .checkpoint_format import FP8_DTYPES, dequantized, kernel_scale, read_scale
+from .convert import shared_with
 from .moe import EXPERT_ARCHS, QuantizedExperts, _layout, experts_unsupported, is_experts
 
 #: Per-expert projection names in checkpoints: (gate, up, down).
@@ -96,8 +97,7 @@ def plan(sources: list, ckpt, fmt, r, arch, filter, holders) -> tuple:
     take, skipped, dequantize = [], {}, set()
     for src in sources:
         name, module = src.name, src.module
-        mine = {id(p) for p in module.parameters()}
-        others = sorted({n for p in mine for n, holder in holders.get(p, ()) if holder is not module})
+        others = shared_with(module, holders)
         if others:
             why = f"its weights are shared with {', '.join(others)}: quantizing them would untie them"
         elif fmt is not None and not src.fp8:

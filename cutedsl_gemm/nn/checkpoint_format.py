@@ -110,24 +110,27 @@ FORMATS = {"fp8": _fine_grained_fp8, "fbgemm_fp8": _fbgemm_fp8, "compressed-tens
 OWN_METHOD = "cutedsl_gemm"
 
 
-def quant_method(config) -> Optional[str]:
-    """``config``'s ``quantization_config.quant_method``, None for an unquantized checkpoint."""
+def _quantization_config(config) -> tuple:
+    """(``config``'s ``quantization_config`` as a dict, its ``quant_method``), (None, None) if unquantized."""
     q = getattr(config, "quantization_config", None)
     if q is None:
-        return None
+        return None, None
     q = q if isinstance(q, dict) else q.to_dict()
     method = q.get("quant_method", "")
-    return str(getattr(method, "value", method))
+    return q, str(getattr(method, "value", method))
+
+
+def quant_method(config) -> Optional[str]:
+    """``config``'s ``quantization_config.quant_method``, None for an unquantized checkpoint."""
+    return _quantization_config(config)[1]
 
 
 def checkpoint_format(config) -> Optional[Fp8Format]:
     """The FP8 format ``config``'s ``quantization_config`` declares, None for an unquantized checkpoint; a format
     or layout the kernels cannot run raises ValueError."""
-    method = quant_method(config)
-    if method is None:
+    q, method = _quantization_config(config)
+    if q is None:
         return None
-    q = config.quantization_config
-    q = q if isinstance(q, dict) else q.to_dict()
     if method not in FORMATS:
         raise ValueError(f"quantization_config.quant_method {method!r} is not adopted; FP8 checkpoints of "
                          f"quant_method {', '.join(map(repr, FORMATS))} are, and unquantized ones are quantized while "

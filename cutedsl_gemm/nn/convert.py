@@ -155,6 +155,11 @@ def convert(model: torch.nn.Module, recipe: str = "row",
     return report
 
 
+def shared_with(module: torch.nn.Module, holders: dict) -> list:
+    """The other holders' names of ``module``'s parameters (``_holders``: tied weights), sorted; empty if none."""
+    return sorted({n for p in module.parameters() for n, holder in holders.get(id(p), ()) if holder is not module})
+
+
 def _convert_experts(model, r, filter, holders: dict, report: ConversionReport, replacement: dict) -> None:
     """Quantize the experts modules of ``model`` into ``replacement`` (id -> QuantizedExperts), or say in
     ``report.skipped`` why not."""
@@ -164,8 +169,7 @@ def _convert_experts(model, r, filter, holders: dict, report: ConversionReport, 
         if filter is not None and not filter(name, module):
             report.skipped[name] = "excluded by filter"
             continue
-        mine = {id(p) for p in module.parameters()}
-        others = sorted({n for p in mine for n, holder in holders.get(p, ()) if holder is not module})
+        others = shared_with(module, holders)
         if others:
             report.skipped[name] = f"its weights are shared with {', '.join(others)}: quantizing them would untie them"
             continue

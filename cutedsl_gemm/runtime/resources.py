@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from cutedsl_gemm.kernels.common.waves import unsplit_cluster_tiles
+from cutedsl_gemm.runtime.device import launch_clusters
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 
 if TYPE_CHECKING:
@@ -63,14 +64,15 @@ def persistent_buffer(index: int, make):
     return _BUFFER_THREAD.submit(build).result()
 
 
-def _zeros(index: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+def zeros(index: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """A kept zero-filled (n,) tensor on GPU ``index``, outside any CUDA graph pool."""
     return persistent_buffer(index, lambda: torch.zeros(n, dtype=dtype, device=torch.device("cuda", index)))
 
 
 @buffer_cache
 def dummy_bias(index: int) -> torch.Tensor:
     """Stands in for the bias argument of instances built without one; never read."""
-    return _zeros(index, 1, torch.float32)
+    return zeros(index, 1, torch.float32)
 
 
 class _SplitKWorkspace:
@@ -81,8 +83,8 @@ class _SplitKWorkspace:
 
     def __init__(self, index: int):
         self.index = index
-        self.partials = _zeros(index, 1, torch.float32)
-        self.counters = _zeros(index, 1, torch.int32)
+        self.partials = zeros(index, 1, torch.float32)
+        self.counters = zeros(index, 1, torch.int32)
         self.outgrown: list = []
 
     def get(self, partial_floats: int, tiles: int):
@@ -92,7 +94,7 @@ class _SplitKWorkspace:
                 partial_floats, dtype=torch.float32, device=torch.device("cuda", self.index)))
         if self.counters.numel() < tiles:
             self.outgrown.append(self.counters)
-            self.counters = _zeros(self.index, tiles, torch.int32)
+            self.counters = zeros(self.index, tiles, torch.int32)
         return self.partials, self.counters
 
 
@@ -104,7 +106,7 @@ def _workspace(index: int) -> _SplitKWorkspace:
 @buffer_cache
 def _idle_workspace(index: int):
     # Stands in for the split-K buffers of unsplit launches (the kernel reads them only when splits > 1).
-    return _zeros(index, 1, torch.float32), _zeros(index, 1, torch.int32)
+    return zeros(index, 1, torch.float32), zeros(index, 1, torch.int32)
 
 
 def forget_buffers() -> None:
@@ -133,6 +135,16 @@ def workspace_need(inst: KernelInstance, m: int, n: int, splits: int, max_cluste
     if tiles == 0:
         return 1, 1
     return tiles * splits * inst.tile_m * inst.tile_n, tiles
+
+
+def split_k_sizing(inst: KernelInstance, m: int, n: int, splits: int, device_index: int) -> tuple:
+    """(persistent clusters, workspace need, idle stand-ins) of a Hopper launch plan of ``inst``: the grid, what the
+    split-K workspace must hold (grown now, before any capture of the launch) and the buffers unsplit launches pass."""
+    clusters = launch_clusters(device_index, inst)
+    need = workspace_need(inst, m, n, splits, clusters)
+    if splits > 1:
+        _workspace(device_index).get(*need)
+    return clusters, need, _idle_workspace(device_index)
 
 
 def split_k_buffers(plan):
