@@ -303,7 +303,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                         mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, scales)
                     g = e if cutlass.const_expr(self.masked) else Int32(0)
                     self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, start + mt * bM, rows - mt * bM,
-                                     tn * bN, n)
+                                     tn * bN, n, temps[0])
                     unit += cute.arch.grid_dim()[0]
                 else:
                     unit = unit_bound
@@ -357,12 +357,20 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 unit = unit_bound
 
     @cute.jit
-    def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, r0, valid_rows, c0, n):
-        """Scale the tile in fp32 and store the rows of its group (``valid_rows`` from ``r0``; columns below N)."""
+    def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, r0, valid_rows, c0, n, scratch):
+        """Scale the tile in fp32 and store the rows of its group (``valid_rows`` from ``r0``; columns below N).
+        Row-wise scales are all loaded into ``scratch`` (a dead promotion fragment) before the first store: loads
+        after a store to memory that may alias wait for it, one load latency per element."""
         gD = mD[(None, None, g)]
         alpha = Float32(1.0)
         if cutlass.const_expr(self.cfg.recipe == "tensor"):
             alpha = Float32(mSA[0]) * Float32(mSB[e])
+        if cutlass.const_expr(self.cfg.recipe == "row"):
+            # (indices clamped into the group's rows and N, not predicated: the fragment stays in registers)
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                m, c = tile_coords[i]
+                row, col = r0 + cutlass.min(m, valid_rows - 1), cutlass.min(c0 + c, n - 1)
+                scratch[i] = Float32(mSA[row, g]) * Float32(mSB[col, e])
         for i in cutlass.range(cute.size(acc), unroll_full=True):
             m, c = tile_coords[i]
             if (m < valid_rows) & (c0 + c < n):
@@ -370,5 +378,5 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 if cutlass.const_expr(self.cfg.recipe == "tensor"):
                     v = v * alpha
                 elif cutlass.const_expr(self.cfg.recipe == "row"):
-                    v = v * (Float32(mSA[r0 + m, g]) * Float32(mSB[c0 + c, e]))
+                    v = v * scratch[i]
                 gD[r0 + m, c0 + c] = v.to(self.d_dtype)
