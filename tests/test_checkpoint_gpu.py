@@ -26,6 +26,10 @@ pytestmark = pytest.mark.gpu
 # the logits; the checkpoint's own weight error is in both sides of the first comparison, so it stays below that.
 DEQUANTIZED_TOL = 0.08
 ORIGINAL_TOL = 0.15
+# One experts block, e4m3 activations (row scales, or 1x128 blocks) against bf16 ones: a few percent.
+EXPERTS_TOL = 0.05
+# Mixture-of-experts logits: the activation error plus the tokens whose top-k flips near a tie of the router.
+ROUTED_TOL = 0.12
 
 
 def _dequantized_twin(model, state, fmt):
@@ -55,8 +59,8 @@ def test_adopted_checkpoint_logits(tmp_path, kind, fmt):
         original = model.cuda()(ids).logits.float()
     assert not torch.isnan(got).any()
     e_twin, e_orig = R.rel_error(got, twin), R.rel_error(got, original)
-    assert e_twin < DEQUANTIZED_TOL, f"{fmt}: {e_twin:.3e} from the dequantized-weight twin"
-    assert e_orig < ORIGINAL_TOL, f"{fmt}: {e_orig:.3e} from the original bf16 model"
+    assert e_twin < DEQUANTIZED_TOL, f"{kind} {fmt}: {e_twin:.3e} from the dequantized-weight twin"
+    assert e_orig < ORIGINAL_TOL, f"{kind} {fmt}: {e_orig:.3e} from the original bf16 model"
     assert e_twin < e_orig or e_twin < 0.02  # the twin shares the checkpoint's weight error
 
 
@@ -83,14 +87,35 @@ def test_adopted_moe_checkpoint_logits(tmp_path, kind, fmt):
                                   for p in ("gate_proj", "up_proj", "down_proj"))
                 experts.gate_up_proj[j].copy_(torch.cat([gate, up]).to(torch.bfloat16))
                 experts.down_proj[j].copy_(down.to(torch.bfloat16))
+    twin = twin.cuda()
+    # Each experts block on the inputs and the routing the loaded model gave it: the same products but for the
+    # activations' FP8 quantization. End to end, the routers see slightly different hidden states and a token near
+    # a tie may pick another expert, so the logits get a looser bound.
+    seen = {}
+
+    def keep(name):
+        def hook(module, args, kwargs):
+            seen.setdefault(name, ([a.clone() for a in args], {k: v.clone() for k, v in kwargs.items()}))
+        return hook
+
+    hooks = [loaded.get_submodule(name).register_forward_pre_hook(keep(name), with_kwargs=True)
+             for name in _experts_names(model)]
     ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         got = loaded(ids).logits.float()
-        want = twin.cuda()(ids).logits.float()
+        for h in hooks:
+            h.remove()
+        assert sorted(seen) == sorted(_experts_names(model))
+        for name, (args, kwargs) in seen.items():
+            mine = loaded.get_submodule(name)(*args, **kwargs).float()
+            theirs = twin.get_submodule(name)(*args, **kwargs).float()
+            e_block = R.rel_error(mine, theirs)
+            assert e_block < EXPERTS_TOL, f"{kind} {fmt} {name}: {e_block:.3e} from the dequantized experts"
+        want = twin(ids).logits.float()
         original = model.cuda()(ids).logits.float()
     assert torch.isfinite(got).all()
     e_twin, e_orig = R.rel_error(got, want), R.rel_error(got, original)
-    assert e_twin < DEQUANTIZED_TOL, f"{kind} {fmt}: {e_twin:.3e} from the dequantized-weight twin"
+    assert e_twin < ROUTED_TOL, f"{kind} {fmt}: {e_twin:.3e} from the dequantized-weight twin"
     assert e_orig < ORIGINAL_TOL, f"{kind} {fmt}: {e_orig:.3e} from the original bf16 model"
 
 
