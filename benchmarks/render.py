@@ -70,10 +70,11 @@ CAPTION_FACTS = (("power_limit_w", "power limit", "W"), ("max_sm_clock_mhz", "ma
 # BENCHMARKS.md stays short: tables of more rows than FOLD_ROWS are folded, of more than SHOW_ROWS left to their result
 # file, and the page refuses to grow past MAX_LINES.
 FOLD_ROWS, SHOW_ROWS, MAX_LINES = 12, 90, 800
+SHOW_ENTRIES = 48  # summaries of more entries are left to their result file too
 # The page's summary: per result at most MAX_FIGURES figures, its summary entries matching HEADLINE_KEYS (a floor
 # result's all), else the geomean of the first of HEADLINE_COLUMNS it has.
 MAX_FIGURES = 5
-HEADLINE_KEYS = re.compile(r"^geomean|geomean ratio$|geomean of floor$|ours x bf16$")
+HEADLINE_KEYS = re.compile(r"^geomean|geomean ratio$|geomean of floor$|ours x bf16$| x transformers\+convert$")
 HEADLINE_COLUMNS = (RATIO_COLUMN, "ours x bf16", "speed-up", "two / one", "torch / ours")
 FLOOR_RESULT = "floor"
 
@@ -210,7 +211,7 @@ def result_file(r: dict) -> str:
 def render_body(r: dict, figures: Optional[Dict[str, str]] = None) -> List[str]:
     """A result's tables: a sweep (``is_sweep``) as ``figures`` ({caption: image path}) and its summary table per
     recipe; others as their rows, folded away above ``FOLD_ROWS`` and left to the result file above ``SHOW_ROWS``,
-    then their summary (folded above ``FOLD_ROWS`` entries)."""
+    then their summary (folded above ``FOLD_ROWS`` entries, left to the result file above ``SHOW_ENTRIES``)."""
     rows, lines = r["rows"], []
     if is_sweep(r):
         for text, path in (figures or {}).items():
@@ -223,7 +224,9 @@ def render_body(r: dict, figures: Optional[Dict[str, str]] = None) -> List[str]:
     else:
         lines += table(r["columns"], rows)
     entries = [f"- {key}: {cell(value)}" for key, value in (r.get("summary") or {}).items()]
-    if entries and not is_sweep(r):
+    if len(entries) > SHOW_ENTRIES and not is_sweep(r):
+        lines += ["", f"Summary ({len(entries)} entries), not shown: {result_file(r)}."]
+    elif entries and not is_sweep(r):
         lines += [""] + (folded(f"summary ({len(entries)} entries)", entries) if len(entries) > FOLD_ROWS
                          else entries)
     return lines
