@@ -1,7 +1,7 @@
 """from_pretrained on a Hopper GPU: each FP8 checkpoint format adopted, then run. The loaded model's logits against
-a bf16 model holding the checkpoint's dequantized weights (the same products but for the activations' FP8
-quantization and the kernels' rounding), and against the original bf16 model; a bf16 checkpoint quantized while
-loading against convert on the GPU, bit for bit."""
+a float64 forward of the model holding the checkpoint's dequantized weights (the same products but for the
+activations' FP8 quantization, bf16 activations and the kernels' rounding), and against the original bf16 model;
+a bf16 checkpoint quantized while loading against convert on the GPU, bit for bit."""
 
 import pytest
 import torch
@@ -26,23 +26,36 @@ pytestmark = pytest.mark.gpu
 # the logits; the checkpoint's own weight error is in both sides of the first comparison, so it stays below that.
 DEQUANTIZED_TOL = 0.08
 ORIGINAL_TOL = 0.15
-# One experts block, e4m3 activations (row scales, or 1x128 blocks) against bf16 ones: a few percent.
+# One experts block, e4m3 activations (row scales, or 1x128 blocks) against float64 ones: a few percent.
 EXPERTS_TOL = 0.05
 # Mixture-of-experts logits: the activation error plus the tokens whose top-k flips near a tie of the router.
 ROUTED_TOL = 0.12
 
 
+def _reference(kind):
+    """The model in float64 (its bf16 parameters exactly), for a reference forward; experts run eagerly (one
+    matmul per expert: grouped_mm takes no float64)."""
+    model = _model(kind).to(torch.float64)
+    if hasattr(model, "set_experts_implementation"):
+        model.set_experts_implementation("eager")
+    return model
+
+
 def _dequantized_twin(model, state, fmt):
-    """The bf16 model with every quantized linear's weight replaced by its dequantized checkpoint codes."""
+    """The model in float64 with every quantized linear's weight replaced by its dequantized checkpoint codes."""
     _, how, scale_key, _ = FORMATS[fmt]
-    twin = _model("llama" if isinstance(model, transformers.LlamaForCausalLM) else "qwen2")
+    twin = _reference("llama" if isinstance(model, transformers.LlamaForCausalLM) else "qwen2")
     with torch.no_grad():
         for name in _linears(twin):
             if name in ("lm_head", IGNORED):
                 continue
-            w = _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how)
-            twin.get_submodule(name).weight.copy_(w.to(torch.bfloat16))
+            twin.get_submodule(name).weight.copy_(
+                _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how))
     return twin.cuda()
+
+
+def _as_reference(t):
+    return t.to(torch.float64) if t.is_floating_point() else t
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
@@ -66,27 +79,27 @@ def test_adopted_checkpoint_logits(tmp_path, kind, fmt):
 
 @pytest.mark.parametrize("kind,fmt", [("deepseek_v3", "fp8"), ("qwen3_moe", "fbgemm")])
 def test_adopted_moe_checkpoint_logits(tmp_path, kind, fmt):
-    """Per-expert FP8 experts adopted into QuantizedExperts (the grouped GEMM), against the bf16 model holding
-    every dequantized weight of the checkpoint, dense and experts."""
+    """Per-expert FP8 experts adopted into QuantizedExperts (the grouped GEMM), against a float64 forward of the
+    model holding every dequantized weight of the checkpoint, dense and experts."""
     model = _model(kind)
     state = _write_fp8(tmp_path, model, fmt)
     loaded, report = cnn.from_pretrained(str(tmp_path), device="cuda")
     assert report.converted_experts == _experts_names(model)
     _, how, scale_key, _ = FORMATS[fmt]
-    twin = _model(kind)
+    twin = _reference(kind)
     with torch.no_grad():
         for name in _linears(twin):
             if name not in ("lm_head", IGNORED):
-                w = _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how)
-                twin.get_submodule(name).weight.copy_(w.to(torch.bfloat16))
+                twin.get_submodule(name).weight.copy_(
+                    _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how))
         for name in _experts_names(twin):
             experts = twin.get_submodule(name)
             for j in range(experts.gate_up_proj.shape[0]):
                 gate, up, down = (_ckpt_dequantized(state[f"{name}.{j}.{p}.weight"],
                                                     state[f"{name}.{j}.{p}.{scale_key}"], how)
                                   for p in ("gate_proj", "up_proj", "down_proj"))
-                experts.gate_up_proj[j].copy_(torch.cat([gate, up]).to(torch.bfloat16))
-                experts.down_proj[j].copy_(down.to(torch.bfloat16))
+                experts.gate_up_proj[j].copy_(torch.cat([gate, up]))
+                experts.down_proj[j].copy_(down)
     twin = twin.cuda()
     # Each experts block on the inputs and the routing the loaded model gave it: the same products but for the
     # activations' FP8 quantization. End to end, the routers see slightly different hidden states and a token near
@@ -108,8 +121,9 @@ def test_adopted_moe_checkpoint_logits(tmp_path, kind, fmt):
         assert sorted(seen) == sorted(_experts_names(model))
         for name, (args, kwargs) in seen.items():
             mine = loaded.get_submodule(name)(*args, **kwargs).float()
-            theirs = twin.get_submodule(name)(*args, **kwargs).float()
-            e_block = R.rel_error(mine, theirs)
+            theirs = twin.get_submodule(name)(*map(_as_reference, args),
+                                              **{k: _as_reference(v) for k, v in kwargs.items()})
+            e_block = R.rel_error(mine, theirs.float())
             assert e_block < EXPERTS_TOL, f"{kind} {fmt} {name}: {e_block:.3e} from the dequantized experts"
         want = twin(ids).logits.float()
         original = model.cuda()(ids).logits.float()
