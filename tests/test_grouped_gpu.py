@@ -166,17 +166,24 @@ def test_ill_formed_offsets_stay_inside_the_tensors():
     assert torch.equal(guarded[:total], want)
 
 
+OPTIONS = {"64-row tiles": {"tile_m": 64}, "2-CTA clusters": {"cluster_n": 2},
+           "64-row tiles, 2-CTA clusters": {"tile_m": 64, "cluster_n": 2}}
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-@pytest.mark.parametrize("recipe", ["row", "deepseek"])
-def test_64_row_tiles_match_reference(layout, recipe):
-    """The table's instance built with 64-row tiles (one consumer warp group; a kernel option the grouped benchmark
-    times) writes the same rows as the reference."""
+@pytest.mark.parametrize("recipe", ["row", "tensor", "deepseek"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+@pytest.mark.parametrize("n", [256, 384])
+def test_kernel_options_match_reference(layout, recipe, option, n):
+    """The table's instance built with a kernel option the grouped benchmark times (64-row tiles: one consumer
+    warp group; clusters of 2 CTAs along N sharing A by multicast, with N = 384 an odd count of n tiles, the last
+    cluster's second tile past N) writes the same rows as the reference."""
     import dataclasses
 
     from cutedsl_gemm.families import sm90_grouped as G
 
-    gen = torch.Generator(device="cuda").manual_seed(21)
-    e, n, k = 6, 256, 512
+    gen = torch.Generator(device="cuda").manual_seed(21 + n)
+    e, k = 6, 512
     sizes = [0, 1, 65, 64, 130, 7]
     b, sb = _weights(e, n, k, recipe, gen)
     if layout == "contiguous":
@@ -188,9 +195,10 @@ def test_64_row_tiles_match_reference(layout, recipe):
         kw = {"counts": groups}
     offs = groups if layout == "contiguous" else None
     problem = G.describe(a, b, sa, sb, offs, kw.get("counts"), torch.bfloat16, None)
-    plan = G.plan(dataclasses.replace(G.select(problem), tile_m=64), 0)
+    plan = G.plan(dataclasses.replace(G.select(problem), **OPTIONS[option]), 0)
     out = torch.full(problem.out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     plan.run(a, b, out, *G.kernel_scales(problem, sa, sb), groups)
+    torch.cuda.synchronize()
     ref = R.reference_grouped_mm(a, b, sa, sb, offs, recipe=recipe, out_dtype=torch.float64, **kw)
     written = ~torch.isnan(ref)
     assert torch.equal(~torch.isnan(out), written), "rows written differ from the groups' rows"
