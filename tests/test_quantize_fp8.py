@@ -443,6 +443,15 @@ def test_ptx_contract_arithmetic(ptx):
 
 
 @pytest.mark.compile
+def test_quantizers_let_the_next_kernel_launch_early(ptx):
+    """Each quantizer of activations lets a PDL GEMM after it launch at once (to prefetch its weights);
+    the amax pass of the per-tensor recipe is followed by the cast kernel, not by a GEMM."""
+    for name, (_, t) in ptx.items():
+        if not name.startswith("tensor_amax"):
+            assert _count(t, "griddepcontrol.launch_dependents") == 1, name
+
+
+@pytest.mark.compile
 def test_ptx_reductions(ptx):
     g = ptx["group_bf16_e4m3"][1]
     assert _count(g, "shfl.sync.bfly") == 4 * 3  # 8-lane butterflies, 4 passes

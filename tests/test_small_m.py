@@ -90,8 +90,13 @@ def test_split_k_reduction_in_the_ptx():
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n16k32\.f32\.e4m3\.e4m3")
     assert not rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32")
     assert rep.frame_bytes == 0
-    # decode kernels use programmatic dependent launch; the producer waits before its first load
+    # decode kernels use programmatic dependent launch; the producer prefetches its first weight tiles into L2,
+    # then waits before its first load into shared memory
     assert "griddepcontrol.wait" in rep.ptx and "griddepcontrol.launch_dependents" in rep.ptx
+    wait = rep.ptx.index("griddepcontrol.wait")
+    prefetch = re.search(r"cp\.async\.bulk\.prefetch\.tensor\.2d\.L2\.global", rep.ptx)
+    assert prefetch and prefetch.start() < wait
+    assert re.search(r"cp\.async\.bulk\.tensor\.\dd\.shared::\w+\.global", rep.ptx).start() > wait
     assert _inst(16, schedule="small_m").sm90_config().pdl and not _inst(4096).sm90_config().pdl
 
 

@@ -412,6 +412,9 @@ def test_register_sourced_wgmma_and_conversion_instructions(which):
     assert rep.has(r"ld\.shared\.v4\.b32"), rep.name  # 128-bit reads of the packed words
     assert rep.has(r"cp\.async\.bulk\.tensor\.4d\.shared::cta\.global"), rep.name  # the weight atoms by TMA
     assert rep.frame_bytes == 0, f"{rep.name} spills"
+    # launched early (PDL, every weight-only kernel): the first weight atoms go into L2 before the wait for the
+    # previous kernel
+    assert rep.ptx.index("cp.async.bulk.prefetch.tensor.4d.L2.global") < rep.ptx.index("griddepcontrol.wait")
 
 
 @pytest.mark.compile

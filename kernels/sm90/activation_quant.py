@@ -170,6 +170,9 @@ class ActivationQuantStaging:
                             self.lane, tn)
         return None
 
+    def prefetch_weights(self, views, k_begin, k_count):
+        """(The TMA warp's part: ``TmaLoads.prefetch_weights``.)"""
+
     def fill_stage(self, views, tm, tn, kt, state):
         if cutlass.const_expr(self.rows is not None):
             _fill_rows_if_mine(self.mainloop, self.x, self.sX, self.x_full, self.sB, self.rows.tok, self.tile_mn[1],

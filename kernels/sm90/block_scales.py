@@ -152,6 +152,9 @@ class ScaleStaging:
     def unit_views(self, tm, tn):
         return None
 
+    def prefetch_weights(self, views, k_begin, k_count):
+        """(The TMA warp's part: ``TmaLoads.prefetch_weights``.)"""
+
     def fill_stage(self, views, tm, tn, kt, state):
         self.mainloop.sync_object_empty.wait(state.index, state.phase)
         bar = self.mainloop.producer_get_barrier(state)

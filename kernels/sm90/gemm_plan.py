@@ -23,6 +23,11 @@ def smem_capacity(ctas_per_sm: int) -> int:
     return SM90_SMEM_CAPACITY if ctas_per_sm == 1 else SM90_SMEM_PER_SM // ctas_per_sm - 1024
 
 
+# K tiles of weight a PDL kernel prefetches into L2 while the previous kernel finishes: 8 x 64-128 rows x 128 bytes
+# per CTA, 8-17 MB over 132 SMs, about what HBM delivers in a small kernel's last microseconds (well inside L2).
+PREFETCH_K_TILES = 8
+
+
 @dataclass(frozen=True)
 class Sm90GemmConfig:
     """Compile-time configuration of one kernel instance (the instance-table row it was built from)."""

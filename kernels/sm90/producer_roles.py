@@ -168,10 +168,16 @@ class TmaProducer:
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.gemm.ab_stages)
         unit = cluster_id
         if cutlass.const_expr(self.gemm.cfg.pdl):
+            # While the previous kernel finishes, start the first unit's weight tiles on their way into L2 (a
+            # prefetch: L2 stays coherent with that kernel's writes, so it is safe even for a weight it writes).
+            if unit < sched.num_units:
+                tm, tn, split, nsplit = self.gemm._unit(sched, unit, cluster_coord, splits)
+                k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
+                role.prefetch_weights(role.unit_views(tm, tn), k_begin, k_count)
             # Wait for the previous kernel (its writes are then visible) before the first load. Everything this
             # grid reads or writes follows the producers' loads, so this orders the whole kernel after it.
-            # (Loading weight tiles before the wait would be faster back to back, but would read a weight the
-            # previous kernel may still be writing: FP8 training quantizes W right before its GEMM.)
+            # (Loading weight tiles into shared memory before the wait would read a weight the previous kernel
+            # may still be writing: FP8 training quantizes W right before its GEMM.)
             cute.arch.griddepcontrol_wait()
         while unit < sched.num_units:
             tm, tn, split, nsplit = self.gemm._unit(sched, unit, cluster_coord, splits)

@@ -239,6 +239,12 @@ def default_threads(mode: str, in_width: int, block_rows: int, block_cols: int) 
     return 256
 
 
+def launch_dependents():
+    """Let the next kernel launch now if it launches early (PDL, the GEMMs of swapped tiles): it waits for this
+    one to finish before reading what it writes, and meanwhile prefetches its weights (a no-op otherwise)."""
+    cute.arch.griddepcontrol_launch_dependents()
+
+
 class TileQuant:
     """Compile-time configuration of the tile kernel (see the module docstring).
 
@@ -316,6 +322,7 @@ class TileQuant:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mPart: cute.Tensor):
+        launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         rb, cb, _ = cute.arch.block_idx()
         gr, gc, _ = cute.arch.grid_dim()
@@ -470,6 +477,7 @@ class RowQuant:
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor):
+        launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         bid, _, _ = cute.arch.block_idx()
         M = mX.shape[0]

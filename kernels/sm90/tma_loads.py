@@ -10,6 +10,7 @@ import cutlass.cute as cute
 from cutlass import Int32
 
 from .block_scales import load_a_scale_box
+from .gemm_plan import PREFETCH_K_TILES
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,15 @@ class TmaLoads:
     def unit_views(self, tm, tn):
         """The unit's A rows and W columns, all K tiles."""
         return self.tAgA[(None, tm, None)], self.tBgB[(None, tn, None)]
+
+    @cute.jit
+    def prefetch_weights(self, views, k_begin, k_count):
+        """Prefetch into L2 the unit's first K tiles of A, the weight in the kernels that launch early (PDL: the
+        swapped tiles), up to ``PREFETCH_K_TILES``. A multicast A is left alone (its TMA atom does not prefetch)."""
+        if cutlass.const_expr(isinstance(self.a_mcast_mask, int)):  # (a run-time mask when A is multicast)
+            tAgA_t, _ = views
+            for i in cutlass.range(cutlass.min(k_count, PREFETCH_K_TILES), unroll=1):
+                cute.prefetch(self.tma_a, tAgA_t[(None, k_begin + i)])
 
     def fill_stage(self, views, tm, tn, kt, state):
         """Acquire the stage (wait until it is empty, post its bytes) and issue K tile ``kt``'s loads."""

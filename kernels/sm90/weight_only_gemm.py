@@ -26,7 +26,7 @@ from cutlass.tensor_utils import LayoutEnum
 from ..common.register_fence import fence_registers
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import PersistentTileScheduler, ceil_div
-from .gemm_plan import SM90_SMEM_CAPACITY, cutlass_dtype
+from .gemm_plan import PREFETCH_K_TILES, SM90_SMEM_CAPACITY, cutlass_dtype
 from .split_k import k_tile_range, reduce_partials
 
 # Device-side copies of the packed layout's constants (numerics/int_packing.py; tests/test_weight_only.py checks
@@ -375,7 +375,14 @@ class Sm90WeightOnlyGemm(WeightOnlyPlan):
                 sched = PersistentTileScheduler(tiles_m, tiles_n, (1, 1), self.cfg.group_m, splits)
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 if cutlass.const_expr(self.cfg.pdl):
-                    # Everything this grid reads or writes follows these loads: wait for the previous kernel here.
+                    # While the previous kernel finishes, start the first unit's packed weight tiles on their way
+                    # into L2 (a prefetch, coherent with that kernel's writes); everything this grid reads or
+                    # writes follows the loads below: wait for the previous kernel before them.
+                    if first_unit < sched.num_units:
+                        tm, _, split = sched.coords(first_unit, Int32(0), Int32(0))
+                        k_begin, k_count = k_tile_range(k_tiles, splits, split)
+                        for i in cutlass.range(cutlass.min(k_count, PREFETCH_K_TILES), unroll=1):
+                            cute.prefetch(tma_w, tWgW[(None, k_begin + i, tm)])
                     cute.arch.griddepcontrol_wait()
                 unit = first_unit
                 while unit < sched.num_units:
