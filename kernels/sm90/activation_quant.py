@@ -170,7 +170,7 @@ class ActivationQuantStaging:
                             self.lane, tn)
         return None
 
-    def prefetch_weights(self, views, k_begin, k_count):
+    def prefetch_weights(self, tm, tn, k_begin, k_count):
         """(The TMA warp's part: ``TmaLoads.prefetch_weights``.)"""
 
     def fill_stage(self, views, tm, tn, kt, state):

@@ -152,7 +152,7 @@ class ScaleStaging:
     def unit_views(self, tm, tn):
         return None
 
-    def prefetch_weights(self, views, k_begin, k_count):
+    def prefetch_weights(self, tm, tn, k_begin, k_count):
         """(The TMA warp's part: ``TmaLoads.prefetch_weights``.)"""
 
     def fill_stage(self, views, tm, tn, kt, state):

@@ -173,7 +173,7 @@ class TmaProducer:
             if unit < sched.num_units:
                 tm, tn, split, nsplit = self.gemm._unit(sched, unit, cluster_coord, splits)
                 k_begin, k_count = k_tile_range(k_tiles, nsplit, split)
-                role.prefetch_weights(role.unit_views(tm, tn), k_begin, k_count)
+                role.prefetch_weights(tm, tn, k_begin, k_count)
             # Wait for the previous kernel (its writes are then visible) before the first load. Everything this
             # grid reads or writes follows the producers' loads, so this orders the whole kernel after it.
             # (Loading weight tiles into shared memory before the wait would read a weight the previous kernel

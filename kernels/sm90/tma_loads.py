@@ -37,11 +37,11 @@ class TmaLoads:
         return self.tAgA[(None, tm, None)], self.tBgB[(None, tn, None)]
 
     @cute.jit
-    def prefetch_weights(self, views, k_begin, k_count):
-        """Prefetch into L2 the unit's first K tiles of A, the weight in the kernels that launch early (PDL: the
+    def prefetch_weights(self, tm, tn, k_begin, k_count):
+        """Prefetch into L2 unit (tm, tn)'s first K tiles of A, the weight in the kernels that launch early (PDL: the
         swapped tiles), up to ``PREFETCH_K_TILES``. A multicast A is left alone (its TMA atom does not prefetch)."""
         if cutlass.const_expr(isinstance(self.a_mcast_mask, int)):  # (a run-time mask when A is multicast)
-            tAgA_t, _ = views
+            tAgA_t = self.tAgA[(None, tm, None)]
             for i in cutlass.range(cutlass.min(k_count, PREFETCH_K_TILES), unroll=1):
                 cute.prefetch(self.tma_a, tAgA_t[(None, k_begin + i)])
 
