@@ -173,6 +173,48 @@ def test_ptx_holds_wgmma_tma_and_group_reads(layout):
     assert rep.frame_bytes == 0, f"{rep.name} spills"
 
 
+@pytest.mark.filterwarnings("ignore:This static loop has .* iterations")  # trace-time checks, nothing compiled
+@pytest.mark.parametrize("bm", [64, 128])
+def test_fragment_pairs_are_adjacent_columns_of_one_row(bm):
+    """The epilogue stores fragment elements 2j and 2j + 1 as one 32-bit word: for every consumer thread they are
+    columns c and c + 1 of one row of the tile, c even."""
+    import cutlass
+    import cutlass.cute as cute
+    import cutlass.utils.hopper_helpers as sm90_utils
+    from cutlass.cute.nvgpu import OperandMajorMode
+
+    bn, bad, checked = 128, [], []
+
+    @cute.jit
+    def check():
+        tv = sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, OperandMajorMode.K,
+                                               OperandMajorMode.K, cutlass.Float32, (bm // 64, 1, 1),
+                                               tiler_mn=(64, bn)).tv_layout_C_tiled
+        values = cute.size(tv, mode=[1])
+        for t in cutlass.range_constexpr(bm // 64 * 128):
+            for j in cutlass.range_constexpr(values // 2):
+                r0, c0 = (int(x) for x in cute.idx2crd(tv((t, 2 * j)), (bm, bn)))
+                r1, c1 = (int(x) for x in cute.idx2crd(tv((t, 2 * j + 1)), (bm, bn)))
+                checked.append(1)
+                if cutlass.const_expr((r1, c1) != (r0, c0 + 1) or c0 % 2):
+                    bad.append((t, j, (r0, c0), (r1, c1)))
+
+    cute.compile(check, options="--gpu-arch sm_90a")  # the checks run while it traces
+    assert len(checked) == bm * bn // 2 and not bad, bad[:4]
+
+
+@pytest.mark.compile
+def test_grouped_epilogue_pairs_its_stores():
+    """Two bf16 columns per 32-bit store where N is even (half the store instructions), 16-bit ones otherwise."""
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=128)[0]
+    rep = inspect_instance(inst)
+    # a thread's 64 elements of the 128 x 128 tile: 32 pairs
+    assert len(re.findall(r"st\.global\.b32", rep.ptx)) == 128 * 128 // 256 // 2
+    assert rep.has(r"st\.global\.b16")
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("recipe", ["row", "1x128_128x128"])
 def test_clustered_ptx_multicasts_a_and_releases_both_ctas(recipe):

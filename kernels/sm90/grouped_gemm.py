@@ -30,7 +30,8 @@ fp32 accumulator (``promoted_mainloops.py``).
 | mainloop (PipelineTmaAsync) | TMA warp (+ scale warp) -> consumer warp groups | ``stages`` (A + W tile, scales) |
 
 The epilogue stores the scaled, converted fragment straight from registers with a row predicate (the group's rows
-only): a TMA store would clip at the tensor's edge, not at the group's.
+only; two columns per 32-bit store where N is even): a TMA store would clip at the tensor's edge, not at the
+group's.
 
 Work units are (m tile of the concatenated groups, n tile), N fastest; every role walks the same units with a
 cursor over the groups that only moves forward (units grow along each CTA's walk), so a CTA loads each group size it
@@ -411,12 +412,35 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 m, c = tile_coords[i]
                 row, col = r0 + cutlass.min(m, valid_rows - 1), cutlass.min(c0 + c, n - 1)
                 scratch[i] = Float32(mSA[row, g]) * Float32(mSB[col, e])
-        for i in cutlass.range(cute.size(acc), unroll_full=True):
-            m, c = tile_coords[i]
-            if (m < valid_rows) & (c0 + c < n):
-                v = acc[i]
-                if cutlass.const_expr(self.cfg.recipe == "tensor"):
-                    v = v * alpha
-                elif cutlass.const_expr(self.cfg.recipe == "row"):
-                    v = v * scratch[i]
-                gD[r0 + m, c0 + c] = v.to(self.d_dtype)
+        # Fragment elements 2j and 2j + 1 are columns c and c + 1 of one row (tests/test_grouped.py): one 32-bit
+        # store for both where the row starts 4-byte aligned (N even) and both columns are below N.
+        paired = n % 2 == 0
+        elem_bytes = self.d_dtype.width // 8
+        for j in cutlass.range(cute.size(acc) // 2, unroll_full=True):
+            m, c = tile_coords[2 * j]
+            if m < valid_rows:
+                row, col = r0 + m, c0 + c
+                v0, v1 = self._scaled(acc, scratch, alpha, 2 * j), self._scaled(acc, scratch, alpha, 2 * j + 1)
+                if paired & (col + 1 < n):
+                    pair = cute.make_rmem_tensor(cute.make_layout(2), self.d_dtype)
+                    pair[0], pair[1] = v0.to(self.d_dtype), v1.to(self.d_dtype)
+                    addr = gD.iterator.toint() + cute.crd2idx((row, col), gD.layout) * elem_bytes
+                    cute.autovec_copy(pair, cute.make_tensor(
+                        cute.make_ptr(self.d_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
+                        cute.make_layout(2)))
+                else:
+                    if col < n:
+                        gD[row, col] = v0.to(self.d_dtype)
+                    if col + 1 < n:
+                        gD[row, col + 1] = v1.to(self.d_dtype)
+
+    @cute.jit
+    def _scaled(self, acc, scratch, alpha, i: cutlass.Constexpr):
+        """Element ``i`` of the tile in fp32 with its scales: per tensor ``alpha``, row-wise ``scratch[i]``
+        (block scales were applied in the promotion)."""
+        v = acc[i]
+        if cutlass.const_expr(self.cfg.recipe == "tensor"):
+            v = v * alpha
+        elif cutlass.const_expr(self.cfg.recipe == "row"):
+            v = v * scratch[i]
+        return v
