@@ -415,7 +415,6 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         # Fragment elements 2j and 2j + 1 are columns c and c + 1 of one row (tests/test_grouped.py): one 32-bit
         # store for both where the row starts 4-byte aligned (N even) and both columns are below N.
         paired = n % 2 == 0
-        elem_bytes = self.d_dtype.width // 8
         for j in cutlass.range(cute.size(acc) // 2, unroll_full=True):
             m, c = tile_coords[2 * j]
             if m < valid_rows:
@@ -424,7 +423,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 if paired & (col + 1 < n):
                     pair = cute.make_rmem_tensor(cute.make_layout(2), self.d_dtype)
                     pair[0], pair[1] = v0.to(self.d_dtype), v1.to(self.d_dtype)
-                    addr = gD.iterator.toint() + cute.crd2idx((row, col), gD.layout) * elem_bytes
+                    # (the element offset added to the typed pointer, so the byte address is computed in 64 bits)
+                    addr = (gD.iterator + cute.crd2idx((row, col), gD.layout)).toint()
                     cute.autovec_copy(pair, cute.make_tensor(
                         cute.make_ptr(self.d_dtype, addr, cute.AddressSpace.gmem, assumed_align=4),
                         cute.make_layout(2)))
