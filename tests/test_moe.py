@@ -85,7 +85,10 @@ def test_permute_groups_the_pairs_by_expert_in_token_order(t, k, e, pool):
 
 
 @pytest.mark.parametrize("t, k, e, pool", ROUTINGS)
-def test_combine_is_the_weighted_sum_in_slot_order(t, k, e, pool):
+@pytest.mark.parametrize("products", ["at once", "slot by slot"])
+def test_combine_is_the_weighted_sum_in_slot_order(t, k, e, pool, products, monkeypatch):
+    if products == "slot by slot":
+        monkeypatch.setattr(moe, "ONE_SHOT_PRODUCT_BYTES", 0)
     ids, w = _routing(t, k, e, seed=100 + t, experts=pool)
     _, _, order = moe.permute(torch.zeros(t, 8), ids, e)
     out = torch.randn(t * k, 40).to(torch.bfloat16)
@@ -99,6 +102,14 @@ def test_combine_is_the_weighted_sum_in_slot_order(t, k, e, pool):
         want[tok] = acc
     assert got.dtype == torch.bfloat16 and torch.equal(got, want.to(torch.bfloat16))
     assert torch.equal(moe.combine(out, order, w, t, out_dtype=torch.float32), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gated_activation_is_silu_times_up_in_fp32_rounded_once(dtype):
+    h = (torch.randn(37, 2 * 96) * 4).to(dtype)
+    got = moe.QuantizedExperts._gated(types.SimpleNamespace(intermediate_dim=96), h, dtype)
+    want = (F.silu(h[:, :96].float()) * h[:, 96:].float()).to(dtype)
+    assert got.dtype == dtype and torch.equal(got, want)
 
 
 def test_permute_then_combine_gives_the_tokens_back():

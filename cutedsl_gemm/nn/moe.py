@@ -92,13 +92,32 @@ def permute(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> t
     return hidden.index_select(0, order // k), ends.to(torch.int32), order
 
 
+# The combine's products in one (T, k, H) fp32 tensor up to this size (decode: few kernels matter most); above it
+# slot by slot (prefill: no transient k times the output).
+ONE_SHOT_PRODUCT_BYTES = 16 << 20
+
+
 def _weighted_sum(rows: torch.Tensor, topk_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """sum_j rows[:, j] * w[:, j] over the top-k slots j = 0, 1, ... in that order, in fp32 -> ``dtype``."""
+    """sum_j rows[:, j] * w[:, j] over the top-k slots j = 0, 1, ... in that order, in fp32 -> ``dtype``.
+
+    Each product is rounded to fp32 as the product of the fp32-converted row would be (a bf16 row is promoted
+    exactly inside the multiply), the adds go in slot order and the last one rounds into ``dtype`` as it stores:
+    the same bits as converting, multiplying and adding slot by slot, in k + 1 kernels (all products at once, up
+    to ``ONE_SHOT_PRODUCT_BYTES``) or 2k (slot by slot) instead of 3k + 1."""
+    t, k, h = rows.shape
     w = topk_weights.float()
-    acc = rows[:, 0].float() * w[:, :1]
-    for j in range(1, rows.shape[1]):  # a fixed order: the same bits on every run and device
-        acc = acc + rows[:, j].float() * w[:, j:j + 1]
-    return acc.to(dtype)
+    out = torch.empty(t, h, dtype=dtype, device=rows.device)
+    if t * k * h * 4 <= ONE_SHOT_PRODUCT_BYTES:
+        products = rows * w.unsqueeze(-1)
+        product = lambda j: products[:, j]  # noqa: E731
+    else:
+        product = lambda j: rows[:, j] * w[:, j:j + 1]  # noqa: E731
+    if k == 1:
+        return out.copy_(product(0))
+    acc = product(0)
+    for j in range(1, k - 1):  # a fixed order: the same bits on every run and device
+        acc = acc + product(j)
+    return torch.add(acc, product(k - 1), out=out)
 
 
 def _check_combine(topk_weights: torch.Tensor, num_tokens: int, pairs: int) -> None:
@@ -401,7 +420,10 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         """SiLU(gate) * up of the gate_up GEMM's output (..., 2I), gate first (transformers' ``chunk(2)``), in
         fp32 rounded to ``dtype``."""
         i = self.intermediate_dim
-        return (F.silu(h[..., :i].float()) * h[..., i:].float()).to(dtype)
+        # (the product in fp32 rounded into ``dtype`` as it is stored: up is promoted exactly, one kernel fewer
+        # for its conversion and one for the rounding)
+        out = torch.empty(h.shape[:-1] + (i,), dtype=dtype, device=h.device)
+        return torch.mul(F.silu(h[..., :i].float()), h[..., i:], out=out)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
