@@ -143,8 +143,8 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
     k = topk_weights.shape[1]
     if num_tokens == 0 or k == 0:
         return expert_out.new_zeros((num_tokens, expert_out.shape[1]), dtype=out_dtype or expert_out.dtype)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
-    rows = expert_out.index_select(0, inverse).view(num_tokens, k, expert_out.shape[1])
+    # row order[r] of the token-major pairs is expert row r: one scatter of distinct rows (a permutation, exact)
+    rows = torch.empty_like(expert_out).index_copy_(0, order, expert_out).view(num_tokens, k, expert_out.shape[1])
     return _weighted_sum(rows, topk_weights, out_dtype or expert_out.dtype)
 
 
