@@ -72,14 +72,12 @@ def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
 
 
 def _sorted_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple:
-    """(expert ids sorted, order, each expert's first sorted row, its end row): the (token, k) pairs, flattened
-    token-major, ordered by expert with a stable sort, so that within an expert they stay in token order."""
+    """(expert ids sorted, order, the expert ids 0 .. E-1): the (token, k) pairs, flattened token-major, ordered by
+    expert with a stable sort, so that within an expert they stay in token order; ``searchsorted`` of the expert
+    ids in the sorted ones gives each expert's first row (left) and end row (right)."""
     flat = topk_ids.reshape(-1)
     sorted_ids, order = torch.sort(flat, stable=True)
-    experts = torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
-    starts = torch.searchsorted(sorted_ids, experts)
-    ends = torch.searchsorted(sorted_ids, experts, right=True)
-    return sorted_ids, order, starts, ends
+    return sorted_ids, order, torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
 
 
 def permute(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tuple:
@@ -88,8 +86,9 @@ def permute(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> t
     are ``offs[e-1]:offs[e]`` (cumulative end rows, as ``F.grouped_mm`` takes them; empty groups allowed), in token
     order. ``combine`` takes ``order`` back."""
     _, k = _check_routing(hidden, topk_ids, num_experts)
-    _, order, _, ends = _sorted_pairs(topk_ids, num_experts)
-    return hidden.index_select(0, order // k), ends.to(torch.int32), order
+    sorted_ids, order, experts = _sorted_pairs(topk_ids, num_experts)
+    ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
+    return hidden.index_select(0, order // k), ends, order
 
 
 # The combine's products in one (T, k, H) fp32 tensor up to this size (decode: few kernels matter most); above it
@@ -168,8 +167,9 @@ def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ca
         return (hidden.new_zeros((num_experts, capacity, h)),
                 torch.zeros(num_experts, dtype=torch.int32, device=device),
                 torch.empty(0, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.bool, device=device))
-    sorted_ids, order, starts, ends = _sorted_pairs(topk_ids, num_experts)
-    counts = ends - starts
+    sorted_ids, order, experts = _sorted_pairs(topk_ids, num_experts)
+    starts = torch.searchsorted(sorted_ids, experts)
+    counts = torch.searchsorted(sorted_ids, experts, right=True) - starts
     c = torch.arange(capacity, device=device)
     valid = c < counts[:, None]  # (E, C): the rows that hold a pair
     src = torch.where(valid, starts[:, None] + c, 0)  # sorted row of each masked row (0: any row, zeroed below)
