@@ -419,7 +419,7 @@ def test_a_group_scales_may_come_by_tma():
     scales with ordinary loads and the next refill writes them through the async proxy, so every stage release is
     preceded by a proxy fence (without it the DeepSeek 64x192 pairs read wrong A scales on an H100). The 128-row
     tiles, the split-N pairs and 128x128 A blocks keep the scale warp's copies: no box, no
-    fences."""
+    fences; kernels that quantize their activations store the W scales from their quantizing warps."""
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
 
     own_loads = r"cp\.async\.bulk\.tensor\.2d\.shared::cta\.global\.tile\.mbarrier::complete_tx::bytes"
@@ -443,6 +443,11 @@ def test_a_group_scales_may_come_by_tma():
         unicast = 1 + (inst.cluster_m == 1) + by_tma
         assert len(re.findall(own_loads, ptx)) == unicast, inst.name
         assert (_release_fences(ptx) > 0) == by_tma, (inst.name, _release_fences(ptx))
+    # A kernel that quantizes its activations stores the W (its A) scales from its quantizing warps: no box too
+    quant = next(i for i in table.table() if i.name.startswith("sm_90a_quant_gemm_small_m_1x128_1x128")
+                 and i.tile_m == 64)
+    assert not Sm90Fp8Gemm(quant.sm90_config()).a_scale_tma, quant.name
+    assert len(re.findall(own_loads, inspect_instance(quant).ptx)) == 2, quant.name  # the W and token tiles
 
 
 def test_block_scales_are_read_before_the_mmas_are_issued():

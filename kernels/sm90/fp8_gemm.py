@@ -169,9 +169,10 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         self.raw_scales = self.split_n or self.read_ahead
         # A's group scales may come by TMA (block_scales.a_scale_tma_view decides per call) into the stage's A
         # slots. The consumers must then fence their reads before each stage release, which costs 128-row tiles
-        # more than the TMA box gains them: 64-row tiles only, and not the split-N pairs (docs/design.md).
+        # more than the TMA box gains them: 64-row tiles only, and not the split-N pairs (docs/design.md). Not in
+        # kernels that quantize their activations: their quantizing warps store the W (A) scales into those slots.
         self.a_scale_tma = (self.block_scaled and self.scale_gran[0] == "group" and cfg.tile_m == 64
-                            and not self.split_n)
+                            and not self.split_n and not self.quantizes_a)
         self.ab_stages = cfg.stages or self.max_stages(cfg)
         self.epi_stages = self.epi_buffers(cfg, self.ab_stages)
         self.producer_regs, self.consumer_regs = self.register_split(cfg)
