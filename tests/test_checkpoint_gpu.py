@@ -41,16 +41,25 @@ def _reference(kind):
     return model
 
 
-def _dequantized_twin(model, state, fmt):
-    """The model in float64 with every quantized linear's weight replaced by its dequantized checkpoint codes."""
+def _dequantized_twin(kind, state, fmt):
+    """The model in float64 with every quantized linear's weight, and each routed expert's, replaced by its
+    dequantized checkpoint codes."""
     _, how, scale_key, _ = FORMATS[fmt]
-    twin = _reference("llama" if isinstance(model, transformers.LlamaForCausalLM) else "qwen2")
+
+    def dequantized(name):
+        return _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how)
+
+    twin = _reference(kind)
     with torch.no_grad():
         for name in _linears(twin):
-            if name in ("lm_head", IGNORED):
-                continue
-            twin.get_submodule(name).weight.copy_(
-                _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how))
+            if name not in ("lm_head", IGNORED):
+                twin.get_submodule(name).weight.copy_(dequantized(name))
+        for name in _experts_names(twin):
+            experts = twin.get_submodule(name)
+            for j in range(experts.gate_up_proj.shape[0]):
+                gate, up, down = (dequantized(f"{name}.{j}.{p}") for p in ("gate_proj", "up_proj", "down_proj"))
+                experts.gate_up_proj[j].copy_(torch.cat([gate, up]))
+                experts.down_proj[j].copy_(down)
     return twin.cuda()
 
 
@@ -68,7 +77,7 @@ def test_adopted_checkpoint_logits(tmp_path, kind, fmt):
     ids = torch.randint(0, model.config.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad():
         got = loaded(ids).logits.float()
-        twin = _dequantized_twin(model, state, fmt)(ids).logits.float()
+        twin = _dequantized_twin(kind, state, fmt)(ids).logits.float()
         original = model.cuda()(ids).logits.float()
     assert not torch.isnan(got).any()
     e_twin, e_orig = R.rel_error(got, twin), R.rel_error(got, original)
@@ -85,22 +94,7 @@ def test_adopted_moe_checkpoint_logits(tmp_path, kind, fmt):
     state = _write_fp8(tmp_path, model, fmt)
     loaded, report = cnn.from_pretrained(str(tmp_path), device="cuda")
     assert report.converted_experts == _experts_names(model)
-    _, how, scale_key, _ = FORMATS[fmt]
-    twin = _reference(kind)
-    with torch.no_grad():
-        for name in _linears(twin):
-            if name not in ("lm_head", IGNORED):
-                twin.get_submodule(name).weight.copy_(
-                    _ckpt_dequantized(state[f"{name}.weight"], state[f"{name}.{scale_key}"], how))
-        for name in _experts_names(twin):
-            experts = twin.get_submodule(name)
-            for j in range(experts.gate_up_proj.shape[0]):
-                gate, up, down = (_ckpt_dequantized(state[f"{name}.{j}.{p}.weight"],
-                                                    state[f"{name}.{j}.{p}.{scale_key}"], how)
-                                  for p in ("gate_proj", "up_proj", "down_proj"))
-                experts.gate_up_proj[j].copy_(torch.cat([gate, up]))
-                experts.down_proj[j].copy_(down)
-    twin = twin.cuda()
+    twin = _dequantized_twin(kind, state, fmt)
     # Each experts block on the inputs and the routing the loaded model gave it: the same products but for the
     # activations' FP8 quantization. End to end, the routers see slightly different hidden states and a token near
     # a tie may pick another expert, so the logits get a looser bound.
