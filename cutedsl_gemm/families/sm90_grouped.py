@@ -250,13 +250,12 @@ class GroupedPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
-    """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: one CTA per SM, clustered
-    ones as many clusters as the GPU holds at once."""
-    from cutedsl_gemm.runtime.device import device_info, launch_clusters
+    """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: as many clusters as the GPU
+    holds at once (one CTA per SM), as the dense plans size theirs."""
+    from cutedsl_gemm.runtime.device import launch_clusters
     from cutedsl_gemm.runtime.resources import compiled
 
-    ctas = device_info(device_index)[1] if inst.cluster_n == 1 else launch_clusters(device_index, inst) * inst.cluster_n
-    return GroupedPlan(compiled(inst), ctas)
+    return GroupedPlan(compiled(inst), launch_clusters(device_index, inst) * inst.cluster_n)
 
 
 def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor],

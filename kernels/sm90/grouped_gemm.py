@@ -274,11 +274,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                         for kt in cutlass.range(k_tiles, unroll=1):
                             mainloop.producer_acquire(state)
                             bar = mainloop.producer_get_barrier(state)
-                            if cutlass.const_expr(cn > 1):
-                                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                                          mcast_mask=a_mcast_mask)
-                            else:
-                                cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
+                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
+                                      mcast_mask=a_mcast_mask)
                             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                             mainloop.producer_commit(state)
                             state.advance()
