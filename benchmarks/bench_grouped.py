@@ -66,8 +66,8 @@ def _weights(experts, n, k, gen):
 
 
 def our_call(a, b, sa, sb, offs=None, counts=None, tile=None):
-    """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` (any of {"tile_m": rows, "tile_n": columns,
-    "cluster_n": CTAs}) the table's instance for it built with those (a kernel option timed against the table's)."""
+    """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` ({"tile_m": rows, "tile_n": columns}, either) the
+    table's instance for it built with that tile (a kernel option timed against the table's)."""
     if not tile:
         return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
     problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
@@ -142,8 +142,6 @@ def main(argv=None):
                    help="rows a tile of the table's pick (a kernel option; default: the table's)")
     p.add_argument("--tile-n", type=int, default=None, choices=(32, 64, 128),
                    help="columns a tile of the table's pick (a kernel option; default: the table's)")
-    p.add_argument("--cluster-n", type=int, default=None, choices=(1, 2),
-                   help="CTAs of a cluster along N, sharing A by multicast (a kernel option; default: the table's)")
     common.add_result_options(p, "grouped")
     args = p.parse_args(argv)
     models = args.models.split(",")
@@ -154,8 +152,7 @@ def main(argv=None):
     floors = common.measured_floors()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
-    tile = {k: v for k, v in (("tile_m", args.tile_m), ("tile_n", args.tile_n), ("cluster_n", args.cluster_n))
-            if v is not None}
+    tile = {k: v for k, v in (("tile_m", args.tile_m), ("tile_n", args.tile_n)) if v is not None}
     print(" | ".join(COLUMNS))
     rows = []
     for model in models:

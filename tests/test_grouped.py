@@ -138,10 +138,6 @@ def test_rows_validate_and_cover_both_layouts():
         from dataclasses import replace
 
         M.validate(replace(rows[0], tile_n=192))
-    M.validate(replace(rows[0], cluster_n=2))  # clusters along N: a kernel option
-    for bad in ({"cluster_n": 4}, {"cluster_m": 2}):
-        with pytest.raises(M.InstanceTableError, match="cluster"):
-            M.validate(replace(rows[0], **bad))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -213,23 +209,6 @@ def test_grouped_epilogue_pairs_its_stores():
     # a thread's 64 elements of the 128 x 128 tile: 32 pairs
     assert len(re.findall(r"st\.global\.b32", rep.ptx)) == 128 * 128 // 256 // 2
     assert rep.has(r"st\.global\.b16")
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("recipe", ["row", "1x128_128x128"])
-def test_clustered_ptx_multicasts_a_and_releases_both_ctas(recipe):
-    """Clusters of 2 CTAs along N: A's TMA load multicasts into both CTAs' stages, and the consumers arrive on the
-    empty barriers of the cluster's CTAs (mapa into the peer's window), without spilling."""
-    from dataclasses import replace
-
-    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
-
-    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe=recipe, out_dtype="bf16", tile_m=128)[0]
-    rep = inspect_instance(replace(inst, cluster_n=2))
-    assert rep.has(r"cp\.async\.bulk\.tensor\.2d\.shared::cluster\.global\.tile\.mbarrier::complete_tx::bytes"
-                   r"\.multicast::cluster")
-    assert rep.has(r"mapa\.shared::cluster") and rep.has(r"mbarrier\.arrive\.shared::cluster\.b64")
-    assert rep.frame_bytes == 0, f"{rep.name} spills"
 
 
 @pytest.mark.compile

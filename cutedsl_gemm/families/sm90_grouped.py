@@ -175,13 +175,12 @@ def config(inst: M.KernelInstance):
     ``selection.instances.grouped_config``)."""
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
 
-    if inst.split_tail or inst.swap_ab or inst.cluster_m != 1 or inst.bias_dtype or \
+    if inst.split_tail or inst.swap_ab or inst.cluster_m * inst.cluster_n != 1 or inst.bias_dtype or \
             inst.accum != "promoted" or inst.tile_k != 128 or inst.ctas_per_sm != 1:
-        raise ValueError("grouped GEMM rows are unswapped, promoted, 128-deep K tiles without bias, clustered along "
-                         "N only")
+        raise ValueError("grouped GEMM rows are unclustered, unswapped, promoted, 128-deep K tiles without bias")
     return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
                                  b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
-                                 tile_n=inst.tile_n, cluster_n=inst.cluster_n, stages=inst.stages)
+                                 tile_n=inst.tile_n, stages=inst.stages)
 
 
 def check(inst: M.KernelInstance) -> None:
@@ -250,12 +249,12 @@ class GroupedPlan(NamedTuple):
 
 @functools.lru_cache(maxsize=None)
 def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
-    """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: as many clusters as the GPU
-    holds at once (one CTA per SM), as the dense plans size theirs."""
+    """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: as many CTAs as the GPU
+    holds at once (one per SM), as the dense plans size theirs."""
     from cutedsl_gemm.runtime.device import launch_clusters
     from cutedsl_gemm.runtime.resources import compiled
 
-    return GroupedPlan(compiled(inst), launch_clusters(device_index, inst) * inst.cluster_n)
+    return GroupedPlan(compiled(inst), launch_clusters(device_index, inst))
 
 
 def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor],

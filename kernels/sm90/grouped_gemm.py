@@ -20,7 +20,7 @@ fp32 accumulator (``promoted_mainloops.py``).
 
 | warp role | threads | registers | work |
 |---|---|---|---|
-| TMA producer | warp 0 of warp group 0 | 40 | per work unit, each K tile's A rows (multicast) and W tile into a stage |
+| TMA producer | warp 0 of warp group 0 | 40 | per work unit, each K tile's A rows and W tile into a stage |
 | scale producer | warp 1 of warp group 0 (block scales) | 40 | the same walk: each K tile's A and W scales |
 | idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
 | MMA consumers | warp groups 1..tile_m/64 | 232 | 64 rows each of the tile: WGMMA, promotion, epilogue |
@@ -37,10 +37,6 @@ Work units are (m tile of the concatenated groups, n tile), N fastest; every rol
 cursor over the groups that only moves forward (units grow along each CTA's walk), so a CTA loads each group size it
 passes once. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
 + E)``; a CTA stops at the first unit past the last group.
-
-With ``cluster_n = 2`` a unit is one m tile and two adjacent n tiles, one per CTA of a 1x2 cluster: both CTAs are
-in the same group, so each loads half of the A tile and multicasts it to both (A is read from L2 once per two
-output tiles), and every consumer warp releases each stage to both CTAs. Units and the grid count clusters.
 """
 
 from __future__ import annotations
@@ -75,7 +71,6 @@ class Sm90GroupedGemmConfig:
     out_dtype: str = "bf16"
     tile_m: int = 128
     tile_n: int = 128
-    cluster_n: int = 1  # CTAs of a cluster along N: one m tile, adjacent n tiles, A multicast to them
     stages: int = 0  # 0: as many as shared memory allows
 
     def check(self) -> None:
@@ -91,8 +86,6 @@ class Sm90GroupedGemmConfig:
         if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
             raise ValueError(f"grouped GEMM tile {self.tile_m}x{self.tile_n}: tile_m 64 or 128, tile_n a multiple "
                              "of 16 up to 128")
-        if self.cluster_n not in (1, 2):
-            raise ValueError(f"grouped GEMM cluster 1x{self.cluster_n}: 1 or 2 CTAs along N")
         if self.stages and self.stages > max_stages(self):
             raise ValueError(f"{self.stages} stages of {stage_bytes(self)} bytes exceed shared memory")
 
@@ -153,11 +146,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         tiled_mma_fresh = self._make_tiled_mma(a_layout, b_layout)
         a_smem = sm90_utils.make_smem_layout_a(a_layout, self.tile_shape_mnk, self.a_dtype, self.stages)
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.b_dtype, self.stages)
-        cn = self.cfg.cluster_n
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
-        op_a = cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp() if cn > 1 else op
-        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op_a, a3, cute.slice_(a_smem, (None, None, 0)), (bM, bK),
-                                                           num_multicast=cn)
+        tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op, a3, cute.slice_(a_smem, (None, None, 0)), (bM, bK))
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op, w3, cute.slice_(b_smem, (None, None, 0)), (bN, bK))
 
         @cute.struct
@@ -171,15 +161,14 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
 
         self.shared_storage = SharedStorage
         rows, n, experts = a3.shape[0], w3.shape[0], w3.shape[2]
-        # A unit is one m tile and a cluster's n tiles (one n tile without clusters).
-        units_n = ((n + bN - 1) // bN + cn - 1) // cn
+        tiles_n = (n + bN - 1) // bN
         # Every group adds at most one partial tile to the tiles of all rows.
-        unit_bound = units_n * ((rows * a3.shape[2] + bM - 1) // bM + experts)
-        clusters = cutlass.max(cutlass.min(unit_bound, max_ctas // cn), 1)
+        unit_bound = tiles_n * ((rows * a3.shape[2] + bM - 1) // bM + experts)
+        grid = cutlass.max(cutlass.min(unit_bound, max_ctas), 1)
         self.kernel(tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, d3, mSA, mSB, mGroups, a_smem, b_smem,
-                    units_n, unit_bound).launch(
-            grid=(clusters * cn, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
-            cluster=(cn, 1, 1) if cn > 1 else None, stream=stream)
+                    tiles_n, unit_bound).launch(
+            grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
+            stream=stream)
 
     def _rows_k_groups(self, t: cute.Tensor) -> cute.Tensor:
         """A or D as the kernel's (rows, columns, groups): masked (E, C, X) -> (C, X, E); contiguous (T, X) ->
@@ -208,9 +197,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
     # ---- device ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tiled_mma, tiled_mma_fresh, tma_a, mA, tma_b, mB, mD, mSA, mSB, mGroups, a_smem, b_smem,
-               units_n, unit_bound):
+               tiles_n, unit_bound):
         bM, bN, bK = self.tile_shape_mnk
-        cn = self.cfg.cluster_n
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_warp_group)
@@ -218,10 +206,6 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             cute.nvgpu.cpasync.prefetch_descriptor(tma_a)
             cute.nvgpu.cpasync.prefetch_descriptor(tma_b)
 
-        cta_layout = cute.make_layout((1, cn, 1))
-        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster()) if cn > 1 else Int32(0)
-        cluster_coord = cta_layout.get_flat_coord(rank)
-        a_mcast_mask = cute.make_layout_image_mask(cta_layout, cluster_coord, mode=1) if cn > 1 else 0
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
@@ -232,34 +216,33 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             # (block scales: every lane of the scale warp also arrives, once its copies land)
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      1 + PRODUCER_LANES if self.block_scaled else 1),
-            # (every consumer warp releases a stage to each CTA that multicast A into it)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, cn * self.num_mma_warp_groups * 4),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, cn, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, cn), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         k_tiles = (mA.shape[1] + bK - 1) // bK
         experts = mB.shape[2]
         limit = mA.shape[0]
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, cn))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
 
         scale_slots = None
         if cutlass.const_expr(self.block_scaled):
             scale_slots = (storage.sSA.get_tensor(cute.make_layout((bM, self.stages))),
                            storage.sSB.get_tensor(cute.make_layout((bN, self.stages))))
-        walk = (mGroups, units_n, unit_bound, experts, limit, rank)
+        walk = (mGroups, tiles_n, unit_bound, experts, limit)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
-                unit, stride = self._walk_origin()
+                unit = cute.arch.block_idx()[0]
                 while unit < unit_bound:
-                    mg, tn = self._unit_tiles(unit, units_n, rank)
+                    mg, tn = unit // tiles_n, unit % tiles_n
                     e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
                     if e < experts:
                         r0 = start + (mg - first_tile) * bM
@@ -267,19 +250,17 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                         gA = cute.local_tile(cute.domain_offset((r0, 0), mA[(None, None, g)]), (bM, bK), (0, None))
                         gB = cute.local_tile(mB[(None, None, e)], (bN, bK), (tn, None))
                         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
-                            tma_a, cluster_coord[1], cute.make_layout(cn), cute.group_modes(sA, 0, 2),
-                            cute.group_modes(gA, 0, 2))
+                            tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
                             tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
                         for kt in cutlass.range(k_tiles, unroll=1):
                             mainloop.producer_acquire(state)
                             bar = mainloop.producer_get_barrier(state)
-                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar,
-                                      mcast_mask=a_mcast_mask)
+                            cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
                             cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
                             mainloop.producer_commit(state)
                             state.advance()
-                        unit += stride
+                        unit += cute.arch.grid_dim()[0]
                     else:
                         unit = unit_bound
                 mainloop.producer_tail(state)
@@ -309,9 +290,9 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             n = mD.shape[1]
             e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
-            unit, stride = self._walk_origin()
+            unit = cute.arch.block_idx()[0]
             while unit < unit_bound:
-                mg, tn = self._unit_tiles(unit, units_n, rank)
+                mg, tn = unit // tiles_n, unit % tiles_n
                 e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
                 if e < experts:
                     mt = mg - first_tile
@@ -324,7 +305,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                     g = e if cutlass.const_expr(self.masked) else Int32(0)
                     self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, start + mt * bM, rows - mt * bM,
                                      tn * bN, n, temps[0])
-                    unit += stride
+                    unit += cute.arch.grid_dim()[0]
                 else:
                     unit = unit_bound
 
@@ -335,28 +316,10 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         return Int32(0), Int32(0), start, rows
 
     @cute.jit
-    def _walk_origin(self):
-        """(this CTA's first unit, the stride between its units): one unit per cluster, its CTAs side by side in
-        the grid's x."""
-        if cutlass.const_expr(self.cfg.cluster_n == 1):
-            return cute.arch.block_idx()[0], cute.arch.grid_dim()[0]
-        return cute.arch.block_idx()[0] // self.cfg.cluster_n, cute.arch.grid_dim()[0] // self.cfg.cluster_n
-
-    @cute.jit
-    def _unit_tiles(self, unit, units_n, rank):
-        """(m tile of the concatenated groups, n tile) of this CTA in ``unit``: N fastest; a cluster's CTAs take
-        adjacent n tiles of one m tile, so of one group (its A tile multicast). A tile past N (an odd count of n
-        tiles) runs with W zero-filled and stores nothing."""
-        mg, un = unit // units_n, unit % units_n
-        if cutlass.const_expr(self.cfg.cluster_n == 1):
-            return mg, un
-        return mg, un * self.cfg.cluster_n + rank
-
-    @cute.jit
     def _seek(self, walk, mg, e, first_tile, start, rows):
         """Move the cursor forward to the group holding m tile ``mg`` of the concatenated groups (past the last:
         ``e`` = E). Units only grow along a CTA's walk, so the cursor never moves back."""
-        mGroups, _, _, experts, limit, _ = walk
+        mGroups, _, _, experts, limit = walk
         bM = self.tile_shape_mnk[0]
         while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
             first_tile += (rows + bM - 1) // bM
@@ -369,14 +332,14 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         """Warp 1 with block scales: the TMA warp's walk, staging each K tile's A scales (the unit's rows of its
         group, read no further than the group's end) and W scales (its expert's) into the stage
         (``block_scales.ScaleStaging``)."""
-        mGroups, units_n, unit_bound, experts, limit, rank = walk
+        mGroups, tiles_n, unit_bound, experts, limit = walk
         bM, bN, _ = self.tile_shape_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
-        unit, stride = self._walk_origin()
+        unit = cute.arch.block_idx()[0]
         lane = cute.arch.lane_idx()
         while unit < unit_bound:
-            mg, tn = self._unit_tiles(unit, units_n, rank)
+            mg, tn = unit // tiles_n, unit % tiles_n
             e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
             if e < experts:
                 mt = mg - first_tile
@@ -390,7 +353,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 for kt in cutlass.range(k_tiles, unroll=1):
                     staging.fill_stage(None, Int32(0), tn, kt, state)
                     state.advance()
-                unit += stride
+                unit += cute.arch.grid_dim()[0]
             else:
                 unit = unit_bound
 
