@@ -110,6 +110,37 @@ def test_gated_activation_is_silu_times_up_in_fp32_rounded_once(dtype):
     got = moe.QuantizedExperts._gated(types.SimpleNamespace(intermediate_dim=96), h, dtype)
     want = (F.silu(h[:, :96].float()) * h[:, 96:].float()).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
+    w = torch.rand(37)
+    got = moe.QuantizedExperts._gated(types.SimpleNamespace(intermediate_dim=96), h, dtype, w)
+    want = (F.silu(h[:, :96].float()) * w[:, None] * h[:, 96:].float()).to(dtype)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("t, k, e, pool", ROUTINGS)
+@pytest.mark.parametrize("width", [40, 38, 37])  # rows of 80, 76 and 74 bytes: moved as 8-, 4- and 2-byte words
+def test_sum_pairs_adds_each_tokens_weighted_rows(t, k, e, pool, width):
+    ids, w = _routing(t, k, e, seed=200 + t, experts=pool)
+    _, _, order = moe.permute(torch.zeros(t, 8), ids, e)
+    row_of = {p: r for r, p in enumerate(order.tolist())}
+    pw = moe.pair_weights(w, order)
+    assert pw.dtype == torch.float32 and pw.tolist() == [w.view(-1)[p].item() for p in order.tolist()]
+    out = torch.randn(t * k, width).to(torch.bfloat16)
+    token_major = moe._token_major(out, order)
+    assert torch.equal(token_major, out[[row_of[p] for p in range(t * k)]])
+    got = moe.sum_pairs(out, order, t, k)
+    want = token_major.view(t, k, width).double().sum(1)
+    assert got.dtype == torch.bfloat16 and got.shape == (t, width)
+    # fp32 accumulation of k bf16 rows, rounded once: within half a bf16 ulp of the exact sum, plus fp32's k ulps
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8 + k * 2 ** -23, atol=1e-30)
+    assert torch.equal(moe.sum_pairs(out, order, t, k, out_dtype=torch.float32), token_major.view(t, k, width)
+                       .float().sum(1))
+
+
+def test_sum_pairs_refuses_a_mismatched_layout():
+    with pytest.raises(ValueError, match=r"T\*k = 4 \* 2"):
+        moe.sum_pairs(torch.zeros(6, 16), torch.arange(6), 4, 2)
+    with pytest.raises(ValueError, match=r"T\*k = 4 \* 2"):
+        moe.sum_pairs_masked(torch.zeros(2, 3, 16), torch.arange(6), 4, 2)
 
 
 def test_permute_then_combine_gives_the_tokens_back():
@@ -153,6 +184,30 @@ def test_to_masked_and_combine_masked_against_a_loop(t, k, e, pool, capacity):
         for j, s in enumerate(slots):
             acc = acc + flat[s].float() * w[tok, j]
         assert torch.equal(got[tok], acc.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("t, k, e, pool", ROUTINGS)
+@pytest.mark.parametrize("capacity", ["tokens", 2])
+def test_masked_pair_weights_and_sums_against_a_loop(t, k, e, pool, capacity):
+    c = t if capacity == "tokens" else capacity
+    ids, w = _routing(t, k, e, seed=300 + t, experts=pool)
+    _, counts, slot, _ = moe.to_masked(torch.zeros(t, 8), ids, e, c)
+    mw = moe.masked_pair_weights(w, slot, e, c)
+    want_w = torch.zeros(e * c)
+    for p, s in enumerate(slot.tolist()):
+        if s >= 0:
+            want_w[s] = w.view(-1)[p]
+    assert mw.shape == (e, c) and torch.equal(mw.view(-1), want_w)
+    out = torch.randn(e, c, 24).to(torch.bfloat16)
+    got = moe.sum_pairs_masked(out, slot, t, k)
+    flat = out.reshape(e * c, 24)
+    for tok in range(t):
+        slots = slot[tok * k:(tok + 1) * k].tolist()
+        if -1 in slots:  # a pair dropped by overflow: the token's output says so
+            assert torch.isnan(got[tok]).all()
+            continue
+        want = sum(flat[s].double() for s in slots)
+        torch.testing.assert_close(got[tok].double(), want, rtol=2 ** -8 + k * 2 ** -23, atol=1e-30)
 
 
 def test_the_masked_layout_overflows_visibly():
@@ -605,18 +660,17 @@ def _emulated(layer, x, ids, w):
     qx, sx = R.quantize(x, gran)
     xs = R.dequantize(qx, sx, gran)
     act = torch.empty(t * k, layer.intermediate_dim, dtype=torch.bfloat16)
-    for p in range(t * k):
+    for p in range(t * k):  # the routing weight goes in before the (linear) down projection
         h = (gate_up[ids.view(-1)[p]] @ xs[p // k]).to(x.dtype)
         gate, up = h.float().chunk(2)
-        act[p] = (F.silu(gate) * up).to(x.dtype)
+        act[p] = (F.silu(gate) * w.view(-1)[p].float() * up).to(x.dtype)
     qa, sa = R.quantize(act, gran)
     acts = R.dequantize(qa, sa, gran)
     out = torch.empty_like(x)
     for tok in range(t):
         acc = torch.zeros(x.shape[1])
         for j in range(k):
-            y = (down[ids[tok, j]] @ acts[tok * k + j]).to(x.dtype)
-            acc = acc + y.float() * w[tok, j]
+            acc = acc + (down[ids[tok, j]] @ acts[tok * k + j]).to(x.dtype).float()
         out[tok] = acc.to(x.dtype)
     return out
 

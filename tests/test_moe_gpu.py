@@ -253,21 +253,23 @@ def test_forward_matches_the_float64_reference(kind, recipe, layout, monkeypatch
     # gate_up: the pairs' hidden states, quantized as the reference quantizer does, times the dequantized weights
     _check_codes(*calls[0][:2], calls[0][4], calls[0][5], x[torch.tensor(order, device="cuda") // k], recipe)
     _check_gemm(calls[0], gate_up, "gate_up")
-    # down: SiLU(gate) * up of gate_up's bf16 output, rounded to bf16, quantized, times the dequantized weights
+    # down: SiLU(gate) times the pair's routing weight times up of gate_up's bf16 output, in fp32 rounded to bf16,
+    # quantized, times the dequantized weights
     h = _valid(calls[0][6], calls[0][4], calls[0][5])
-    act = (F.silu(h[:, :i].float()) * h[:, i:].float()).to(torch.bfloat16)
+    pair_w = w.reshape(-1).float()[torch.tensor(order, device="cuda")]
+    act = (F.silu(h[:, :i].float()) * pair_w[:, None] * h[:, i:].float()).to(torch.bfloat16)
     _check_codes(*calls[1][:2], calls[1][4], calls[1][5], act, recipe)
     y_ref = _check_gemm(calls[1], down, "down")
-    # the combine: the routing weights over each token's k pairs (the glue's own function, then float64)
+    # the combine: each token's k weighted rows added up (the glue's own function, then float64)
     y = calls[1][6]
     if layout == "masked":
-        glue = moe.combine_masked(y, moe.to_masked(x, ids, e, t)[2], w, t)
+        glue = moe.sum_pairs_masked(y, moe.to_masked(x, ids, e, t)[2], t, k)
     else:
-        glue = moe.combine(y, moe.permute(x, ids, e)[2], w, t)
+        glue = moe.sum_pairs(y, moe.permute(x, ids, e)[2], t, k)
     assert _same_bits(got, glue)
     by_pair = torch.empty(t * k, layer.hidden_dim, dtype=torch.float64, device="cuda")
     by_pair[torch.tensor(order, device="cuda")] = y_ref
-    ref = (by_pair.view(t, k, -1) * w.double()[..., None]).sum(1)
+    ref = by_pair.view(t, k, -1).sum(1)
     err = R.rel_error(got, ref)
     assert err < OUTPUT_TOL, f"output: rel error {err:.3e} from the float64 reference"
     err = R.rel_error(got, _bf16_experts(experts, x, ids, w))

@@ -21,7 +21,10 @@ the experts module's, so the MoE blocks (``MixtralSparseMoeBlock``, ``Qwen3MoeSp
 The routing glue runs on the device with no host synchronisation (no ``.item()``, ``.tolist()``, ``nonzero`` or
 boolean-mask indexing; every shape follows from the inputs' shapes), so a forward can be captured in a CUDA graph,
 and it is deterministic: the pairs are ordered by a stable sort, the group boundaries found by ``searchsorted`` and
-the outputs summed over the top-k slots in a fixed order in fp32 (no atomics, no ``index_add_``). Expert ids must
+the outputs summed over the top-k slots by one fp32 reduction (no atomics, no ``index_add_``). ``QuantizedExperts``
+applies each pair's routing weight before the down projection (in the gated activation: the projection is linear),
+so its combine only adds each token's k rows (``sum_pairs``, ``sum_pairs_masked``): two kernels where weighting
+after it takes k + 2. Expert ids must
 lie in ``[0, num_experts)`` (the routers' ``topk`` gives that; expert-parallel sentinels are not taken).
 """
 
@@ -142,9 +145,44 @@ def combine(expert_out: torch.Tensor, order: torch.Tensor, topk_weights: torch.T
     k = topk_weights.shape[1]
     if num_tokens == 0 or k == 0:
         return expert_out.new_zeros((num_tokens, expert_out.shape[1]), dtype=out_dtype or expert_out.dtype)
-    # row order[r] of the token-major pairs is expert row r: one scatter of distinct rows (a permutation, exact)
-    rows = torch.empty_like(expert_out).index_copy_(0, order, expert_out).view(num_tokens, k, expert_out.shape[1])
+    rows = _token_major(expert_out, order).view(num_tokens, k, expert_out.shape[1])
     return _weighted_sum(rows, topk_weights, out_dtype or expert_out.dtype)
+
+
+def _token_major(expert_out: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """``expert_out`` (T*k, H) in ``permute``'s order back in token-major pair order: row ``order[r]`` is expert row
+    r, one scatter of distinct rows (a permutation, exact), moving each row as the widest words its bytes divide
+    into (torch's index_copy moves one element per thread: 8-byte words are ~4x faster than bf16 ones)."""
+    rows = torch.empty_like(expert_out)
+    row_bytes = expert_out.shape[1] * expert_out.element_size()
+    word = next((w for w in (torch.int64, torch.int32, torch.int16) if row_bytes % w.itemsize == 0
+                 and w.itemsize >= expert_out.element_size()), None)
+    if word is None or not expert_out.is_contiguous():
+        return rows.index_copy_(0, order, expert_out)
+    rows.view(word).index_copy_(0, order, expert_out.view(word))
+    return rows
+
+
+def pair_weights(topk_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """(T*k,) fp32: the routing weight of each row of ``permute``'s layout (pair ``order[r]``), for weighting the
+    rows before the down projection (``sum_pairs`` then adds them up)."""
+    return topk_weights.reshape(-1).float().index_select(0, order)
+
+
+def sum_pairs(expert_out: torch.Tensor, order: torch.Tensor, num_tokens: int, k: int,
+              out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(T, H): the sum of each token's k rows of ``expert_out`` (T*k, H, in ``permute``'s order, already weighted
+    by ``pair_weights``), accumulated in fp32 and rounded once to ``out_dtype`` (default: expert_out's); two
+    kernels whatever k (the token-major scatter, the reduction)."""
+    if expert_out.dim() != 2 or order.dim() != 1 or expert_out.shape[0] != order.shape[0] or \
+            order.shape[0] != num_tokens * k:
+        raise ValueError(f"expert_out (T*k, H) and order (T*k,) with T*k = {num_tokens} * {k}, got "
+                         f"{tuple(expert_out.shape)} and {tuple(order.shape)}")
+    h, dtype = expert_out.shape[1], out_dtype or expert_out.dtype
+    if num_tokens == 0 or k == 0:
+        return expert_out.new_zeros((num_tokens, h), dtype=dtype)
+    rows = _token_major(expert_out, order).view(num_tokens, k, h)
+    return torch.sum(rows, 1, dtype=torch.float32).to(dtype) if dtype != rows.dtype else rows.sum(1)
 
 
 def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int) -> tuple:
@@ -198,6 +236,33 @@ def combine_masked(expert_out: torch.Tensor, slot: torch.Tensor, topk_weights: t
     rows = expert_out.reshape(e * c, h).index_select(0, slot.clamp(min=0)).view(num_tokens, k, h).float()
     rows = rows.masked_fill((slot < 0).view(num_tokens, k, 1), float("nan"))
     return _weighted_sum(rows, topk_weights, out_dtype or expert_out.dtype)
+
+
+def masked_pair_weights(topk_weights: torch.Tensor, slot: torch.Tensor, num_experts: int,
+                        capacity: int) -> torch.Tensor:
+    """(E, C) fp32: the routing weight of each row of ``to_masked``'s layout, 0 where no pair is (and for a pair
+    dropped by overflow), for weighting the rows before the down projection (``sum_pairs_masked`` adds them)."""
+    weights = torch.zeros(num_experts * capacity + 1, dtype=torch.float32, device=topk_weights.device)
+    # dropped pairs (slot -1) all land in the extra first entry, cut off below
+    weights.index_copy_(0, slot + 1, topk_weights.reshape(-1).float())
+    return weights[1:].view(num_experts, capacity)
+
+
+def sum_pairs_masked(expert_out: torch.Tensor, slot: torch.Tensor, num_tokens: int, k: int,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """(T, H) from the masked layout's output ``expert_out`` (E, C, H), its rows already weighted by
+    ``masked_pair_weights``: the sum of each token's k rows (``to_masked``'s ``slot``) accumulated in fp32, rounded
+    once to ``out_dtype`` (default: expert_out's). A token with a pair dropped by overflow (slot -1) gets NaN."""
+    if expert_out.dim() != 3 or slot.dim() != 1 or slot.shape[0] != num_tokens * k:
+        raise ValueError(f"expert_out must be (E, C, H) and slot (T*k,) with T*k = {num_tokens} * {k}, got "
+                         f"{tuple(expert_out.shape)} and {tuple(slot.shape)}")
+    e, c, h = expert_out.shape
+    dtype = out_dtype or expert_out.dtype
+    if num_tokens == 0 or k == 0:
+        return expert_out.new_zeros((num_tokens, h), dtype=dtype)
+    rows = expert_out.reshape(e * c, h).index_select(0, slot.clamp(min=0)).view(num_tokens, k, h)
+    rows.masked_fill_((slot < 0).view(num_tokens, k, 1), float("nan"))
+    return torch.sum(rows, 1, dtype=torch.float32).to(dtype) if dtype != rows.dtype else rows.sum(1)
 
 
 # --- the layer -------------------------------------------------------------------------------------------------
@@ -416,14 +481,17 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         the one per-tensor scale."""
         return s if self.recipe == "tensor" else s.view(e, c, -1)
 
-    def _gated(self, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """SiLU(gate) * up of the gate_up GEMM's output (..., 2I), gate first (transformers' ``chunk(2)``), in
-        fp32 rounded to ``dtype``."""
+    def _gated(self, h: torch.Tensor, dtype: torch.dtype, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """SiLU(gate) * up of the gate_up GEMM's output (..., 2I), gate first (transformers' ``chunk(2)``), times
+        each row's routing weight (``weights`` (...,) fp32, if given), in fp32 rounded to ``dtype``."""
         i = self.intermediate_dim
         # (the product in fp32 rounded into ``dtype`` as it is stored: up is promoted exactly, one kernel fewer
         # for its conversion and one for the rounding)
         out = torch.empty(h.shape[:-1] + (i,), dtype=dtype, device=h.device)
-        return torch.mul(F.silu(h[..., :i].float()), h[..., i:], out=out)
+        silu = F.silu(h[..., :i].float())
+        if weights is not None:
+            silu.mul_(weights.unsqueeze(-1))
+        return torch.mul(silu, h[..., i:], out=out)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -441,9 +509,10 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             x, offs, order = permute(hidden_states, top_k_index, self.num_experts)
             qx, sx = self._quantize(x)
             h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, offs, out_dtype=dtype)
-            qh, sh = self._quantize(self._gated(h, dtype))
+            # the routing weights go in before the (linear) down projection, so the combine only adds rows up
+            qh, sh = self._quantize(self._gated(h, dtype, pair_weights(top_k_weights, order)))
             y = grouped(qh, down, sh, self.down_proj_scale, offs, out_dtype=dtype)
-            return combine(y, order, top_k_weights, t, out_dtype=dtype)
+            return sum_pairs(y, order, t, k, out_dtype=dtype)
         c = min(self.capacity, t)  # an expert takes at most one pair per token
         x, counts, slot, _ = to_masked(hidden_states, top_k_index, self.num_experts, c)
         e = self.num_experts
@@ -452,11 +521,11 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
                     counts=counts, out_dtype=dtype)
         # rows past each count are not written: zeroed so that they cannot move a per-tensor scale
         live = torch.arange(c, device=counts.device) < counts[:, None]
-        act = self._gated(h, dtype).masked_fill(~live[..., None], 0)
+        act = self._gated(h, dtype, masked_pair_weights(top_k_weights, slot, e, c)).masked_fill(~live[..., None], 0)
         qh, sh = self._quantize(act.view(e * c, self.intermediate_dim))
         y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=counts,
                     out_dtype=dtype)
-        return combine_masked(y, slot, top_k_weights, t, out_dtype=dtype)
+        return sum_pairs_masked(y, slot, t, k, out_dtype=dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple:
         """(gate_up (E, 2I, H), down (E, H, I)) in ``dtype``: the weights the grouped GEMM multiplies (codes times
