@@ -75,8 +75,8 @@ def test_family_checks_name_the_broken_rule():
     with pytest.raises(ValueError, match="fixes"):
         R.family(wo).check(dataclasses.replace(wo, cluster_m=2))
     grouped = _first(op=M.GROUPED_GEMM)
-    with pytest.raises(ValueError, match="clustered along N only"):
-        R.family(grouped).check(dataclasses.replace(grouped, cluster_m=2))
+    with pytest.raises(ValueError, match="rows are unclustered"):
+        R.family(grouped).check(dataclasses.replace(grouped, cluster_n=2))
     sm100 = _first(arch=M.SM100)
     with pytest.raises(ValueError, match="bias is read as fp32"):
         R.family(sm100).check(dataclasses.replace(sm100, bias_dtype="bf16"))
