@@ -186,8 +186,12 @@ def sum_pairs(expert_out: torch.Tensor, order: torch.Tensor, num_tokens: int, k:
     h, dtype = expert_out.shape[1], out_dtype or expert_out.dtype
     if num_tokens == 0 or k == 0:
         return expert_out.new_zeros((num_tokens, h), dtype=dtype)
-    rows = _token_major(expert_out, order).view(num_tokens, k, h)
-    return torch.sum(rows, 1, dtype=torch.float32).to(dtype) if dtype != rows.dtype else rows.sum(1)
+    return _sum_slots(_token_major(expert_out, order).view(num_tokens, k, h), dtype)
+
+
+def _sum_slots(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(T, H): ``rows`` (T, k, H) summed over the k slots, accumulated in fp32 and rounded once to ``dtype``."""
+    return rows.sum(1) if dtype == rows.dtype else torch.sum(rows, 1, dtype=torch.float32).to(dtype)
 
 
 def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int) -> tuple:
@@ -234,13 +238,19 @@ def combine_masked(expert_out: torch.Tensor, slot: torch.Tensor, topk_weights: t
         raise ValueError(f"expert_out must be (E, C, H) and slot (T*k,), got {tuple(expert_out.shape)} and "
                          f"{tuple(slot.shape)}")
     _check_combine(topk_weights, num_tokens, slot.shape[0])
-    e, c, h = expert_out.shape
     k = topk_weights.shape[1]
     if num_tokens == 0 or k == 0:
-        return expert_out.new_zeros((num_tokens, h), dtype=out_dtype or expert_out.dtype)
-    rows = expert_out.reshape(e * c, h).index_select(0, slot.clamp(min=0)).view(num_tokens, k, h).float()
-    rows = rows.masked_fill((slot < 0).view(num_tokens, k, 1), float("nan"))
-    return _weighted_sum(rows, topk_weights, out_dtype or expert_out.dtype)
+        return expert_out.new_zeros((num_tokens, expert_out.shape[2]), dtype=out_dtype or expert_out.dtype)
+    # (bf16 rows are promoted exactly inside _weighted_sum's products: no fp32 copy of them first)
+    return _weighted_sum(_masked_rows(expert_out, slot, num_tokens, k), topk_weights, out_dtype or expert_out.dtype)
+
+
+def _masked_rows(expert_out: torch.Tensor, slot: torch.Tensor, num_tokens: int, k: int) -> torch.Tensor:
+    """(T, k, H): each token's k rows of the masked layout's output (E, C, H) by ``to_masked``'s ``slot``, NaN for a
+    pair dropped by overflow (slot -1)."""
+    e, c, h = expert_out.shape
+    rows = expert_out.reshape(e * c, h).index_select(0, slot.clamp(min=0)).view(num_tokens, k, h)
+    return rows.masked_fill_((slot < 0).view(num_tokens, k, 1), float("nan"))
 
 
 def masked_pair_weights(topk_weights: torch.Tensor, slot: torch.Tensor, num_experts: int,
@@ -261,13 +271,10 @@ def sum_pairs_masked(expert_out: torch.Tensor, slot: torch.Tensor, num_tokens: i
     if expert_out.dim() != 3 or slot.dim() != 1 or slot.shape[0] != num_tokens * k:
         raise ValueError(f"expert_out must be (E, C, H) and slot (T*k,) with T*k = {num_tokens} * {k}, got "
                          f"{tuple(expert_out.shape)} and {tuple(slot.shape)}")
-    e, c, h = expert_out.shape
     dtype = out_dtype or expert_out.dtype
     if num_tokens == 0 or k == 0:
-        return expert_out.new_zeros((num_tokens, h), dtype=dtype)
-    rows = expert_out.reshape(e * c, h).index_select(0, slot.clamp(min=0)).view(num_tokens, k, h)
-    rows.masked_fill_((slot < 0).view(num_tokens, k, 1), float("nan"))
-    return torch.sum(rows, 1, dtype=torch.float32).to(dtype) if dtype != rows.dtype else rows.sum(1)
+        return expert_out.new_zeros((num_tokens, expert_out.shape[2]), dtype=dtype)
+    return _sum_slots(_masked_rows(expert_out, slot, num_tokens, k), dtype)
 
 
 # --- the layer -------------------------------------------------------------------------------------------------
