@@ -18,6 +18,7 @@ from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import moe
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import RECIPES, ScaleGranularity
+from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.quantize import quantize_fp8
 
 transformers = pytest.importorskip("transformers")
@@ -107,11 +108,11 @@ def test_combine_is_the_weighted_sum_in_slot_order(t, k, e, pool, products, monk
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_gated_activation_is_silu_times_up_in_fp32_rounded_once(dtype):
     h = (torch.randn(37, 2 * 96) * 4).to(dtype)
-    got = moe.QuantizedExperts._gated(types.SimpleNamespace(intermediate_dim=96), h, dtype)
+    got = R.silu_mul(h)
     want = (F.silu(h[:, :96].float()) * h[:, 96:].float()).to(dtype)
     assert got.dtype == dtype and torch.equal(got, want)
     w = torch.rand(37)
-    got = moe.QuantizedExperts._gated(types.SimpleNamespace(intermediate_dim=96), h, dtype, w)
+    got = R.silu_mul(h, w)
     want = (F.silu(h[:, :96].float()) * w[:, None] * h[:, 96:].float()).to(dtype)
     assert torch.equal(got, want)
 
@@ -648,7 +649,12 @@ def reference_ops(monkeypatch):
             quantizer_calls.append(granularity)
             return quantize_fp8(x, granularity, backend="reference", **kw)
 
+        def quantize_gated(h, granularity, weights=None, **kw):
+            quantizer_calls.append("silu_mul " + granularity)
+            return silu_mul_quantize_fp8(h, granularity, weights, backend="reference", **kw)
+
         monkeypatch.setattr(moe, "quantize_fp8", quantize)
+        monkeypatch.setattr(moe, "silu_mul_quantize_fp8", quantize_gated)
         return grouped_calls, quantizer_calls
 
     return use
@@ -699,7 +705,9 @@ def test_forward_matches_the_bf16_experts_and_its_emulation(kind, recipe, refere
         got = layer(x, ids, w)
     assert got.shape == want.shape and got.dtype == torch.bfloat16
     assert grouped_calls == ["contiguous"] * 2
-    assert quantizer_calls == [moe.ACTIVATION_GRANULARITY[recipe]] * 2
+    gran = moe.ACTIVATION_GRANULARITY[recipe]
+    # the down GEMM's activations: SiLU, the weights and the quantizer in one kernel, but per tensor
+    assert quantizer_calls == [gran, gran if recipe == "tensor" else "silu_mul " + gran]
     # FP8 codes with 3 mantissa bits on both operands of two GEMMs: ~4% per GEMM on random weights
     assert R.rel_error(got, want) < 0.08
     # the glue itself (gate / up halves, per-expert weights, routing weights, combine): all but bf16 ties
@@ -832,5 +840,6 @@ def test_torch_compile_traces_the_experts_in_one_graph(layout):
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("cutedsl_gemm.grouped_scaled_mm" in t for t in targets) == 2, targets  # gate_up and down
-    assert sum("cutedsl_gemm.quantize_fp8" in t for t in targets) == 2, targets
+    assert sum("cutedsl_gemm.quantize_fp8" in t for t in targets) == 1, targets  # the tokens
+    assert sum("cutedsl_gemm.silu_mul_quantize_fp8" in t for t in targets) == 1, targets  # the down GEMM's input
     torch._dynamo.reset()

@@ -35,7 +35,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ceil_div
+from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.library import EAGER
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.runtime.device import device_info
@@ -415,11 +417,12 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     the routing weights. Inference only, CUDA only (a CPU input is refused), buffers and no parameters.
 
     Per call: ``permute`` the (token, k) pairs by expert, quantize them in the recipe's activation form
-    (``quantize_fp8``: "row" per token, "tensor" one scale for all rows, "deepseek" per token and 128-deep K
-    group), the grouped
-    gate_up GEMM, ``SiLU(gate) * up`` in fp32 rounded to hidden's dtype, quantized again, the grouped down GEMM,
-    ``combine``. With ``capacity`` set, the masked layout instead (``to_masked``, C = min(capacity, T); decode):
-    every shape is then fixed by T, and a pair past the capacity makes its token's output NaN.
+    (``quantize_fp8``: "row" per token, "tensor" one scale for all rows, "deepseek" per token and 128-deep K group), the
+    grouped gate_up GEMM, ``SiLU(gate) * routing weight * up`` (fp32 products rounded once to hidden's dtype) quantized
+    for the down GEMM in the same kernel (``silu_mul_quantize_fp8``; per tensor: torch, then ``quantize_fp8``), the
+    grouped down GEMM, the sum of each token's rows (``sum_pairs``). With ``capacity`` set, the masked layout instead
+    (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the capacity makes
+    its token's output NaN.
 
     Saved format (``state_dict``, loadable with ``safetensors``): ``gate_up_proj`` (E, 2I, H) and ``down_proj``
     (E, H, I) float8_e4m3fn, each expert's row-major weight quantized as ``QuantizedLinear`` quantizes a weight
@@ -493,17 +496,15 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         the one per-tensor scale."""
         return s if self.recipe == "tensor" else s.view(e, c, -1)
 
-    def _gated(self, h: torch.Tensor, dtype: torch.dtype, weights: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """SiLU(gate) * up of the gate_up GEMM's output (..., 2I), gate first (transformers' ``chunk(2)``), times
-        each row's routing weight (``weights`` (...,) fp32, if given), in fp32 rounded to ``dtype``."""
-        i = self.intermediate_dim
-        # (the product in fp32 rounded into ``dtype`` as it is stored: up is promoted exactly, one kernel fewer
-        # for its conversion and one for the rounding)
-        out = torch.empty(h.shape[:-1] + (i,), dtype=dtype, device=h.device)
-        silu = F.silu(h[..., :i].float())
-        if weights is not None:
-            silu.mul_(weights.unsqueeze(-1))
-        return torch.mul(silu, h[..., i:], out=out)
+    def _quantize_gated(self, h: torch.Tensor, weights: torch.Tensor, live: Optional[torch.Tensor] = None) -> tuple:
+        """(codes, scales) of ``SiLU(gate) * weight * up`` (``reference.silu_mul``) of the gate_up GEMM's output rows
+        h (rows, 2I) with their routing weights (rows,) fp32, for the down GEMM: one kernel
+        (``silu_mul_quantize_fp8``) per token or 1x128 group; per tensor the activation first, its rows past the
+        masked counts (``live`` False) zeroed so that their garbage cannot move the one scale."""
+        if self.recipe != "tensor":
+            return silu_mul_quantize_fp8(h, ACTIVATION_GRANULARITY[self.recipe], weights)
+        act = R.silu_mul(h, weights)
+        return self._quantize(act if live is None else act.masked_fill_(~live.view(-1, 1), 0))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -522,7 +523,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             qx, sx = self._quantize(x)
             h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, offs, out_dtype=dtype)
             # the routing weights go in before the (linear) down projection, so the combine only adds rows up
-            qh, sh = self._quantize(self._gated(h, dtype, pair_weights(top_k_weights, order)))
+            qh, sh = self._quantize_gated(h, pair_weights(top_k_weights, order))
             y = grouped(qh, down, sh, self.down_proj_scale, offs, out_dtype=dtype)
             return sum_pairs(y, order, t, k, out_dtype=dtype)
         c = min(self.capacity, t)  # an expert takes at most one pair per token
@@ -531,10 +532,9 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         qx, sx = self._quantize(x.view(e * c, self.hidden_dim))
         h = grouped(qx.view(e, c, -1), gate_up, self._masked_scales(sx, e, c), self.gate_up_proj_scale,
                     counts=counts, out_dtype=dtype)
-        # rows past each count are not written: zeroed so that they cannot move a per-tensor scale
-        live = torch.arange(c, device=counts.device) < counts[:, None]
-        act = self._gated(h, dtype, masked_pair_weights(top_k_weights, slot, e, c)).masked_fill(~live[..., None], 0)
-        qh, sh = self._quantize(act.view(e * c, self.intermediate_dim))
+        # rows past each count are not written (nor read by the down GEMM, whose rows past the counts are not computed)
+        live = torch.arange(c, device=counts.device) < counts[:, None] if self.recipe == "tensor" else None
+        qh, sh = self._quantize_gated(h.view(e * c, -1), masked_pair_weights(top_k_weights, slot, e, c).view(-1), live)
         y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=counts,
                     out_dtype=dtype)
         return sum_pairs_masked(y, slot, t, k, out_dtype=dtype)

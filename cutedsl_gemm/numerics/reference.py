@@ -153,6 +153,19 @@ def quantize(x: torch.Tensor, gran, fmt="e4m3"):
     return q, scales
 
 
+def silu_mul(h: torch.Tensor, weights: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The gated activation of a gate/up projection's output ``h`` (..., 2I), gate first: ``SiLU(gate) * w * up``
+    with each row's weight ``w`` (``weights`` (...,), if given), every product in fp32, rounded once to ``dtype``
+    (default: h's). What ``ops.gated.silu_mul_quantize_fp8`` quantizes and the MoE experts compute."""
+    i = h.shape[-1] // 2
+    out = torch.empty(h.shape[:-1] + (i,), dtype=dtype or h.dtype, device=h.device)
+    silu = torch.nn.functional.silu(h[..., :i].float())
+    if weights is not None:
+        silu.mul_(weights.float().unsqueeze(-1))
+    # (up is promoted exactly inside the product and rounded once as it is stored)
+    return torch.mul(silu, h[..., i:], out=out)
+
+
 def round_to_int(y: torch.Tensor, fmt) -> torch.Tensor:
     """fp32 quotients -> an integer format's codes: RNE of the value clamped to +-max (+-inf saturate), NaN -> 0."""
     fmt = element_format(fmt)

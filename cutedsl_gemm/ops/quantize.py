@@ -382,6 +382,8 @@ def fp8_quantizer_entry(kind, src, fmt, *cfg, **tune):
         return K.row_block_entry(ti, to, fmt.max_finite, cfg[1], threads=cfg[0], **tune)
     if kind == "row":
         return K.row_entry(ti, to, fmt.max_finite, **tune)
+    if kind == "gated":  # ops/gated.py: granularity label, row block columns (or 128), weighted
+        return K.gated_entry(ti, to, fmt.max_finite, *cfg, **tune)
     if kind == "tensor_amax":
         return K.tensor_amax_entry(ti, **tune)
     if kind == "tensor_cast":

@@ -85,6 +85,8 @@ QUANTIZERS = {
     "sm_90a_quantize_tensor_cast_bf16_e4m3": (SM90, "fp8", ("tensor_cast", "bf16", "e4m3")),
     "sm_90a_quantize_row_block_bf16_int8_4096": (SM90, "fp8", ("row_block", "bf16", "int8", 128, 4096)),
     "sm_90a_quantize_tensor_cast_fp16_int8": (SM90, "fp8", ("tensor_cast", "fp16", "int8")),
+    "sm_90a_quantize_gated_row_bf16_e4m3_weighted": (SM90, "fp8", ("gated", "bf16", "e4m3", "row", 2048, True)),
+    "sm_90a_quantize_gated_1x128_bf16_e4m3": (SM90, "fp8", ("gated", "bf16", "e4m3", "1x128", 128, False)),
     "sm_100a_quantize_mx_bf16_e4m3": (SM100, "block", ("mx", "e4m3", "bf16", False)),
     "sm_100a_quantize_mx_fp32_e2m1": (SM100, "block", ("mx", "e2m1", "fp32", False)),
     "sm_100a_quantize_nvfp4_bf16_global": (SM100, "block", ("nvfp4", "e2m1", "bf16", True)),

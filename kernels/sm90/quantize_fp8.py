@@ -299,7 +299,7 @@ class TileQuant:
     def launch(self, mX: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor, mPart: cute.Tensor, stream):
         # row tiles on grid.x (up to 2^31 - 1), column tiles on grid.y (up to 65535)
         gr = (mX.shape[0] + self.BR - 1) // self.BR
-        gc = (mX.shape[1] + self.BC - 1) // self.BC
+        gc = (self._cols(mX) + self.BC - 1) // self.BC
         self.kernel(mX, mQ, mS, mPart).launch(grid=[gr, gc, 1], block=[self.T, 1, 1], stream=stream)
 
     def _vec_coords(self, p, rb, cb, tidx):
@@ -307,6 +307,22 @@ class TileQuant:
         row = rb * self.BR + pr * self.RPP + tidx // self.TPR
         cv = cb * (self.BC // VEC) + pc * self.TPR + tidx % self.TPR
         return row, cv
+
+    # --- what the tile quantizes: hooks (GatedTileQuant computes it from two vectors of its input) ---
+
+    def _cols(self, mX):
+        """K: the columns quantized (and of the codes ``mQ``) for input ``mX``."""
+        return mX.shape[1]
+
+    def _issue(self, gX, row, cv, nv, mPart):
+        """Issue the loads of vector ``cv`` of row ``row`` (both in range); what they load."""
+        f = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+        cute.autovec_copy(gX[(None, (row, cv))], f)
+        return f
+
+    def _value(self, raw):
+        """The in_dtype vector to quantize from what ``_issue`` loaded (after every load of the tile is issued)."""
+        return raw
 
     def _read_batch(self, srcs, first: int):
         """Issue the loads of vectors first .. first + batch - 1 (all in flight at once); their fragments."""
@@ -333,7 +349,7 @@ class TileQuant:
             rb = t // gc
             cb = t % gc
         M = mX.shape[0]
-        nv = mX.shape[1] // VEC
+        nv = self._cols(mX) // VEC
         gX = cute.zipped_divide(mX, (1, VEC))  # ((1, 16), (M, K / 16))
         gQ = cute.zipped_divide(mQ, (1, VEC))
 
@@ -341,18 +357,19 @@ class TileQuant:
         cvs = []
         oks = []
         srcs = []
-        frags = []
+        raws = []
         for p in cutlass.range_constexpr(self.P):
             row, cv = self._vec_coords(p, rb, cb, tidx)
             rows.append(row)
             cvs.append(cv)
             oks.append((row < M) & (cv < nv))
             # out of range: re-read the nearest in-range vector of the same group (see the docstring)
-            srcs.append(gX[(None, (cutlass.select_(row < M, row, M - 1), cutlass.select_(cv < nv, cv, nv - 1)))])
+            in_row, in_cv = cutlass.select_(row < M, row, M - 1), cutlass.select_(cv < nv, cv, nv - 1)
             if cutlass.const_expr(self.hold):  # issue every load before any arithmetic
-                f = cute.make_rmem_tensor((1, VEC), self.in_dtype)
-                cute.autovec_copy(srcs[p], f)
-                frags.append(f)
+                raws.append(self._issue(gX, in_row, in_cv, nv, mPart))
+            else:
+                srcs.append(gX[(None, (in_row, in_cv))])
+        frags = [self._value(raw) for raw in raws]
 
         if cutlass.const_expr(self.mode == MODE_GROUP):
             for p in cutlass.range_constexpr(self.P):
@@ -398,6 +415,61 @@ class TileQuant:
             else:
                 if (tidx == 0) & (cb == 0) & (rb == 0):
                     mS[0] = scale
+
+
+# ----------------------------------------------------------------------------------------------------
+# gated activation: SiLU(gate) * up (times a per-row weight), quantized in the same pass
+# ----------------------------------------------------------------------------------------------------
+
+_LOG2E_NEG = _f32_imm(-1.4426950408889634)
+
+# SiLU(g) = g / (1 + e^-g): e^-g = 2^(-g log2 e) by ex2.approx (2 ulp), the quotient by div.rn (IEEE) as torch's
+# fp32 SiLU divides. g -> -inf: 2^+inf = inf, g / inf = -0; g -> +inf: g / 1; NaN stays NaN.
+_SILU_PTX = (
+    "{ .reg .f32 t;\n"
+    f" mul.rn.f32 t, {{$r0}}, {_LOG2E_NEG};\n"
+    " ex2.approx.f32 t, t;\n"
+    " add.rn.f32 t, t, 0f3F800000;\n"
+    " div.rn.f32 {$w0}, {$r0}, t;\n"
+    "}"
+)
+
+
+class GatedTileQuant(TileQuant):
+    """The tile kernel on the gated activation of a gate/up projection's output ``mX`` (M, 2K), gate columns first:
+    it quantizes ``a = RN_in(SiLU(gate) * w * up)`` (M, K), each product in fp32 (``w``: the row's fp32 weight from
+    ``mPart`` (M,) with ``weighted``, else none) rounded once to the input dtype -- the vector the plain kernel
+    would read had ``a`` been stored -- so the codes and scales are the plain kernel's on ``a``: 1x128 groups
+    (MODE_GROUP) or one 1 x K row (MODE_BLOCK, block_rows 1). Each vector is a gate and an up load (both issued
+    before any arithmetic, as the plain kernel issues its one); the tile is held in registers."""
+
+    def __init__(self, in_dtype, out_dtype, fmax: float, mode: str, *, weighted: bool, **kw):
+        if mode == MODE_TENSOR_CAST or (mode == MODE_BLOCK and kw.get("block_rows", 128) != 1):
+            raise ValueError("the gated quantizer takes 1x128 groups or rows (a 1 x K block)")
+        super().__init__(in_dtype, out_dtype, fmax, mode, hold=True, **kw)
+        self.weighted = bool(weighted)
+
+    def _cols(self, mX):
+        return mX.shape[1] // 2
+
+    def _issue(self, gX, row, cv, nv, mPart):
+        g = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+        u = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+        cute.autovec_copy(gX[(None, (row, cv))], g)
+        cute.autovec_copy(gX[(None, (row, cv + nv))], u)
+        return g, u, (mPart[row] if cutlass.const_expr(self.weighted) else Float32(1.0))
+
+    def _value(self, raw):
+        g, u, w = raw[0].load().to(Float32), raw[1].load().to(Float32), raw[2]
+        y = cute.make_rmem_tensor((VEC,), Float32)
+        for i in range(VEC):
+            silu = cute.arch.inline_ptx(_SILU_PTX, write_only_types=[Float32], read_only_args=[g[i]])
+            if cutlass.const_expr(self.weighted):
+                silu = silu * w
+            y[i] = silu * u[i]
+        a = cute.make_rmem_tensor((1, VEC), self.in_dtype)
+        a.store(y.load().to(self.in_dtype))
+        return a
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -594,6 +666,32 @@ def row_block_entry(in_dtype, out_dtype, fmax, block_cols, **tune):
     x, q = _fakes_xq(in_dtype, out_dtype)
     s = _fake_2d(Float32, (cute.sym_int(), 1), align=4)
     return _entry(k.launch, x, q, s, s)
+
+
+def gated_entry(in_dtype, out_dtype, fmax, granularity: str, k: int, weighted: bool, **tune):
+    """SiLU(gate) * (w *) up of an (M, 2K) input, quantized: ``granularity`` "1x128" (scales M-major (M, ceil(K/128)))
+    or "row" (scales (M, 1); ``k`` picks the row block, ``row_tile``). Call as f(h (M, 2K), q (M, K), s, w (M,) fp32)
+    (w is read only when ``weighted``; pass s otherwise)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor
+
+    if granularity == "1x128":
+        tune.setdefault("block_rows", 64)  # two gated vectors per thread
+        kern = GatedTileQuant(in_dtype, out_dtype, fmax, MODE_GROUP, weighted=weighted, **tune)
+        s = _fake_2d(Float32, (cute.sym_int(), cute.sym_int()), row_major=False, align=4)
+    elif granularity == "row":
+        tile = row_tile(k, in_dtype.width)
+        if tile is None:
+            raise ValueError(f"the gated row quantizer takes K <= {ROW_BLOCK_MAX_K}, got {k}")
+        kern = GatedTileQuant(in_dtype, out_dtype, fmax, MODE_BLOCK, weighted=weighted, block_rows=1,
+                              block_cols=tile[1], threads=tile[0], **tune)
+        s = _fake_2d(Float32, (cute.sym_int(), 1), align=4)
+    else:
+        raise ValueError(f"the gated quantizer takes granularity '1x128' or 'row', got {granularity!r}")
+    M = cute.sym_int()
+    h = _fake_2d(in_dtype, (M, cute.sym_int(divisibility=2 * VEC)))
+    q = _fake_2d(out_dtype, (M, cute.sym_int(divisibility=VEC)))
+    w = make_fake_compact_tensor(Float32, (cute.sym_int(),), assumed_align=4)
+    return _entry(kern.launch, h, q, s, w if weighted else s)
 
 
 def tensor_amax_entry(in_dtype, **tune):
