@@ -57,6 +57,7 @@ from typing import NamedTuple
 import torch
 
 from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.nn.gated_mlp import GATED_RECIPES
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.cli import positive_int
@@ -66,7 +67,9 @@ from . import model_split as S
 from .model_torch import TorchInt8Linear as TorchInt8Linear  # noqa: F401  (other benchmarks import it from here)
 from .model_torch import torch_path
 
-VARIANTS = ("bf16", "torch", "ours")
+#: "fused": ours with its gated MLPs fused (``cnn.fuse_gated_mlps``: one gate_up GEMM, SiLU-and-multiply in the down
+#: projection's quantizer), for the recipes it takes
+VARIANTS = ("bf16", "torch", "ours", "fused")
 NOOP = "no-op linears"
 HEADS = ("bf16", "converted")
 COMPILE_VARIANTS = (*VARIANTS, "noop")
@@ -148,6 +151,18 @@ def _convert_head(model, recipe: str, make=None) -> str | None:
     return None if "lm_head" in report.converted else report.skipped.get("lm_head", "not converted")
 
 
+def fused_variant(run: Run, recipe: str, ours: Variant) -> Variant:
+    """``ours`` with its gated MLPs fused, on a sharing copy (the stacked gate_up buffers are new); its linears'
+    names are the fused model's (``gate_up_proj`` for each fused MLP's gate and up)."""
+    model = M.sharing_copy(ours.model)
+    result = cnn.fuse_gated_mlps(model)
+    run.notes += [f"{recipe}: not fused: {name} ({why})" for name, why in result.items() if why is not None]
+    fused = {f"{name}.{proj}" for name, why in result.items() if why is None for proj in ("gate_proj", "up_proj")}
+    names = [(n.replace(".gate_proj", ".gate_up_proj") if n in fused else n) for n in ours.names
+             if n not in fused or n.endswith(".gate_proj")]
+    return Variant("fused", ours.head, model, names)
+
+
 def build_recipe(run: Run, recipe: str) -> list:
     """The variants of ``recipe``, in table order: bf16, then per LM head torch, ours and (``--split``) the no-op
     model. Ours converts a sharing copy of the bf16 model; the converted-head variants convert the head on a copy
@@ -173,6 +188,10 @@ def build_recipe(run: Run, recipe: str) -> list:
                     run.notes.append(f"{recipe}: LM head not converted ({why})")
                 else:
                     by_head["converted"].append(Variant("ours", "converted", model, decoder + ["lm_head"]))
+            if "fused" in args.variants and recipe in GATED_RECIPES and (recipe, "fused") not in skip:
+                what = f"{recipe}: fusing the MLPs"
+                for head in heads:
+                    by_head[head] += [fused_variant(run, recipe, ours) for ours in by_head[head] if ours.name == "ours"]
         except Exception as e:
             run.failed[what] = one_line(e)
     make, runs = torch_path(recipe)
@@ -358,7 +377,7 @@ def table_rows(run: Run, recipe: str, mode: str, phase: str, batch: int, tokens:
         split = [None] * len(S.SPLIT_COLUMNS)
         rest = [by_key[k] for k in ((NOOP, var.head), *((NOOP, h) for h in HEADS)) if k in measured]
         if phase == "decode" and rest and not noop:  # bf16 (head "bf16") takes the no-op model it has
-            split = S.split_cells(ms, measured[rest[0].key][0], S.linear_bytes(var.model, rest[0].names),
+            split = S.split_cells(ms, measured[rest[0].key][0], S.linear_bytes(var.model, var.names),
                                   run.hbm_tbps, t_bf16 if var.name != "bf16" else None)
         rows.append([phase, batch, recipe, var.head, mode, var.name, round(ms, 4), round(tokens / ms * 1e3, 1),
                      None if noop or not t_bf16 else round(t_bf16 / ms, 3),
@@ -432,7 +451,9 @@ def variant_counts(args, recipe: str) -> dict:
     heads = len(lm_heads(args))
     has_torch = "torch" in args.variants and torch_path(recipe)[0] is not None
     return {"bf16": int("bf16" in args.variants), "torch": heads * has_torch,
-            "ours": heads * ("ours" in args.variants), NOOP: heads * bool(args.split)}
+            "ours": heads * ("ours" in args.variants),
+            "fused": heads * ("ours" in args.variants and "fused" in args.variants and recipe in GATED_RECIPES),
+            NOOP: heads * bool(args.split)}
 
 
 def plan(args) -> list:
@@ -496,6 +517,10 @@ def summarize(rows, first_batch=None) -> dict:
     first = first_batch if first_batch is not None else (decode[0]["batch"] if decode else None)
     by = {(c["recipe"], c["mode"], c["phase"], c["batch"], c["lm head"], c["variant"]): c for c in cells}
     for c in cells:
+        if c["variant"] == "fused":
+            at = f"{c['recipe']}, LM head {c['lm head']}, {c['mode']}"
+            phase = "prefill" if c["phase"] == "prefill" else f"decode batch {c['batch']}"
+            out[f"{at}: {phase}: fused x bf16"] = c["x bf16"]
         if c["variant"] != "ours":
             continue
         at = f"{c['recipe']}, LM head {c['lm head']}, {c['mode']}"
@@ -633,7 +658,8 @@ def parse_args(argv=None):
                    help="tokens already in the KV cache at decode (default 512)")
     p.add_argument("--prefill", type=int, default=4096, help="prefill length, batch 1; 0 skips it (default 4096)")
     p.add_argument("--variants", type=variant_list, default=None, metavar="V,...",
-                   help="some of bf16,torch,ours (default all three; bf16 and torch with --device cpu)")
+                   help="some of bf16,torch,ours,fused (default all; bf16 and torch with --device cpu; fused: ours "
+                        "with its MLPs fused, recipes row and deepseek)")
     p.add_argument("--lm-head", nargs="?", const="converted", default="bf16", choices=(*HEADS, "both"),
                    help="the LM head: bf16 (default), converted (also: --lm-head alone), or both, side by side")
     p.add_argument("--split", action="store_true",
@@ -664,7 +690,7 @@ def parse_args(argv=None):
     args.recipes = [args.recipe] if args.recipe else args.recipes or list(DEFAULT_RECIPES)
     if args.variants is None:
         args.variants = ["bf16", "torch"] if args.device == "cpu" else list(VARIANTS)
-    if args.device == "cpu" and ("ours" in args.variants or args.compile):
+    if args.device == "cpu" and ({"ours", "fused"} & set(args.variants) or args.compile):
         p.error("the library's kernels and --compile need a GPU; --device cpu runs --variants bf16,torch eagerly")
     if not args.compile and (args.compile_recipes or args.compile_batches):
         p.error("--compile-recipes / --compile-batches go with --compile")

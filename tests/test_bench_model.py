@@ -401,7 +401,8 @@ def test_compile_arguments_and_the_plan(monkeypatch):
         gpu_args(monkeypatch, ["--compile", "--compile-variants", "fp8"])
     cells = bench_model.plan(args)
     per_recipe = 3 * 7 + 5  # decode: bf16 + (torch, ours, no-op) x 2 LM heads at 3 batches; prefill: no no-op
-    assert sum(n for *_, n in cells) == 4 * per_recipe + 2  # compiled: bf16 and ours (LM head bf16) at batch 1
+    fused = 3 * 2 + 2  # row and deepseek: ours with its MLPs fused, both LM heads, decode and prefill
+    assert sum(n for *_, n in cells) == 4 * per_recipe + 2 * fused + 2  # compiled: bf16, ours (LM head bf16), batch 1
     assert [c for c in cells if c[1] == "compiled"] == [("row", "compiled", "decode", 1, "bf16", 1),
                                                         ("row", "compiled", "decode", 1, "ours", 1)]
     assert 3 * 60 < bench_model.estimate_s(args, cells) < 8 * 60  # the constants' rough length, under 8 minutes

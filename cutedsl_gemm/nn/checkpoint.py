@@ -205,13 +205,17 @@ def save_pretrained(model, path, *, max_shard_size="5GB") -> None:
     if len(recipes) > 1:
         raise ValueError(f"the model's layers run recipes {', '.join(map(repr, recipes))}: a cutedsl_gemm checkpoint "
                          "holds one recipe")
-    state, seen = {}, set()
+    state, seen, storages = {}, set(), set()
     for name, t in model.state_dict().items():
-        ident = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        ptr = t.untyped_storage().data_ptr()
+        ident = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() and ident in seen:
             continue  # a tied tensor's second name: loading ties it again
         seen.add(ident)
-        state[name] = t.detach().contiguous()
+        # another part of a storage already saved (a fused MLP's gate and up halves): a copy of its own, as
+        # safetensors stores each storage once
+        state[name] = t.detach().clone() if t.numel() and ptr in storages else t.detach().contiguous()
+        storages.add(ptr)
     os.makedirs(path, exist_ok=True)
     split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size,
                                                filename_pattern="model{suffix}.safetensors")

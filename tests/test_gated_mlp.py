@@ -1,0 +1,182 @@
+"""``fuse_gated_mlps`` / ``QuantizedGatedMLP``: which MLPs fuse and why not, the stacked buffers, the unchanged saved
+format (state_dict keys and bits, loading either form), torch.compile tracing; ``gpu``: the fused model against the
+unfused converted model and the bf16 model, CUDA graph replay, save_pretrained / from_pretrained."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.nn import gated_mlp as G
+from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.tools import models as M
+
+DIMS = dict(M.TINY_LLAMA, intermediate_size=384)  # I = 3 * 128 (the DeepSeek blocks of gate and up)
+
+
+def _converted(recipe, device="cpu", layers=2, seed=0):
+    model = M.random_llama(M.llama_config(layers, DIMS), device, torch.bfloat16, seed=seed)
+    cnn.convert(model, recipe, filter=lambda name, m: name != "lm_head")
+    return model
+
+
+def _bits(t):
+    return t.contiguous().view(torch.uint8) if t.dtype.itemsize == 1 else t
+
+
+@pytest.mark.parametrize("recipe", ["row", "deepseek"])
+def test_fuses_every_mlp_and_keeps_the_saved_format(recipe):
+    model = _converted(recipe)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    result = cnn.fuse_gated_mlps(model)
+    assert result == {"model.layers.0.mlp": None, "model.layers.1.mlp": None}
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, cnn.QuantizedGatedMLP) and mlp.gate_up_proj.out_features == 2 * 384
+    after = model.state_dict()
+    assert set(after) == set(before)
+    for key, t in before.items():
+        assert after[key].shape == t.shape and after[key].dtype == t.dtype, key
+        assert torch.equal(_bits(after[key]), _bits(t)), key
+    # the unfused state dict loads into the fused model, and the fused model's into an unfused one
+    fused = _converted(recipe, seed=1)
+    cnn.fuse_gated_mlps(fused)
+    fused.load_state_dict(before)
+    assert all(torch.equal(_bits(fused.state_dict()[k]), _bits(v)) for k, v in before.items())
+    plain = _converted(recipe, seed=2)
+    plain.load_state_dict(after)
+    assert all(torch.equal(_bits(plain.state_dict()[k]), _bits(v)) for k, v in before.items())
+    gate, up, down = model.model.layers[1].mlp.unfused()
+    key = "model.layers.1.mlp."
+    assert torch.equal(_bits(gate.weight), _bits(before[key + "gate_proj.weight"]))
+    assert torch.equal(up.weight_scale, before[key + "up_proj.weight_scale"])
+    assert down is model.model.layers[1].mlp.down_proj
+
+
+def test_the_stacked_scales_follow_the_weights():
+    model = _converted("deepseek")
+    mlp = model.model.layers[0].mlp
+    fused = cnn.QuantizedGatedMLP.fused(mlp)
+    # DeepSeek's (K / 128, N / 128) blocks: gate's 3 block columns then up's
+    assert fused.gate_up_proj.weight_scale.shape == (256 // 128, 2 * 384 // 128)
+    assert torch.equal(fused.gate_up_proj.weight_scale[:, 3:], mlp.up_proj.weight_scale)
+    w = fused.gate_up_proj.dequantize()
+    assert torch.equal(w[:384], mlp.gate_proj.dequantize()) and torch.equal(w[384:], mlp.up_proj.dequantize())
+
+
+def test_what_is_not_fused_says_why():
+    model = M.random_llama(M.llama_config(2, DIMS), "cpu", torch.bfloat16)
+    assert all("convert the model first" in why for why in cnn.fuse_gated_mlps(model).values())
+    cnn.convert(model, "int8", filter=lambda name, m: name != "lm_head")
+    why = cnn.fuse_gated_mlps(model)["model.layers.0.mlp"]
+    assert "'int8'" in why and "'row' or 'deepseek'" in why
+    model = _converted("row")
+    model.model.layers[0].mlp.act_fn = torch.nn.GELU()
+    model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
+    result = cnn.fuse_gated_mlps(model)
+    assert result["model.layers.0.mlp"] == "its act_fn is not SiLU"
+    assert "forward hooks" in result["model.layers.1.mlp"]
+    with pytest.raises(ValueError, match="cannot be fused: its act_fn is not SiLU"):
+        cnn.QuantizedGatedMLP.fused(model.model.layers[0].mlp)
+
+
+def test_another_forward_is_not_fused():
+    class Swapped(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.gate_proj, self.up_proj, self.down_proj, self.act_fn = mlp.gate_proj, mlp.up_proj, mlp.down_proj, \
+                mlp.act_fn
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
+
+    model = _converted("row", layers=1)
+    odd = Swapped(model.model.layers[0].mlp)
+    assert "forward is not" in G.gated_mlp_unsupported(odd)
+
+
+def test_compile_traces_the_fused_mlp(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    model = _converted("row", layers=1)
+    cnn.fuse_gated_mlps(model)
+    mlp = model.model.layers[0].mlp.to("meta")
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    y = torch.compile(mlp, fullgraph=True, backend=backend)(torch.empty(2, 5, 256, dtype=torch.bfloat16,
+                                                                        device="meta"))
+    assert y.shape == (2, 5, 256) and y.dtype == torch.bfloat16
+    targets = [str(n.target).removesuffix(".default") for n in graphs[0].graph.nodes if n.op == "call_function"]
+    ops = ["fp8_linear", "silu_mul_quantize_fp8", "scaled_mm"]  # gate_up, SiLU-and-multiply and its quantizer, down
+    assert [t for t in targets if "cutedsl_gemm" in t] == [f"cutedsl_gemm.{op}" for op in ops]
+
+
+def test_tensor_parallel_refuses_fused_mlps():
+    from cutedsl_gemm.nn import parallel
+
+    model = _converted("row", layers=1)
+    cnn.fuse_gated_mlps(model)
+
+    class Mesh:
+        def size(self):
+            return 2
+
+    with pytest.raises(ValueError, match="parallelize the converted model first"):
+        parallel.parallelize(model, Mesh())
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# GPU
+# ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["row", "deepseek"])
+def test_fused_model_matches_the_unfused_one(recipe):
+    config = M.llama_config(2, dict(DIMS, hidden_size=512, intermediate_size=1408))
+    base = M.random_llama(config, "cuda", torch.bfloat16, seed=3)
+    ours = M.sharing_copy(base)
+    cnn.convert(ours, recipe, filter=lambda name, m: name != "lm_head")
+    fused = M.sharing_copy(ours)
+    assert all(why is None for why in cnn.fuse_gated_mlps(fused).values())
+    ids = torch.randint(0, config.vocab_size, (3, 17), device="cuda")
+    with torch.no_grad():
+        want, plain, got = (m(ids).logits.float() for m in (base, ours, fused))
+    assert torch.isfinite(got).all()
+    # the same codes but where the SiLU's last bit rounds an activation the other way, and the GEMM tiles
+    assert R.rel_error(got, plain) < 2e-2
+    assert R.rel_error(got, want) < 1.2 * R.rel_error(plain, want) + 1e-3
+
+
+@pytest.mark.gpu
+def test_fused_mlp_replays_in_a_cuda_graph():
+    model = _converted("row", "cuda", layers=1)
+    cnn.fuse_gated_mlps(model)
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(4, 256, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        mlp(x)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = mlp(x)
+        for seed in (1, 2):
+            x.copy_(torch.randn(4, 256, generator=torch.Generator().manual_seed(seed)).to(x))
+            y.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(y, mlp(x))
+
+
+@pytest.mark.gpu
+def test_fused_model_saves_and_loads(tmp_path):
+    model = _converted("row", "cuda")
+    cnn.fuse_gated_mlps(model)
+    cnn.save_pretrained(model, tmp_path)
+    loaded, report = cnn.from_pretrained(tmp_path)
+    ids = torch.randint(0, 512, (2, 9), device="cuda")
+    cnn.fuse_gated_mlps(loaded)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, model(ids).logits)
