@@ -149,8 +149,8 @@ def _split_state(module: QuantizedGatedMLP, state_dict, prefix: str, local_metad
         for half, layer in enumerate(_HALVES):
             state_dict[f"{prefix}{layer}.{name}"] = _half(t, name, half, module.intermediate_size, module.recipe)
     for layer in _HALVES:
-        if tag is not None:
-            state_dict[f"{prefix}{layer}._extra_state"] = tag
+        if tag is not None:  # a tensor of its own each (one tensor under two names reads as a tied weight)
+            state_dict[f"{prefix}{layer}._extra_state"] = tag.clone()
 
 
 def _join_state(module: QuantizedGatedMLP, state_dict, prefix, local_metadata, strict, missing_keys,
