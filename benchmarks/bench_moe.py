@@ -79,8 +79,12 @@ BLOCK_NAME = "moe_block"
 MODEL_NAME = "moe_model_qwen3_30b"
 BLOCK_COLUMNS = ["block", "phase", "tokens", "recipe", "experts implementation", "mode", "us", "tokens/s", "x bf16",
                  "rel err", "experts hit", "% of weight floor"]
+#: (``--split``) the decode step with every experts module a no-op: experts ms = step - that step, experts floor ms =
+#: the experts' weights hit / HBM rate, rest ms = the no-op step, bound x bf16 = bf16 ms / (rest ms + experts floor)
+SPLIT_COLUMNS = ["experts ms", "experts floor ms", "experts % of floor", "rest ms", "bound x bf16"]
 MODEL_COLUMNS = ["phase", "batch", "tokens", "recipe", "experts implementation", "mode", "ms", "tokens/s", "x bf16",
-                 "logit rel err", "experts hit per layer", "% of weight floor"]
+                 "logit rel err", "experts hit per layer", "% of weight floor", *SPLIT_COLUMNS]
+NOOP_EXPERTS = "no-op experts"
 
 #: DeepSeek-V3's MoE block (its config.json): 256 routed experts in 8 groups, a token's experts searched in its 4
 #: best groups, one shared expert of the same width
@@ -418,9 +422,38 @@ def model_variants(run, base) -> list:
         run.notes += [f"{recipe}: not converted: {n} ({why})" for n, why in report.skipped.items() if n != "lm_head"]
         run.say(f"converted: {str(report).splitlines()[0]}")
         variants.append(BM.Variant("ours", "bf16", model, list(report.converted), keep=True))
+        if run.args.split:
+            variants.append(BM.Variant(NOOP_EXPERTS, "bf16", noop_experts_model(model), [], keep=True))
     except Exception as e:
         run.failed[f"conversion, {recipe}"] = BM.one_line(e)
     return variants
+
+
+class NoopExperts(torch.nn.Module):
+    """An experts module's stand-in that computes nothing: ``forward(hidden (T, H), ids, weights)`` returns a zero
+    (T, H) tensor, one per shape shared by the stand-ins of a model (``S.NoopLinear``'s pool rule)."""
+
+    def __init__(self, hidden_dim: int, pool: dict):
+        super().__init__()
+        self.noop = S.NoopLinear(hidden_dim, hidden_dim, pool)
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        return self.noop(hidden_states)
+
+
+def noop_experts_model(model: torch.nn.Module) -> torch.nn.Module:
+    """A sharing copy of ``model`` whose experts modules are ``NoopExperts``."""
+    pool: dict = {}
+    copy = M.sharing_copy(model)
+    M.replace_modules(copy, list(experts_modules(copy)), lambda m: NoopExperts(m.hidden_dim, pool))
+    return copy
+
+
+def experts_floor_ms(model: torch.nn.Module, hit: dict, hbm_tbps) -> float | None:
+    """The weight floor of the experts a step hit (``hit``: module name -> distinct experts)."""
+    nbytes = sum(S.linear_bytes(model, [name]) * n // model.get_submodule(name).gate_up_proj.shape[0]
+                 for name, n in hit.items())
+    return S.floor_ms(nbytes, hbm_tbps)
 
 
 def model_rows(run, phase: str, batch: int, tokens: int, measured: dict, hits: dict, variants: list,
@@ -428,18 +461,25 @@ def model_rows(run, phase: str, batch: int, tokens: int, measured: dict, hits: d
     args = run.args
     by_key = {v.key: v for v in variants}
     t_bf16, ref = measured.get(("bf16", "bf16"), (None, None))
+    rest = measured.get((NOOP_EXPERTS, "bf16"), (None,))[0]
     rows = []
     for key, (ms, logits) in measured.items():
         var, hit = by_key[key], hits.get(key)
-        bf16 = var.name == "bf16"
-        err = R.rel_error(logits, ref) if ref is not None and not bf16 else None
+        bf16, noop = var.name == "bf16", var.name == NOOP_EXPERTS
+        err = R.rel_error(logits, ref) if ref is not None and not (bf16 or noop) else None
         pct = None
         if phase == "decode" and hit:
             pct = pct_of_floor(touched_bytes(var.model, hit, S.streamed_bytes(var.model, tokens)), ms, run.hbm_tbps)
-        rows.append([phase, batch, tokens, "bf16" if bf16 else args.model_recipe,
-                     var.model.config._experts_implementation if bf16 else OURS, mode, round(ms, 4),
-                     round(tokens / ms * 1e3, 1), ratio(t_bf16, ms), error_cell(err),
-                     round(sum(hit.values()) / len(hit), 1) if hit else None, pct])
+        split = [None] * len(SPLIT_COLUMNS)
+        if rest is not None and var.name == "ours" and hit:
+            floor, experts = experts_floor_ms(var.model, hit, run.hbm_tbps), ms - rest
+            split = [round(experts, 4), None if floor is None else round(floor, 4),
+                     round(100 * floor / experts, 1) if floor is not None and experts > 0 else None, round(rest, 4),
+                     round(t_bf16 / (rest + floor), 3) if floor is not None and t_bf16 else None]
+        impl = var.model.config._experts_implementation if bf16 else (NOOP_EXPERTS if noop else OURS)
+        rows.append([phase, batch, tokens, "bf16" if bf16 else args.model_recipe, impl, mode, round(ms, 4),
+                     round(tokens / ms * 1e3, 1), None if noop else ratio(t_bf16, ms), error_cell(err),
+                     round(sum(hit.values()) / len(hit), 1) if hit else None, None if noop else pct, *split])
     return rows
 
 
@@ -459,7 +499,8 @@ def run_model(run) -> None:
         for row in rows:
             cell = dict(zip(MODEL_COLUMNS, row))
             x_bf16 = "" if cell["x bf16"] is None else f", x bf16 {cell['x bf16']}"
-            run.say(f"{name} batch {batch}, {cell['recipe']}: {cell['ms']} ms, {cell['tokens/s']} tokens/s{x_bf16}")
+            what = cell["recipe"] + (f" ({NOOP_EXPERTS})" if cell["experts implementation"] == NOOP_EXPERTS else "")
+            run.say(f"{name} batch {batch}, {what}: {cell['ms']} ms, {cell['tokens/s']} tokens/s{x_bf16}")
         run.rows.extend(rows)
         save_model(run)
         BM.free_memory(args.device)
@@ -475,7 +516,7 @@ def run_model(run) -> None:
             del prepared
         phase("decode", batch, batch, measured, hits)
     if args.prefill:
-        measured = BM.measure_prefill(run, variants, "model")
+        measured = BM.measure_prefill(run, [v for v in variants if v.name != NOOP_EXPERTS], "model")
         prompt = M.random_tokens(run.config, 1, args.prefill, seed=args.seed + 3, device=args.device)
         hits = {var.key: BM.guarded(f"model prefill, {var.label}: routing", run.failed, args.device, experts_hit,
                                     var.model, lambda m=var.model: M.last_logits(m, prompt))
@@ -486,11 +527,14 @@ def run_model(run) -> None:
 def model_summary(rows) -> dict:
     out = {}
     for c in (dict(zip(MODEL_COLUMNS, row)) for row in rows):
-        if c["recipe"] == "bf16":
+        if c["recipe"] == "bf16" or c["experts implementation"] == NOOP_EXPERTS:
             continue
         where = f"{c['recipe']}: {c['phase']}" + (f" batch {c['batch']}" if c["phase"] == "decode" else "")
         out[f"{where}: ours x bf16"] = c["x bf16"]
         out[f"{where}: logit rel err"] = c["logit rel err"]
+        if c["bound x bf16"] is not None:
+            out[f"{where}: experts % of floor"] = c["experts % of floor"]
+            out[f"{where}: bound x bf16"] = c["bound x bf16"]
     return out
 
 
@@ -503,6 +547,9 @@ def model_notes(run) -> str:
             f"cache, the step run by {how}, median of {args.rounds} rounds of {args.reps}, the models in turns; "
             f"prefill eager, no cache; logit rel err: last position against bf16; weight floor: every parameter and "
             f"buffer once, the step's embedding rows and of each layer's experts those hit, at {floor}")
+    if args.split:
+        line += ("; split: experts ms = step - the step with every experts module a no-op (rest ms), experts floor = "
+                 "the experts' weights hit / HBM rate, bound x bf16 = bf16 ms / (rest ms + experts floor ms)")
     return line + _failures_and_notes(run)
 
 
@@ -556,6 +603,8 @@ def parse_args(argv=None):
                         "(default 4096)")
     p.add_argument("--context", type=positive_int, default=512,
                    help="tokens already in the model's KV cache at decode (default 512)")
+    p.add_argument("--split", action="store_true",
+                   help="model decode: also time the step with every experts module a no-op (experts vs the rest)")
     p.add_argument("--rounds", type=positive_int, default=5, help="timing rounds, variants in turns (default 5)")
     p.add_argument("--reps", type=positive_int, default=5, help="model decode steps back to back per round (default 5)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

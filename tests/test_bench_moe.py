@@ -329,3 +329,19 @@ def test_a_lost_gpu_ends_the_run_with_what_was_measured(tmp_path, monkeypatch):
     got = json.loads((tmp_path / "moe_tiny.json").read_text())
     assert [(r[1], r[2]) for r in got["rows"]] == [("decode", 1)]
     assert "not measured: the rest of the run" in got["notes"]
+
+
+def test_tiny_model_split_on_the_cpu(tmp_path, monkeypatch, reference_ops):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    rows = B.main(TINY_MODEL + ["--prefill", "0", "--split", "--name", "moe_split_tiny"], floors=FLOORS)["model"]
+    cells = [dict(zip(B.MODEL_COLUMNS, row)) for row in rows]
+    assert [(c["batch"], c["experts implementation"]) for c in cells] == [
+        (batch, impl) for batch in (1, 2) for impl in ("grouped_mm", B.OURS, B.NOOP_EXPERTS)]
+    for batch in (1, 2):
+        bf16, ours, noop = (c for c in cells if c["batch"] == batch)
+        assert noop["x bf16"] is None and noop["logit rel err"] is None and noop["experts ms"] is None
+        assert ours["rest ms"] == noop["ms"] and ours["experts ms"] == pytest.approx(ours["ms"] - noop["ms"], abs=1e-3)
+        floor = ours["experts floor ms"]  # the weights of the experts hit, at the given 1 GB/s
+        assert floor > 0 and ours["bound x bf16"] == pytest.approx(bf16["ms"] / (noop["ms"] + floor), rel=1e-2)
+    got = json.loads((tmp_path / "moe_split_tiny.json").read_text())
+    assert "row: decode batch 2: bound x bf16" in got["summary"] and "split: experts ms" in got["notes"]
