@@ -84,7 +84,8 @@ BLOCK_COLUMNS = ["block", "phase", "tokens", "recipe", "experts implementation",
 SPLIT_COLUMNS = ["experts ms", "experts floor ms", "experts % of floor", "rest ms", "bound x bf16"]
 MODEL_COLUMNS = ["phase", "batch", "tokens", "recipe", "experts implementation", "mode", "ms", "tokens/s", "x bf16",
                  "logit rel err", "experts hit per layer", "% of weight floor", *SPLIT_COLUMNS]
-NOOP_EXPERTS = "no-op experts"
+NOOP_EXPERTS = "no-op experts"  # ours with every experts module a no-op
+NOOP_BF16 = "no-op experts (bf16 model)"  # the bf16 model's no-op step: its rest, beside ours
 
 #: DeepSeek-V3's MoE block (its config.json): 256 routed experts in 8 groups, a token's experts searched in its 4
 #: best groups, one shared expert of the same width
@@ -424,6 +425,7 @@ def model_variants(run, base) -> list:
         variants.append(BM.Variant("ours", "bf16", model, list(report.converted), keep=True))
         if run.args.split:
             variants.append(BM.Variant(NOOP_EXPERTS, "bf16", noop_experts_model(model), [], keep=True))
+            variants.append(BM.Variant(NOOP_BF16, "bf16", noop_experts_model(base), [], keep=True))
     except Exception as e:
         run.failed[f"conversion, {recipe}"] = BM.one_line(e)
     return variants
@@ -461,22 +463,25 @@ def model_rows(run, phase: str, batch: int, tokens: int, measured: dict, hits: d
     args = run.args
     by_key = {v.key: v for v in variants}
     t_bf16, ref = measured.get(("bf16", "bf16"), (None, None))
-    rest = measured.get((NOOP_EXPERTS, "bf16"), (None,))[0]
+    rests = {"ours": measured.get((NOOP_EXPERTS, "bf16"), (None,))[0],
+             "bf16": measured.get((NOOP_BF16, "bf16"), (None,))[0]}
     rows = []
     for key, (ms, logits) in measured.items():
         var, hit = by_key[key], hits.get(key)
-        bf16, noop = var.name == "bf16", var.name == NOOP_EXPERTS
+        noop = var.name in (NOOP_EXPERTS, NOOP_BF16)
+        bf16 = var.name in ("bf16", NOOP_BF16)
+        rest = rests.get(var.name)
         err = R.rel_error(logits, ref) if ref is not None and not (bf16 or noop) else None
         pct = None
         if phase == "decode" and hit:
             pct = pct_of_floor(touched_bytes(var.model, hit, S.streamed_bytes(var.model, tokens)), ms, run.hbm_tbps)
         split = [None] * len(SPLIT_COLUMNS)
-        if rest is not None and var.name == "ours" and hit:
+        if rest is not None and hit:  # ours and bf16 against their own no-op steps; the bound is ours'
             floor, experts = experts_floor_ms(var.model, hit, run.hbm_tbps), ms - rest
             split = [round(experts, 4), None if floor is None else round(floor, 4),
                      round(100 * floor / experts, 1) if floor is not None and experts > 0 else None, round(rest, 4),
-                     round(t_bf16 / (rest + floor), 3) if floor is not None and t_bf16 else None]
-        impl = var.model.config._experts_implementation if bf16 else (NOOP_EXPERTS if noop else OURS)
+                     round(t_bf16 / (rest + floor), 3) if floor is not None and t_bf16 and not bf16 else None]
+        impl = NOOP_EXPERTS if noop else var.model.config._experts_implementation if bf16 else OURS
         rows.append([phase, batch, tokens, "bf16" if bf16 else args.model_recipe, impl, mode, round(ms, 4),
                      round(tokens / ms * 1e3, 1), None if noop else ratio(t_bf16, ms), error_cell(err),
                      round(sum(hit.values()) / len(hit), 1) if hit else None, None if noop else pct, *split])
@@ -516,7 +521,8 @@ def run_model(run) -> None:
             del prepared
         phase("decode", batch, batch, measured, hits)
     if args.prefill:
-        measured = BM.measure_prefill(run, [v for v in variants if v.name != NOOP_EXPERTS], "model")
+        measured = BM.measure_prefill(run, [v for v in variants if v.name not in (NOOP_EXPERTS, NOOP_BF16)],
+                                      "model")
         prompt = M.random_tokens(run.config, 1, args.prefill, seed=args.seed + 3, device=args.device)
         hits = {var.key: BM.guarded(f"model prefill, {var.label}: routing", run.failed, args.device, experts_hit,
                                     var.model, lambda m=var.model: M.last_logits(m, prompt))
@@ -548,8 +554,9 @@ def model_notes(run) -> str:
             f"prefill eager, no cache; logit rel err: last position against bf16; weight floor: every parameter and "
             f"buffer once, the step's embedding rows and of each layer's experts those hit, at {floor}")
     if args.split:
-        line += ("; split: experts ms = step - the step with every experts module a no-op (rest ms), experts floor = "
-                 "the experts' weights hit / HBM rate, bound x bf16 = bf16 ms / (rest ms + experts floor ms)")
+        line += ("; split: experts ms = step - the same model's step with every experts module a no-op (rest ms), "
+                 "experts floor = the experts' weights hit / HBM rate, bound x bf16 = bf16 ms / (ours' rest ms + "
+                 "experts floor ms)")
     return line + _failures_and_notes(run)
 
 

@@ -335,12 +335,15 @@ def test_tiny_model_split_on_the_cpu(tmp_path, monkeypatch, reference_ops):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     rows = B.main(TINY_MODEL + ["--prefill", "0", "--split", "--name", "moe_split_tiny"], floors=FLOORS)["model"]
     cells = [dict(zip(B.MODEL_COLUMNS, row)) for row in rows]
-    assert [(c["batch"], c["experts implementation"]) for c in cells] == [
-        (batch, impl) for batch in (1, 2) for impl in ("grouped_mm", B.OURS, B.NOOP_EXPERTS)]
+    assert [(c["batch"], c["recipe"], c["experts implementation"]) for c in cells] == [
+        (batch, *v) for batch in (1, 2)
+        for v in (("bf16", "grouped_mm"), ("row", B.OURS), ("row", B.NOOP_EXPERTS), ("bf16", B.NOOP_EXPERTS))]
     for batch in (1, 2):
-        bf16, ours, noop = (c for c in cells if c["batch"] == batch)
-        assert noop["x bf16"] is None and noop["logit rel err"] is None and noop["experts ms"] is None
+        bf16, ours, noop, noop_bf16 = (c for c in cells if c["batch"] == batch)
+        for n in (noop, noop_bf16):
+            assert n["x bf16"] is None and n["logit rel err"] is None and n["experts ms"] is None
         assert ours["rest ms"] == noop["ms"] and ours["experts ms"] == pytest.approx(ours["ms"] - noop["ms"], abs=1e-3)
+        assert bf16["rest ms"] == noop_bf16["ms"] and bf16["bound x bf16"] is None and bf16["experts floor ms"] > 0
         floor = ours["experts floor ms"]  # the weights of the experts hit, at the given 1 GB/s
         assert floor > 0 and ours["bound x bf16"] == pytest.approx(bf16["ms"] / (noop["ms"] + floor), rel=1e-2)
     got = json.loads((tmp_path / "moe_split_tiny.json").read_text())
