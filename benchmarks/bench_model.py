@@ -67,8 +67,9 @@ from . import model_split as S
 from .model_torch import TorchInt8Linear as TorchInt8Linear  # noqa: F401  (other benchmarks import it from here)
 from .model_torch import torch_path
 
-#: "fused": ours with its gated MLPs fused (``cnn.fuse_gated_mlps``: one gate_up GEMM, SiLU-and-multiply in the down
-#: projection's quantizer), for the recipes it takes
+#: "fused": ours with its layers fused (``--fuse``: ``cnn.fuse_gated_mlps``, one gate_up GEMM and SiLU-and-multiply in
+#: the down projection's quantizer; ``cnn.fuse_qkv``, one q/k/v GEMM), for the recipes they take
+FUSIONS = ("mlp", "qkv")
 VARIANTS = ("bf16", "torch", "ours", "fused")
 NOOP = "no-op linears"
 HEADS = ("bf16", "converted")
@@ -151,15 +152,23 @@ def _convert_head(model, recipe: str, make=None) -> str | None:
     return None if "lm_head" in report.converted else report.skipped.get("lm_head", "not converted")
 
 
+#: per fusion: its function, the layers it stacks and the stacked layer's name
+_FUSED = {"mlp": (cnn.fuse_gated_mlps, ("gate_proj", "up_proj"), "gate_up_proj"),
+          "qkv": (cnn.fuse_qkv, ("q_proj", "k_proj", "v_proj"), "qkv_proj")}
+
+
 def fused_variant(run: Run, recipe: str, ours: Variant) -> Variant:
-    """``ours`` with its gated MLPs fused, on a sharing copy (the stacked gate_up buffers are new); its linears'
-    names are the fused model's (``gate_up_proj`` for each fused MLP's gate and up)."""
-    model = M.sharing_copy(ours.model)
-    result = cnn.fuse_gated_mlps(model)
-    run.notes += [f"{recipe}: not fused: {name} ({why})" for name, why in result.items() if why is not None]
-    fused = {f"{name}.{proj}" for name, why in result.items() if why is None for proj in ("gate_proj", "up_proj")}
-    names = [(n.replace(".gate_proj", ".gate_up_proj") if n in fused else n) for n in ours.names
-             if n not in fused or n.endswith(".gate_proj")]
+    """``ours`` with the ``--fuse`` fusions, on a sharing copy (the stacked buffers are new); its linears' names are
+    the fused model's (the stacked layer's name in place of the layers it stacks)."""
+    model, names = M.sharing_copy(ours.model), list(ours.names)
+    for what in run.args.fuse:
+        fuse, parts, stacked = _FUSED[what]
+        result = fuse(model)
+        run.notes += [f"{recipe}: {what} not fused: {name} ({why})" for name, why in result.items() if why is not None]
+        done = {name for name, why in result.items() if why is None}
+        names = [n for n in names if n.rpartition(".")[0] not in done or n.rpartition(".")[2] not in parts[1:]]
+        names = [f"{n.rpartition('.')[0]}.{stacked}" if n.rpartition(".")[0] in done and n.endswith("." + parts[0])
+                 else n for n in names]
     return Variant("fused", ours.head, model, names)
 
 
@@ -555,6 +564,9 @@ def notes_line(run: Run) -> str:
             f"{args.context} tokens in a static KV cache, the step run by {mode}, median of {args.rounds} rounds of "
             f"{args.reps}, variants in turns; prefill eager, no cache; weight floor: every parameter and buffer once "
             f"plus the step's embedding rows at {floor}; logit rel err: last position against bf16")
+    if "fused" in args.variants:
+        what = {"mlp": "cnn.fuse_gated_mlps", "qkv": "cnn.fuse_qkv"}
+        line += f"; fused: ours after {' and '.join(what[f] for f in args.fuse)} (recipes row, deepseek)"
     if args.split:
         line += ("; split: linears ms = step - the step with every converted linear a no-op (bf16: the same layers),"
                  " rest ms = that no-op step, bound x bf16 = bf16 ms / (rest ms + linears floor ms)")
@@ -636,6 +648,10 @@ def variant_list(text: str) -> list:
     return name_list(text, VARIANTS, "variants")
 
 
+def fusion_list(text: str) -> list:
+    return name_list(text, FUSIONS, "fusions")
+
+
 def recipe_list(text: str) -> list:
     return name_list(text, RECIPES, "recipes")
 
@@ -660,6 +676,9 @@ def parse_args(argv=None):
     p.add_argument("--variants", type=variant_list, default=None, metavar="V,...",
                    help="some of bf16,torch,ours,fused (default all; bf16 and torch with --device cpu; fused: ours "
                         "with its MLPs fused, recipes row and deepseek)")
+    p.add_argument("--fuse", type=fusion_list, default=list(FUSIONS), metavar="F,...",
+                   help="what the fused variant fuses: mlp (gate and up as one GEMM, SiLU in the quantizer), qkv "
+                        "(q, k and v as one GEMM); default both")
     p.add_argument("--lm-head", nargs="?", const="converted", default="bf16", choices=(*HEADS, "both"),
                    help="the LM head: bf16 (default), converted (also: --lm-head alone), or both, side by side")
     p.add_argument("--split", action="store_true",

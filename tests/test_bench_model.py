@@ -649,3 +649,16 @@ def test_a_step_over_another_models_cache(tiny):
     assert torch.equal(step(), mine)  # the two take turns over one cache
     with pytest.raises(ValueError, match="same class and config"):
         step.with_model(M.random_llama(M.llama_config(1, M.TINY_LLAMA), "cpu", torch.float32))
+
+
+def test_fused_variant_names_its_stacked_layers():
+    model = M.random_llama(M.llama_config(1, M.TINY_LLAMA), "cpu", torch.bfloat16)
+    report = cnn.convert(model, "row", filter=lambda name, m: name != "lm_head")
+    ours = bench_model.Variant("ours", "bf16", model, list(report.converted))
+    run = SimpleNamespace(args=SimpleNamespace(fuse=["mlp", "qkv"]), notes=[])
+    fused = bench_model.fused_variant(run, "row", ours)
+    layer = "model.layers.0."
+    assert fused.names == [layer + n for n in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj",
+                                               "mlp.down_proj")]
+    assert S.linear_bytes(fused.model, fused.names) == S.linear_bytes(model, ours.names)  # the same bytes, stacked
+    assert isinstance(model.model.layers[0].mlp.gate_proj, cnn.QuantizedLinear)  # ours itself is left as it was

@@ -125,7 +125,7 @@ def test_tensor_parallel_refuses_fused_mlps():
         def size(self):
             return 2
 
-    with pytest.raises(ValueError, match="parallelize the converted model first"):
+    with pytest.raises(ValueError, match="parallelize it without fuse_gated_mlps"):
         parallel.parallelize(model, Mesh())
 
 

@@ -14,6 +14,7 @@ run (``LINEAR_RECIPES``).
 
 from .checkpoint import from_pretrained, save_pretrained
 from .convert import ConversionReport, convert
+from .fused_qkv import fuse_qkv
 from .gated_mlp import QuantizedGatedMLP, fuse_gated_mlps
 from .linear import FORMAT_VERSION, Fp8Linear, QuantizedLinear
 from .moe import QuantizedExperts
@@ -21,4 +22,4 @@ from .recipes import LINEAR_RECIPES, LinearRecipe, linear_recipe
 
 __all__ = ["QuantizedLinear", "QuantizedExperts", "Fp8Linear", "convert", "ConversionReport", "from_pretrained",
            "save_pretrained", "LINEAR_RECIPES", "LinearRecipe", "linear_recipe", "FORMAT_VERSION", "QuantizedGatedMLP",
-           "fuse_gated_mlps"]
+           "fuse_gated_mlps", "fuse_qkv"]

@@ -447,12 +447,13 @@ def parallelize(model: torch.nn.Module, mesh, plan: Optional[dict] = None, *, sr
     one ValueError naming each layer that cannot be split ``mesh.size()`` ways and why (the recipe's blocks, the
     kernels, or for an attention module's column-parallel projections its heads). Returns ``model``."""
     plan = tp_plan_for(model, plan)
+    from .fused_qkv import QKVSlice
     from .gated_mlp import QuantizedGatedMLP
 
-    fused = [name for name, m in model.named_modules() if isinstance(m, QuantizedGatedMLP)]
+    fused = [name for name, m in model.named_modules() if isinstance(m, (QuantizedGatedMLP, QKVSlice))]
     if fused and mesh.size() > 1:
-        raise ValueError(f"{len(fused)} fused MLPs ({fused[0]}, ...): parallelize the converted model first, then "
-                         "leave its MLPs unfused (fuse_gated_mlps does not take tensor-parallel shards)")
+        raise ValueError(f"{len(fused)} fused layers ({fused[0]}, ...): tensor parallelism shards the converted "
+                         "model's own layers; parallelize it without fuse_gated_mlps / fuse_qkv")
     if mesh.size() > 1:
         errors = []
         for name, m in model.named_modules():
