@@ -129,3 +129,11 @@ def test_fused_model_replays_in_a_cuda_graph_and_saves(tmp_path):
         cnn.fuse_qkv(loaded)
         cnn.fuse_gated_mlps(loaded)
         assert torch.equal(loaded(ids).logits, want)
+
+
+def test_fuse_does_both():
+    model = _converted("deepseek", layers=1)
+    result = cnn.fuse(model)
+    assert result == {"model.layers.0.self_attn": None, "model.layers.0.mlp": None}
+    assert isinstance(model.model.layers[0].mlp, cnn.QuantizedGatedMLP)
+    assert isinstance(model.model.layers[0].self_attn.v_proj, Q.QKVSlice)

@@ -7,14 +7,14 @@ run (``LINEAR_RECIPES``).
     report = cnn.convert(model, recipe="row")      # report.converted, report.skipped (name -> why)
     layer = cnn.QuantizedLinear.from_linear(linear, recipe="deepseek")
     cnn.convert(moe_model, recipe="row")          # the experts modules too: cnn.QuantizedExperts
-    cnn.fuse_gated_mlps(model)                     # gate and up as one GEMM, SiLU-and-multiply in its quantizer
+    cnn.fuse(model)                                # q/k/v as one GEMM; gate/up as one, SiLU in the quantizer
     torch.compile(model, fullgraph=True)           # one torch.ops.cutedsl_gemm.fp8_linear per layer
     cnn.save_pretrained(model, path); model, report = cnn.from_pretrained(path)   # saved and loaded as they are
 """
 
 from .checkpoint import from_pretrained, save_pretrained
 from .convert import ConversionReport, convert
-from .fused_qkv import fuse_qkv
+from .fused_qkv import fuse, fuse_qkv
 from .gated_mlp import QuantizedGatedMLP, fuse_gated_mlps
 from .linear import FORMAT_VERSION, Fp8Linear, QuantizedLinear
 from .moe import QuantizedExperts
@@ -22,4 +22,4 @@ from .recipes import LINEAR_RECIPES, LinearRecipe, linear_recipe
 
 __all__ = ["QuantizedLinear", "QuantizedExperts", "Fp8Linear", "convert", "ConversionReport", "from_pretrained",
            "save_pretrained", "LINEAR_RECIPES", "LinearRecipe", "linear_recipe", "FORMAT_VERSION", "QuantizedGatedMLP",
-           "fuse_gated_mlps", "fuse_qkv"]
+           "fuse_gated_mlps", "fuse_qkv", "fuse"]

@@ -171,3 +171,10 @@ def fuse_qkv(model: torch.nn.Module) -> dict:
         if why is None:
             _fuse_one(model.get_submodule(name))
     return result
+
+
+def fuse(model: torch.nn.Module) -> dict:
+    """``fuse_qkv`` and ``fuse_gated_mlps`` on a converted ``model``: {module name: None if fused, else why not}."""
+    from .gated_mlp import fuse_gated_mlps
+
+    return {**fuse_qkv(model), **fuse_gated_mlps(model)}
