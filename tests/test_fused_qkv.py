@@ -6,48 +6,28 @@ from __future__ import annotations
 
 import pytest
 import torch
+from converted_models import DIMS, assert_round_trips, converted
 
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import fused_qkv as Q
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.tools import models as M
 
-DIMS = dict(M.TINY_LLAMA, intermediate_size=384)
-
-
-def _converted(recipe, device="cpu", layers=2, seed=0):
-    model = M.random_llama(M.llama_config(layers, DIMS), device, torch.bfloat16, seed=seed)
-    cnn.convert(model, recipe, filter=lambda name, m: name != "lm_head")
-    return model
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.dtype.itemsize == 1 else t
-
 
 @pytest.mark.parametrize("recipe", ["row", "deepseek"])
 def test_fuses_every_attention_and_keeps_the_saved_format(recipe):
-    model = _converted(recipe)
+    model = converted(recipe)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     assert cnn.fuse_qkv(model) == {"model.layers.0.self_attn": None, "model.layers.1.self_attn": None}
     attn = model.model.layers[0].self_attn
     assert isinstance(attn.q_proj, Q.QKVSlice) and attn.qkv_proj.out_features == 256 + 2 * 128
     assert not list(attn.q_proj.buffers())  # the slices hold nothing
-    after = model.state_dict()
-    assert set(after) == set(before)
-    assert all(torch.equal(_bits(after[k]), _bits(v)) for k, v in before.items())
-    fused = _converted(recipe, seed=1)
-    cnn.fuse_qkv(fused)
-    fused.load_state_dict(before)
-    assert all(torch.equal(_bits(fused.state_dict()[k]), _bits(v)) for k, v in before.items())
-    plain = _converted(recipe, seed=2)
-    plain.load_state_dict(after)
-    assert all(torch.equal(_bits(plain.state_dict()[k]), _bits(v)) for k, v in before.items())
+    assert_round_trips(recipe, cnn.fuse_qkv, before, model.state_dict())
     assert cnn.fuse_qkv(model) == {}  # already fused: left alone
 
 
 def test_slices_run_one_gemm_for_the_usual_calls_and_stay_right_for_others(monkeypatch):
-    model = _converted("row", layers=1)
+    model = converted("row", layers=1)
     attn = model.model.layers[0].self_attn
     cnn.fuse_qkv(model)
     calls = []
@@ -71,7 +51,7 @@ def test_what_is_not_fused_says_why():
 
 def test_compile_traces_the_fused_attention(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    model = _converted("row", layers=1)
+    model = converted("row", layers=1)
     cnn.fuse_qkv(model)
     cnn.fuse_gated_mlps(model)
     model = model.to("meta")
@@ -99,7 +79,7 @@ def test_compile_traces_the_fused_attention(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", ["row", "deepseek"])
 def test_fused_attention_gives_the_unfused_outputs(recipe):
-    model = _converted(recipe, "cuda", seed=4)
+    model = converted(recipe, "cuda", seed=4)
     ids = torch.randint(0, 512, (3, 17), device="cuda")
     with torch.no_grad():
         want = model(ids).logits
@@ -111,7 +91,7 @@ def test_fused_attention_gives_the_unfused_outputs(recipe):
 
 @pytest.mark.gpu
 def test_fused_model_replays_in_a_cuda_graph_and_saves(tmp_path):
-    model = _converted("row", "cuda", layers=1)
+    model = converted("row", "cuda", layers=1)
     cnn.fuse_qkv(model)
     cnn.fuse_gated_mlps(model)
     ids = torch.randint(0, 512, (2, 9), device="cuda")
@@ -132,7 +112,7 @@ def test_fused_model_replays_in_a_cuda_graph_and_saves(tmp_path):
 
 
 def test_fuse_does_both():
-    model = _converted("deepseek", layers=1)
+    model = converted("deepseek", layers=1)
     result = cnn.fuse(model)
     assert result == {"model.layers.0.self_attn": None, "model.layers.0.mlp": None}
     assert isinstance(model.model.layers[0].mlp, cnn.QuantizedGatedMLP)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from converted_models import DIMS, assert_round_trips, bits, converted
 
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import gated_mlp as G
@@ -13,49 +14,26 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ScaleGranularity
 from cutedsl_gemm.tools import models as M
 
-DIMS = dict(M.TINY_LLAMA, intermediate_size=384)  # I = 3 * 128 (the DeepSeek blocks of gate and up)
-
-
-def _converted(recipe, device="cpu", layers=2, seed=0):
-    model = M.random_llama(M.llama_config(layers, DIMS), device, torch.bfloat16, seed=seed)
-    cnn.convert(model, recipe, filter=lambda name, m: name != "lm_head")
-    return model
-
-
-def _bits(t):
-    return t.contiguous().view(torch.uint8) if t.dtype.itemsize == 1 else t
-
 
 @pytest.mark.parametrize("recipe", ["row", "deepseek"])
 def test_fuses_every_mlp_and_keeps_the_saved_format(recipe):
-    model = _converted(recipe)
+    model = converted(recipe)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     result = cnn.fuse_gated_mlps(model)
     assert result == {"model.layers.0.mlp": None, "model.layers.1.mlp": None}
     mlp = model.model.layers[0].mlp
     assert isinstance(mlp, cnn.QuantizedGatedMLP) and mlp.gate_up_proj.out_features == 2 * 384
-    after = model.state_dict()
-    assert set(after) == set(before)
-    for key, t in before.items():
-        assert after[key].shape == t.shape and after[key].dtype == t.dtype, key
-        assert torch.equal(_bits(after[key]), _bits(t)), key
     # the unfused state dict loads into the fused model, and the fused model's into an unfused one
-    fused = _converted(recipe, seed=1)
-    cnn.fuse_gated_mlps(fused)
-    fused.load_state_dict(before)
-    assert all(torch.equal(_bits(fused.state_dict()[k]), _bits(v)) for k, v in before.items())
-    plain = _converted(recipe, seed=2)
-    plain.load_state_dict(after)
-    assert all(torch.equal(_bits(plain.state_dict()[k]), _bits(v)) for k, v in before.items())
+    assert_round_trips(recipe, cnn.fuse_gated_mlps, before, model.state_dict())
     gate, up, down = model.model.layers[1].mlp.unfused()
     key = "model.layers.1.mlp."
-    assert torch.equal(_bits(gate.weight), _bits(before[key + "gate_proj.weight"]))
+    assert torch.equal(bits(gate.weight), bits(before[key + "gate_proj.weight"]))
     assert torch.equal(up.weight_scale, before[key + "up_proj.weight_scale"])
     assert down is model.model.layers[1].mlp.down_proj
 
 
 def test_the_stacked_scales_follow_the_weights():
-    model = _converted("deepseek")
+    model = converted("deepseek")
     mlp = model.model.layers[0].mlp
     fused = cnn.QuantizedGatedMLP.fused(mlp)
     # DeepSeek's (K / 128, N / 128) blocks: gate's 3 block columns then up's
@@ -71,7 +49,7 @@ def test_what_is_not_fused_says_why():
     cnn.convert(model, "int8", filter=lambda name, m: name != "lm_head")
     why = cnn.fuse_gated_mlps(model)["model.layers.0.mlp"]
     assert "'int8'" in why and "'row' or 'deepseek'" in why
-    model = _converted("row")
+    model = converted("row")
     model.model.layers[0].mlp.act_fn = torch.nn.GELU()
     model.model.layers[1].mlp.down_proj.register_forward_hook(lambda *a: None)
     result = cnn.fuse_gated_mlps(model)
@@ -91,14 +69,14 @@ def test_another_forward_is_not_fused():
         def forward(self, x):
             return self.down_proj(self.act_fn(self.up_proj(x)) * self.gate_proj(x))
 
-    model = _converted("row", layers=1)
+    model = converted("row", layers=1)
     odd = Swapped(model.model.layers[0].mlp)
     assert "forward is not" in G.gated_mlp_unsupported(odd)
 
 
 def test_compile_traces_the_fused_mlp(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    model = _converted("row", layers=1)
+    model = converted("row", layers=1)
     cnn.fuse_gated_mlps(model)
     mlp = model.model.layers[0].mlp.to("meta")
     graphs = []
@@ -118,7 +96,7 @@ def test_compile_traces_the_fused_mlp(monkeypatch):
 def test_tensor_parallel_refuses_fused_mlps():
     from cutedsl_gemm.nn import parallel
 
-    model = _converted("row", layers=1)
+    model = converted("row", layers=1)
     cnn.fuse_gated_mlps(model)
 
     class Mesh:
@@ -148,7 +126,7 @@ def _emulated_mlp(mlp, x, recipe):
 @pytest.mark.parametrize("recipe", ["row", "deepseek"])
 @pytest.mark.parametrize("tokens", [1, 37, 300])
 def test_fused_mlp_matches_its_float64_emulation(recipe, tokens):
-    model = _converted(recipe, "cuda", layers=1, seed=tokens)
+    model = converted(recipe, "cuda", layers=1, seed=tokens)
     cnn.fuse_gated_mlps(model)
     mlp = model.model.layers[0].mlp
     x = torch.randn(tokens, 256, generator=torch.Generator().manual_seed(tokens)).to("cuda", torch.bfloat16)
@@ -184,7 +162,7 @@ def test_fused_model_is_as_close_to_bf16_as_the_unfused_one(recipe):
 
 @pytest.mark.gpu
 def test_fused_mlp_replays_in_a_cuda_graph():
-    model = _converted("row", "cuda", layers=1)
+    model = converted("row", "cuda", layers=1)
     cnn.fuse_gated_mlps(model)
     mlp = model.model.layers[0].mlp
     x = torch.randn(4, 256, dtype=torch.bfloat16, device="cuda")
@@ -203,7 +181,7 @@ def test_fused_mlp_replays_in_a_cuda_graph():
 
 @pytest.mark.gpu
 def test_fused_model_saves_and_loads(tmp_path):
-    model = _converted("row", "cuda")
+    model = converted("row", "cuda")
     cnn.fuse_gated_mlps(model)
     cnn.save_pretrained(model, tmp_path)
     loaded, report = cnn.from_pretrained(tmp_path)
