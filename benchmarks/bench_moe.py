@@ -422,6 +422,10 @@ def model_variants(run, base) -> list:
                 f"{n}: {why}" for n, why in report.skipped.items()))
         run.notes += [f"{recipe}: not converted: {n} ({why})" for n, why in report.skipped.items() if n != "lm_head"]
         run.say(f"converted: {str(report).splitlines()[0]}")
+        if run.args.fuse:
+            fused = cnn.fuse(model)
+            run.notes += [f"{recipe}: not fused: {n} ({why})" for n, why in fused.items() if why is not None]
+            run.say(f"fused: {sum(why is None for why in fused.values())} modules")
         variants.append(BM.Variant("ours", "bf16", model, list(report.converted), keep=True))
         if run.args.split:
             variants.append(BM.Variant(NOOP_EXPERTS, "bf16", noop_experts_model(model), [], keep=True))
@@ -548,9 +552,10 @@ def model_notes(run) -> str:
     args = run.args
     floor = _floor_text(run)
     how = "eager" if args.device == "cpu" else "a CUDA graph"
+    fused = " and cnn.fuse" if args.fuse else ""
     line = (f"{args.layers} Qwen3-30B-A3B-shaped layers{' (tiny config)' if args.tiny else ''}, random weights; ours: "
-            f"cnn.convert recipe {args.model_recipe}, LM head bf16; decode: {args.context} tokens in a static KV "
-            f"cache, the step run by {how}, median of {args.rounds} rounds of {args.reps}, the models in turns; "
+            f"cnn.convert recipe {args.model_recipe}{fused}, LM head bf16; decode: {args.context} tokens in a static "
+            f"KV cache, the step run by {how}, median of {args.rounds} rounds of {args.reps}, the models in turns; "
             f"prefill eager, no cache; logit rel err: last position against bf16; weight floor: every parameter and "
             f"buffer once, the step's embedding rows and of each layer's experts those hit, at {floor}")
     if args.split:
@@ -612,6 +617,8 @@ def parse_args(argv=None):
                    help="tokens already in the model's KV cache at decode (default 512)")
     p.add_argument("--split", action="store_true",
                    help="model decode: also time the step with every experts module a no-op (experts vs the rest)")
+    p.add_argument("--fuse", action="store_true",
+                   help="the model: ours after cnn.fuse (each attention's q/k/v as one GEMM)")
     p.add_argument("--rounds", type=positive_int, default=5, help="timing rounds, variants in turns (default 5)")
     p.add_argument("--reps", type=positive_int, default=5, help="model decode steps back to back per round (default 5)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

@@ -348,3 +348,16 @@ def test_tiny_model_split_on_the_cpu(tmp_path, monkeypatch, reference_ops):
         assert floor > 0 and ours["bound x bf16"] == pytest.approx(bf16["ms"] / (noop["ms"] + floor), rel=1e-2)
     got = json.loads((tmp_path / "moe_split_tiny.json").read_text())
     assert "row: decode batch 2: bound x bf16" in got["summary"] and "split: experts ms" in got["notes"]
+
+
+def test_tiny_model_fused_on_the_cpu(tmp_path, monkeypatch, reference_ops):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    built = []
+    real = cnn.fuse
+    monkeypatch.setattr(cnn, "fuse", lambda model: built.append(model) or real(model))
+    rows = B.main(TINY_MODEL + ["--prefill", "0", "--batches", "1", "--fuse", "--name", "moe_fused_tiny"],
+                  floors=FLOORS)["model"]
+    assert len(built) == 1 and isinstance(built[0].model.layers[0].self_attn.qkv_proj, cnn.QuantizedLinear)
+    cells = [dict(zip(B.MODEL_COLUMNS, row)) for row in rows]
+    assert [c["recipe"] for c in cells] == ["bf16", "row"] and 1e-4 < cells[1]["logit rel err"] < 0.5
+    assert "cnn.convert recipe row and cnn.fuse" in json.loads((tmp_path / "moe_fused_tiny.json").read_text())["notes"]
