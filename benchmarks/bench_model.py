@@ -57,7 +57,7 @@ from typing import NamedTuple
 import torch
 
 from cutedsl_gemm import nn as cnn
-from cutedsl_gemm.nn.gated_mlp import GATED_RECIPES
+from cutedsl_gemm.nn.stacked import STACKABLE_RECIPES
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.cli import positive_int
@@ -197,7 +197,7 @@ def build_recipe(run: Run, recipe: str) -> list:
                     run.notes.append(f"{recipe}: LM head not converted ({why})")
                 else:
                     by_head["converted"].append(Variant("ours", "converted", model, decoder + ["lm_head"]))
-            if "fused" in args.variants and recipe in GATED_RECIPES and (recipe, "fused") not in skip:
+            if "fused" in args.variants and recipe in STACKABLE_RECIPES and (recipe, "fused") not in skip:
                 what = f"{recipe}: fusing the MLPs"
                 for head in heads:
                     by_head[head] += [fused_variant(run, recipe, ours) for ours in by_head[head] if ours.name == "ours"]
@@ -461,7 +461,7 @@ def variant_counts(args, recipe: str) -> dict:
     has_torch = "torch" in args.variants and torch_path(recipe)[0] is not None
     return {"bf16": int("bf16" in args.variants), "torch": heads * has_torch,
             "ours": heads * ("ours" in args.variants),
-            "fused": heads * ("ours" in args.variants and "fused" in args.variants and recipe in GATED_RECIPES),
+            "fused": heads * ("ours" in args.variants and "fused" in args.variants and recipe in STACKABLE_RECIPES),
             NOOP: heads * bool(args.split)}
 
 

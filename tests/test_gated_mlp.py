@@ -189,3 +189,9 @@ def test_fused_model_saves_and_loads(tmp_path):
     cnn.fuse_gated_mlps(loaded)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, model(ids).logits)
+
+
+def test_every_stackable_recipe_has_its_gated_quantizer():
+    from cutedsl_gemm.nn import stacked
+
+    assert tuple(G.GATED_RECIPES) == stacked.STACKABLE_RECIPES

@@ -14,17 +14,14 @@ of the stacked buffers' parts) and loads them. Tensor parallelism takes the unfu
 
 from __future__ import annotations
 
-import inspect
 from typing import Optional
 
 import torch
 
 from .linear import QuantizedLinear
+from .stacked import bounds, forward_source, keep_saved_parts, stack, stacking_unsupported
 
-#: The recipes whose weight scales stack along N: per channel and DeepSeek's 128x128 blocks.
-QKV_RECIPES = ("row", "deepseek")
 PROJECTIONS = ("q_proj", "k_proj", "v_proj")
-_STACKED = ("weight", "weight_scale", "bias")
 
 
 class _SharedOutput:
@@ -61,104 +58,25 @@ class QKVSlice(torch.nn.Module):
         return f"columns {self.lo}:{self.hi} of qkv_proj"
 
 
-def _calls_each_once(module: torch.nn.Module) -> bool:
-    try:
-        source = inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return False
-    return all(source.count(f"self.{p}(hidden_states)") == 1 for p in PROJECTIONS)
-
-
 def qkv_unsupported(module: torch.nn.Module) -> Optional[str]:
     """Why ``module``'s q / k / v are not fused (None: they are)."""
     layers = [getattr(module, p, None) for p in PROJECTIONS]
     if not all(type(m) is QuantizedLinear for m in layers):
         return "its q_proj, k_proj and v_proj are not all QuantizedLinear (convert the model first)"
-    if not _calls_each_once(module):
+    source = forward_source(module)
+    if not all(source.count(f"self.{p}(hidden_states)") == 1 for p in PROJECTIONS):
         return f"{type(module).__name__}.forward does not call q_proj, k_proj and v_proj on hidden_states once each"
-    recipes = {m.recipe for m in layers}
-    if len(recipes) != 1 or layers[0].recipe not in QKV_RECIPES:
-        return (f"its projections run recipe(s) {', '.join(sorted(map(repr, recipes)))}; stacking takes "
-                f"{' or '.join(map(repr, QKV_RECIPES))}")
-    if len({m.in_features for m in layers}) != 1:
-        return "the projections take inputs of different sizes"
-    if len({m.bias is None for m in layers}) != 1:
-        return "some projections have a bias and some not"
-    if layers[0].recipe == "deepseek" and any(m.out_features % 128 for m in layers):
-        return "an output size is not a multiple of 128 (the 128x128 weight blocks)"
-    if any(getattr(m, "tp_shard", None) is not None for m in layers):
-        return "its projections are tensor-parallel shards"
-    if any(m._forward_hooks or m._forward_pre_hooks for m in layers):
-        return "a projection has forward hooks, which the stacked GEMM would not run"
-    return None
-
-
-def _cut(t: torch.Tensor, name: str, lo: int, hi: int, recipe: str) -> torch.Tensor:
-    """The part of a stacked buffer for output columns lo:hi (weight rows, bias entries, scale columns)."""
-    if name in ("weight", "bias"):
-        return t[lo:hi]
-    if recipe == "deepseek":
-        lo, hi = lo // 128, hi // 128
-    return t[..., lo:hi]
-
-
-def _stack(parts: list, name: str) -> torch.Tensor:
-    return torch.cat(parts, dim=0 if name in ("weight", "bias") else parts[0].dim() - 1)
-
-
-def _bounds(sizes) -> list:
-    edges = [0]
-    for n in sizes:
-        edges.append(edges[-1] + n)
-    return list(zip(edges[:-1], edges[1:]))
+    return stacking_unsupported(layers)
 
 
 def _fuse_one(module: torch.nn.Module) -> None:
     layers = [getattr(module, p) for p in PROJECTIONS]
-    first = layers[0]
-    bounds = _bounds(m.out_features for m in layers)
-    qkv = QuantizedLinear(first.in_features, bounds[-1][1], first.bias is not None, first.recipe, device="meta")
-    with torch.no_grad():
-        for name in _STACKED:
-            if getattr(first, name) is not None:
-                setattr(qkv, name, _stack([getattr(m, name) for m in layers], name))
-    shared = _SharedOutput(qkv)
-    module.qkv_proj = qkv
-    for p, (lo, hi) in zip(PROJECTIONS, bounds):
-        setattr(module, p, QKVSlice(shared, lo, hi, first.in_features))
-    module._qkv_bounds = bounds
-    module.register_state_dict_post_hook(_split_state)
-    module.register_load_state_dict_pre_hook(_join_state)
-
-
-def _split_state(module, state_dict, prefix, local_metadata) -> None:
-    """state_dict post-hook: ``qkv_proj.*`` as ``q_proj.*``, ``k_proj.*``, ``v_proj.*`` (views)."""
-    fused = prefix + "qkv_proj."
-    tag = state_dict.pop(fused + "_extra_state", None)
-    recipe = module.qkv_proj.recipe
-    for name in _STACKED:
-        t = state_dict.pop(fused + name, None)
-        if t is None:
-            continue
-        for p, (lo, hi) in zip(PROJECTIONS, module._qkv_bounds):
-            state_dict[f"{prefix}{p}.{name}"] = _cut(t, name, lo, hi, recipe)
-    if tag is not None:
-        for p in PROJECTIONS:  # a tensor of its own each (one tensor under three names reads as a tied weight)
-            state_dict[f"{prefix}{p}._extra_state"] = tag.clone()
-
-
-def _join_state(module, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-    """load_state_dict pre-hook: ``q_proj.*``, ``k_proj.*``, ``v_proj.*`` stacked into ``qkv_proj.*``."""
-    if not all(f"{prefix}{p}.weight" in state_dict for p in PROJECTIONS):
-        return
-    fused = prefix + "qkv_proj."
-    tags = [state_dict.pop(f"{prefix}{p}._extra_state", None) for p in PROJECTIONS]
-    for name in _STACKED:
-        keys = [f"{prefix}{p}.{name}" for p in PROJECTIONS]
-        if all(k in state_dict for k in keys):
-            state_dict[fused + name] = _stack([state_dict.pop(k) for k in keys], name)
-    if tags[0] is not None:
-        state_dict[fused + "_extra_state"] = tags[0]
+    columns = bounds(layers)
+    module.qkv_proj = stack(layers)
+    shared = _SharedOutput(module.qkv_proj)
+    for p, (lo, hi) in zip(PROJECTIONS, columns):
+        setattr(module, p, QKVSlice(shared, lo, hi, layers[0].in_features))
+    keep_saved_parts(module, "qkv_proj", PROJECTIONS, columns)
 
 
 def fuse_qkv(model: torch.nn.Module) -> dict:
