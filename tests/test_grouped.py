@@ -150,6 +150,20 @@ def test_tile_rows_follow_the_rows_per_group(layout, rows, e, tile_m):
     assert p.rows_per_group == -(-rows // e) and G.select(p).tile_m == tile_m
 
 
+@pytest.mark.parametrize("tiles_m, tiles_n", [(1, 224), (32, 224), (9, 3), (17, 5), (8, 1)])
+def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n):
+    """A group's units map onto its tiles one to one (banded_coords, as the kernel walks them), and the first
+    ``band * tiles_n`` units stay inside the first band's rows: a wave shares W tiles among a band's rows."""
+    from cutedsl_gemm.kernels.common.tile_scheduler import banded_coords
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import RASTER_GROUP_M as band
+
+    tiles = [tuple(int(v) for v in banded_coords(u, tiles_m, tiles_n, band)) for u in range(tiles_m * tiles_n)]
+    assert sorted(tiles) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
+    first = tiles[:min(band, tiles_m) * tiles_n]
+    assert {m for m, _ in first} == set(range(min(band, tiles_m)))
+    assert [m for m, _ in tiles[:min(band, tiles_m)]] == list(range(min(band, tiles_m)))  # M fastest
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_ptx_holds_wgmma_tma_and_group_reads(layout):

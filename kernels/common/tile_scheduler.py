@@ -23,6 +23,17 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
+def banded_coords(t, tiles_m, tiles_n, group_m: int):
+    """(m, n) of tile ``t`` of a tiles_m x tiles_n grid in the grouped order: bands of ``group_m`` rows (the last
+    band what is left), each walked M fastest, then along N."""
+    span = tiles_n * group_m
+    band = t // span
+    first_m = band * group_m
+    rows = cutlass.min(tiles_m - first_m, Int32(group_m))
+    r = t - band * span
+    return first_m + r % rows, r // rows
+
+
 class PersistentTileScheduler:
     """Maps a linear work index to (tile_m, tile_n, k_split) coordinates for one CTA.
 
@@ -66,14 +77,7 @@ class PersistentTileScheduler:
         close in time.
         """
         k_split = unit % self.split_k
-        t = unit // self.split_k
-        span = self.ctiles_n * self.group_m
-        group = t // span
-        first_m = group * self.group_m
-        rows = cutlass.min(self.ctiles_m - first_m, Int32(self.group_m))
-        r = t - group * span
-        cm = first_m + r % rows
-        cn = r // rows
+        cm, cn = banded_coords(unit // self.split_k, self.ctiles_m, self.ctiles_n, self.group_m)
         return (
             cm * self.cluster_m + cta_m_in_cluster,
             cn * self.cluster_n + cta_n_in_cluster,

@@ -33,10 +33,13 @@ The epilogue stores the scaled, converted fragment straight from registers with 
 only; two columns per 32-bit store where N is even): a TMA store would clip at the tensor's edge, not at the
 group's.
 
-Work units are (m tile of the concatenated groups, n tile), N fastest; every role walks the same units with a
-cursor over the groups that only moves forward (units grow along each CTA's walk), so a CTA loads each group size it
-passes once. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
-+ E)``; a CTA stops at the first unit past the last group.
+Work units are the tiles of the groups in turn: a group of g m tiles owns ``g * tiles_n`` consecutive units,
+walked in bands of ``RASTER_GROUP_M`` m tiles, M fastest within a band, as the dense scheduler does (a wave then
+shares each W tile among the band's rows: N fastest, a group of many rows and a wide N would read its expert's W
+from memory once per m tile). Every role walks the same units with a cursor over the groups that only moves
+forward (units grow along each CTA's walk), so a CTA loads each group size it passes once. The host launches
+``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m) + E)``; a CTA stops at the first
+unit past the last group.
 """
 
 from __future__ import annotations
@@ -52,12 +55,15 @@ from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
 from ..common.stage_release import ConsumerMainloop
+from ..common.tile_scheduler import banded_coords
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales
 from .gemm_plan import SM90_SMEM_CAPACITY, cutlass_dtype
 from .promoted_mainloops import PromotedMainloops
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
 GROUPED_RECIPES = ("tensor", "row", "1x128_128x128")
+# m tiles of a group walked before moving along N (the dense scheduler's band for one-CTA clusters)
+RASTER_GROUP_M = 8
 
 
 @dataclass(frozen=True)
@@ -242,10 +248,10 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
                 unit = cute.arch.block_idx()[0]
                 while unit < unit_bound:
-                    mg, tn = unit // tiles_n, unit % tiles_n
-                    e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
+                    e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
                     if e < experts:
-                        r0 = start + (mg - first_tile) * bM
+                        mt, tn = self._unit_tile(walk, unit, first_tile, rows)
+                        r0 = start + mt * bM
                         g = e if cutlass.const_expr(self.masked) else Int32(0)
                         gA = cute.local_tile(cute.domain_offset((r0, 0), mA[(None, None, g)]), (bM, bK), (0, None))
                         gB = cute.local_tile(mB[(None, None, e)], (bN, bK), (tn, None))
@@ -292,10 +298,9 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
             unit = cute.arch.block_idx()[0]
             while unit < unit_bound:
-                mg, tn = unit // tiles_n, unit % tiles_n
-                e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
+                e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
                 if e < experts:
-                    mt = mg - first_tile
+                    mt, tn = self._unit_tile(walk, unit, first_tile, rows)
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
                         scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, BLOCK_RECIPES[
@@ -316,16 +321,26 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         return Int32(0), Int32(0), start, rows
 
     @cute.jit
-    def _seek(self, walk, mg, e, first_tile, start, rows):
-        """Move the cursor forward to the group holding m tile ``mg`` of the concatenated groups (past the last:
-        ``e`` = E). Units only grow along a CTA's walk, so the cursor never moves back."""
-        mGroups, _, _, experts, limit = walk
+    def _seek(self, walk, unit, e, first_tile, start, rows):
+        """Move the cursor forward to the group holding work unit ``unit`` (past the last: ``e`` = E); a group's
+        units are those of its m tiles of the concatenated groups. Units only grow along a CTA's walk, so the
+        cursor never moves back."""
+        mGroups, tiles_n, _, experts, limit = walk
         bM = self.tile_shape_mnk[0]
+        mg = unit // tiles_n
         while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
             first_tile += (rows + bM - 1) // bM
             e += 1
             start, rows = self._group_rows(mGroups, e, experts, limit, start + rows)
         return e, first_tile, start, rows
+
+    @cute.jit
+    def _unit_tile(self, walk, unit, first_tile, rows):
+        """(m tile within its group, n tile) of work unit ``unit`` of the group the cursor is at: the group's units
+        in the banded order."""
+        tiles_n = walk[1]
+        bM = self.tile_shape_mnk[0]
+        return banded_coords(unit - first_tile * tiles_n, (rows + bM - 1) // bM, tiles_n, RASTER_GROUP_M)
 
     @cute.jit
     def _stage_scales_walk(self, walk, mainloop, mSA, mSB, slots, k_tiles):
@@ -339,10 +354,9 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         unit = cute.arch.block_idx()[0]
         lane = cute.arch.lane_idx()
         while unit < unit_bound:
-            mg, tn = unit // tiles_n, unit % tiles_n
-            e, first_tile, start, rows = self._seek(walk, mg, e, first_tile, start, rows)
+            e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
             if e < experts:
-                mt = mg - first_tile
+                mt, tn = self._unit_tile(walk, unit, first_tile, rows)
                 g = e if cutlass.const_expr(self.masked) else Int32(0)
                 sa = mSA[(None, None, g)]
                 # the unit's rows as a tensor of their own: row 0 is the tile's first, the extent the group's rest
