@@ -72,9 +72,9 @@ def our_call(a, b, sa, sb, offs=None, counts=None, tile=None):
         return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
     problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
     plan = G.plan(dataclasses.replace(G.select(problem), **tile), a.device.index)
-    ka, kb = G.kernel_scales(problem, sa, sb)
     out = torch.empty(problem.out_shape, dtype=torch.bfloat16, device=a.device)
-    return lambda: plan.run(a, b, out, ka, kb, offs if counts is None else counts)
+    groups = offs if counts is None else counts
+    return lambda: G.launch(problem, a, b, sa, sb, groups, out, prepared=plan)
 
 
 def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, floors, check, tile=None):

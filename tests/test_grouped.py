@@ -150,18 +150,30 @@ def test_tile_rows_follow_the_rows_per_group(layout, rows, e, tile_m):
     assert p.rows_per_group == -(-rows // e) and G.select(p).tile_m == tile_m
 
 
+@pytest.mark.parametrize("band", [1, 8])
 @pytest.mark.parametrize("tiles_m, tiles_n", [(1, 224), (32, 224), (9, 3), (17, 5), (8, 1)])
-def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n):
+def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n, band):
     """A group's units map onto its tiles one to one (banded_coords, as the kernel walks them), and the first
-    ``band * tiles_n`` units stay inside the first band's rows: a wave shares W tiles among a band's rows."""
+    ``band * tiles_n`` units stay inside the first band's rows: a wave shares W tiles among a band's rows (band 1:
+    N fastest)."""
     from cutedsl_gemm.kernels.common.tile_scheduler import banded_coords
-    from cutedsl_gemm.kernels.sm90.grouped_gemm import RASTER_GROUP_M as band
 
     tiles = [tuple(int(v) for v in banded_coords(u, tiles_m, tiles_n, band)) for u in range(tiles_m * tiles_n)]
     assert sorted(tiles) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
     first = tiles[:min(band, tiles_m) * tiles_n]
     assert {m for m, _ in first} == set(range(min(band, tiles_m)))
     assert [m for m, _ in tiles[:min(band, tiles_m)]] == list(range(min(band, tiles_m)))  # M fastest
+
+
+def test_bands_only_where_an_experts_weight_overflows_l2():
+    """N fastest (band 1) while one expert's W fits in L2; bands past it (Mixtral's gate_up, 112 MiB of e4m3)."""
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import RASTER_GROUP_M
+
+    l2 = 50 << 20
+    assert G.band_m(28672, 4096, "e4m3", l2) == RASTER_GROUP_M > 1
+    assert G.band_m(4096, 7168, "e4m3", l2) == 1  # DeepSeek-V3's gate_up, 28 MiB
+    assert G.band_m(4096, 7168, "e4m3", 16 << 20) == RASTER_GROUP_M  # the same weight, a smaller L2
+    assert G.band_m(1024, 1024, "e4m3", 1 << 20) == 1  # exactly L2's size still fits
 
 
 @pytest.mark.compile

@@ -173,13 +173,17 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64}}
 @pytest.mark.parametrize("recipe", ["row", "tensor", "deepseek"])
 @pytest.mark.parametrize("option", list(OPTIONS))
 @pytest.mark.parametrize("n", [256, 203])
-def test_kernel_options_match_reference(layout, recipe, option, n):
+@pytest.mark.parametrize("band", [1, 8])
+def test_kernel_options_match_reference(layout, recipe, option, n, band):
     """The table's instance, and built with the kernel option the grouped benchmark times (64-row tiles: one
-    consumer warp group), writes the same rows as the reference; N = 203 (odd) takes the epilogue's 16-bit stores,
-    the even N its paired ones."""
+    consumer warp group), writes the same rows as the reference, walking N fastest (band 1) and in bands of m tiles
+    (``band_m``'s two answers); N = 203 (odd) takes the epilogue's 16-bit stores, the even N its paired ones."""
     import dataclasses
 
     from cutedsl_gemm.families import sm90_grouped as G
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import RASTER_GROUP_M
+
+    assert band in (1, RASTER_GROUP_M)
 
     gen = torch.Generator(device="cuda").manual_seed(21 + n)
     e, k = 6, 512
@@ -196,7 +200,7 @@ def test_kernel_options_match_reference(layout, recipe, option, n):
     problem = G.describe(a, b, sa, sb, offs, kw.get("counts"), torch.bfloat16, None)
     plan = G.plan(dataclasses.replace(G.select(problem), **OPTIONS[option]), 0)
     out = torch.full(problem.out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
-    plan.run(a, b, out, *G.kernel_scales(problem, sa, sb), groups)
+    plan.run(a, b, out, *G.kernel_scales(problem, sa, sb), groups, band)
     torch.cuda.synchronize()
     ref = R.reference_grouped_mm(a, b, sa, sb, offs, recipe=recipe, out_dtype=torch.float64, **kw)
     written = ~torch.isnan(ref)

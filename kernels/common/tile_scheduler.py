@@ -23,9 +23,9 @@ def ceil_div(a, b):
     return (a + b - 1) // b
 
 
-def banded_coords(t, tiles_m, tiles_n, group_m: int):
-    """(m, n) of tile ``t`` of a tiles_m x tiles_n grid in the grouped order: bands of ``group_m`` rows (the last
-    band what is left), each walked M fastest, then along N."""
+def banded_coords(t, tiles_m, tiles_n, group_m):
+    """(m, n) of tile ``t`` of a tiles_m x tiles_n grid in the grouped order: bands of ``group_m`` rows (a Python
+    int or a run-time Int32; the last band what is left), each walked M fastest, then along N."""
     span = tiles_n * group_m
     band = t // span
     first_m = band * group_m

@@ -34,12 +34,13 @@ only; two columns per 32-bit store where N is even): a TMA store would clip at t
 group's.
 
 Work units are the tiles of the groups in turn: a group of g m tiles owns ``g * tiles_n`` consecutive units,
-walked in bands of ``RASTER_GROUP_M`` m tiles, M fastest within a band, as the dense scheduler does (a wave then
-shares each W tile among the band's rows: N fastest, a group of many rows and a wide N would read its expert's W
-from memory once per m tile). Every role walks the same units with a cursor over the groups that only moves
-forward (units grow along each CTA's walk), so a CTA loads each group size it passes once. The host launches
-``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m) + E)``; a CTA stops at the first
-unit past the last group.
+walked in bands of ``band_m`` m tiles (a run-time argument), M fastest within a band, as the dense scheduler does.
+``band_m`` 1 is N fastest: the wave's rows re-read their expert's W along N, from L2 while it fits there; past it
+(Mixtral's gate_up: 117 MB per expert) the host passes ``RASTER_GROUP_M``, so that a wave shares each W tile among
+the band's rows instead of reading W from memory once per m tile. Every role walks the same units with a cursor
+over the groups that only moves forward (units grow along each CTA's walk), so a CTA loads each group size it
+passes once. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
++ E)``; a CTA stops at the first unit past the last group.
 """
 
 from __future__ import annotations
@@ -62,7 +63,8 @@ from .promoted_mainloops import PromotedMainloops
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
 GROUPED_RECIPES = ("tensor", "row", "1x128_128x128")
-# m tiles of a group walked before moving along N (the dense scheduler's band for one-CTA clusters)
+# m tiles of a group walked before moving along N where its expert's W overflows L2 (the dense scheduler's band for
+# one-CTA clusters)
 RASTER_GROUP_M = 8
 
 
@@ -142,6 +144,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         mSB: cute.Tensor,  # "tensor": (E,); "row": (N, E); 128x128 blocks: (Nb, Kb, E)
         mGroups: cute.Tensor,  # (E,) int32: contiguous, cumulative end rows; masked, rows per expert
         max_ctas: Int32,  # persistent CTAs to launch (the SM count)
+        band_m: Int32,  # m tiles of a group walked before moving along N (1: N fastest)
         stream,
     ):
         a3, d3 = self._rows_k_groups(mA), self._rows_k_groups(mD)
@@ -172,7 +175,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         unit_bound = tiles_n * ((rows * a3.shape[2] + bM - 1) // bM + experts)
         grid = cutlass.max(cutlass.min(unit_bound, max_ctas), 1)
         self.kernel(tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, d3, mSA, mSB, mGroups, a_smem, b_smem,
-                    tiles_n, unit_bound).launch(
+                    tiles_n, unit_bound, band_m).launch(
             grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
             stream=stream)
 
@@ -203,7 +206,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
     # ---- device ---------------------------------------------------------------------------------
     @cute.kernel
     def kernel(self, tiled_mma, tiled_mma_fresh, tma_a, mA, tma_b, mB, mD, mSA, mSB, mGroups, a_smem, b_smem,
-               tiles_n, unit_bound):
+               tiles_n, unit_bound, band_m):
         bM, bN, bK = self.tile_shape_mnk
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -239,7 +242,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         if cutlass.const_expr(self.block_scaled):
             scale_slots = (storage.sSA.get_tensor(cute.make_layout((bM, self.stages))),
                            storage.sSB.get_tensor(cute.make_layout((bN, self.stages))))
-        walk = (mGroups, tiles_n, unit_bound, experts, limit)
+        walk = (mGroups, tiles_n, unit_bound, experts, limit, band_m)
 
         if wg_idx == 0:
             cute.arch.setmaxregister_decrease(self.producer_regs)
@@ -325,7 +328,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         """Move the cursor forward to the group holding work unit ``unit`` (past the last: ``e`` = E); a group's
         units are those of its m tiles of the concatenated groups. Units only grow along a CTA's walk, so the
         cursor never moves back."""
-        mGroups, tiles_n, _, experts, limit = walk
+        mGroups, tiles_n, _, experts, limit, _ = walk
         bM = self.tile_shape_mnk[0]
         mg = unit // tiles_n
         while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
@@ -338,16 +341,16 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
     def _unit_tile(self, walk, unit, first_tile, rows):
         """(m tile within its group, n tile) of work unit ``unit`` of the group the cursor is at: the group's units
         in the banded order."""
-        tiles_n = walk[1]
+        tiles_n, band_m = walk[1], walk[5]
         bM = self.tile_shape_mnk[0]
-        return banded_coords(unit - first_tile * tiles_n, (rows + bM - 1) // bM, tiles_n, RASTER_GROUP_M)
+        return banded_coords(unit - first_tile * tiles_n, (rows + bM - 1) // bM, tiles_n, band_m)
 
     @cute.jit
     def _stage_scales_walk(self, walk, mainloop, mSA, mSB, slots, k_tiles):
         """Warp 1 with block scales: the TMA warp's walk, staging each K tile's A scales (the unit's rows of its
         group, read no further than the group's end) and W scales (its expert's) into the stage
         (``block_scales.ScaleStaging``)."""
-        mGroups, tiles_n, unit_bound, experts, limit = walk
+        mGroups, tiles_n, unit_bound, experts, limit, _ = walk
         bM, bN, _ = self.tile_shape_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
