@@ -22,7 +22,7 @@ py=${PYTHON:-python}
 PIECES="floor bench-gemm bench-ops bench-sweep bench-decode bench-models bench-moe"
 
 run_tests() {
-  "$py" -m pytest -m gpu -q -p no:cacheprovider tests
+  "$py" -m pytest -m gpu -q -rs -p no:cacheprovider tests  # -rs: every skip with its reason
 }
 
 floor() {
