@@ -94,7 +94,8 @@ def test_tiny_run_end_to_end(tmp_path, monkeypatch, capsys):
     for way, c in cells.items():
         assert c["device"] == "cpu" and c["checkpoint GB"] > 0 and c["peak GPU MiB"] is None
         assert c["load s"] > 0 and c["import s"] > 0 and c["warm-up s"] > 0
-        assert c["peak host MiB"] > 0 and c["held MiB"] > 0
+        # (a tiny model's load can fit in heap memory the warm-up load freed: its peak above the base may be 0)
+        assert c["peak host MiB"] >= 0 and c["held MiB"] > 0
         assert c[B.RATIO] == pytest.approx(base / c["load s"], abs=1e-3)
         assert way in out
     assert cells[B.HF_CONVERT][B.RATIO] == 1
