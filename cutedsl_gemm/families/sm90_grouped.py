@@ -235,6 +235,7 @@ def entry(inst: M.KernelInstance):
                                      make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
+@functools.lru_cache(maxsize=None)  # per call on the launch path: a lookup, not the format and kernel imports
 def band_m(n: int, k: int, b_format: str, l2_bytes: int) -> int:
     """m tiles of a group the kernel walks before moving along N: N fastest (1) while one expert's W (N x K) fits
     in L2, where the rows of a wave re-read it along N from there; past it bands of ``RASTER_GROUP_M``, so that a
@@ -264,11 +265,10 @@ class GroupedPlan(NamedTuple):
 def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
     """Compile (once) and size the persistent grid of ``inst`` on GPU ``device_index``: as many CTAs as the GPU
     holds at once (one per SM), as the dense plans size theirs."""
-    from cutedsl_gemm.runtime.device import launch_clusters
+    from cutedsl_gemm.runtime.device import l2_bytes, launch_clusters
     from cutedsl_gemm.runtime.resources import compiled
 
-    return GroupedPlan(compiled(inst), launch_clusters(device_index, inst),
-                       torch.cuda.get_device_properties(device_index).L2_cache_size)
+    return GroupedPlan(compiled(inst), launch_clusters(device_index, inst), l2_bytes(device_index))
 
 
 def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor],

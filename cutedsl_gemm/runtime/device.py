@@ -1,5 +1,5 @@
-"""What the runtime needs to know about a GPU: its arch string, SM count and how many clusters fit (and so the
-persistent grid of an instance: ``launch_clusters``, which dispatch reads too)."""
+"""What the runtime needs to know about a GPU: its arch string, SM count, L2 size and how many clusters fit (and so
+the persistent grid of an instance: ``launch_clusters``, which dispatch reads too)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,12 @@ def device_info(index: int):
     props = torch.cuda.get_device_properties(index)
     arch = f"sm_{props.major}{props.minor}a" if props.major >= 9 else f"sm_{props.major}{props.minor}"
     return arch, props.multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def l2_bytes(index: int) -> int:
+    """The L2 cache of CUDA device ``index`` in bytes."""
+    return torch.cuda.get_device_properties(index).L2_cache_size
 
 
 @functools.lru_cache(maxsize=None)
