@@ -38,8 +38,9 @@ walked in bands of ``band_m`` m tiles (a run-time argument), M fastest within a 
 ``band_m`` 1 is N fastest: the wave's rows re-read their expert's W along N, from L2 while it fits there; past it
 (Mixtral's gate_up: 117 MB per expert) the host passes ``RASTER_GROUP_M``, so that a wave shares each W tile among
 the band's rows instead of reading W from memory once per m tile. Every role walks the same units with a cursor
-over the groups that only moves forward (units grow along each CTA's walk), so a CTA loads each group size it
-passes once. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
+over the groups that only moves forward (units grow along each CTA's walk); each warp moves it 32 groups per load
+(a lane per group size, a prefix sum and a ballot), so passing the empty groups of a decode step costs no chain of
+dependent loads. The host launches ``min(SMs, units bound)`` CTAs with the bound ``tiles_n * (ceil(rows / tile_m)
 + E)``; a CTA stops at the first unit past the last group.
 """
 
@@ -193,15 +194,22 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
 
     # ---- the group walk -----------------------------------------------------------------------
     @cute.jit
-    def _group_rows(self, mGroups: cute.Tensor, e, experts, limit, start):
-        """(first row, rows) of group ``e``, 0 rows past the last group; contiguous groups start at ``start``, the
-        previous group's end. Ill-formed sizes are clamped so that no launch reads or writes outside its tensors or
-        writes a row twice: ends into [``start``, ``limit``] (A's rows; masked: counts into [0, C]), so a
-        decreasing end offset gives an empty group and offsets past the rows end there."""
-        end = cutlass.max(cutlass.min(mGroups[cutlass.min(e, experts - 1)], limit), Int32(0))
+    def _chunk_rows(self, mGroups, g, experts, limit, start):
+        """Lane l's (rows, end row) of group ``g``, the chunk's first group + l; 0 rows past the last group. Contiguous
+        groups start where the previous one ended (the chunk's first at ``start``): the ends are made
+        non-decreasing by a running maximum over the lanes. Ill-formed sizes are clamped so that no launch reads
+        or writes outside its tensors or writes a row twice: ends into [the previous end, ``limit``] (A's rows;
+        masked: counts into [0, C]), so a decreasing end offset gives an empty group and offsets past the rows
+        end there."""
+        raw = cutlass.max(cutlass.min(mGroups[cutlass.min(g, experts - 1)], limit), Int32(0))
         if cutlass.const_expr(self.masked):
-            return Int32(0), cutlass.select_(e < experts, end, Int32(0))
-        return start, cutlass.select_(e < experts, cutlass.max(end - start, Int32(0)), Int32(0))
+            count = cutlass.select_(g < experts, raw, Int32(0))
+            return count, count  # (every masked group starts at its row 0)
+        end = cutlass.select_(g < experts, cutlass.max(raw, start), start)
+        for d in cutlass.range_constexpr(5):  # inclusive running maximum (a lane below 2^d keeps its own)
+            end = cutlass.max(end, cute.arch.shuffle_sync_up(end, 1 << d, mask_and_clamp=0))
+        before = cute.arch.shuffle_sync_up(end, 1, mask_and_clamp=0)
+        return end - cutlass.select_(cute.arch.lane_idx() == 0, start, before), end
 
     # ---- device ---------------------------------------------------------------------------------
     @cute.kernel
@@ -319,22 +327,45 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
 
     @cute.jit
     def _first_group(self, mGroups, experts, limit):
-        """The walk's cursor at group 0: (group, its first m tile, its first row, its rows)."""
-        start, rows = self._group_rows(mGroups, Int32(0), experts, limit, Int32(0))
-        return Int32(0), Int32(0), start, rows
+        """The walk's cursor before group 0: (group, its first m tile, its first row, its rows)."""
+        return Int32(-1), Int32(0), Int32(0), Int32(0)
 
     @cute.jit
     def _seek(self, walk, unit, e, first_tile, start, rows):
         """Move the cursor forward to the group holding work unit ``unit`` (past the last: ``e`` = E); a group's
         units are those of its m tiles of the concatenated groups. Units only grow along a CTA's walk, so the
-        cursor never moves back."""
+        cursor never moves back. The calling warp's lanes walk together, each reading one group size of the next
+        32: one coalesced load where a group at a time would make a dependent load per group passed (at decode a
+        CTA's next unit lies ~10 groups on). A prefix sum over the lanes gives the groups' first m tiles and a
+        ballot the group that holds the unit."""
         mGroups, tiles_n, _, experts, limit, _ = walk
         bM = self.tile_shape_mnk[0]
         mg = unit // tiles_n
-        while (e < experts) & (mg >= first_tile + (rows + bM - 1) // bM):
-            first_tile += (rows + bM - 1) // bM
-            e += 1
-            start, rows = self._group_rows(mGroups, e, experts, limit, start + rows)
+        lane = cute.arch.lane_idx()
+        base_e, base_tile, base_start = e + 1, first_tile + (rows + bM - 1) // bM, start + rows
+        searching = (e < experts) & (mg >= base_tile)
+        while searching:
+            g_rows, g_end = self._chunk_rows(mGroups, base_e + lane, experts, limit, base_start)
+            tiles = (g_rows + bM - 1) // bM
+            incl = tiles
+            for d in cutlass.range_constexpr(5):  # inclusive prefix sum of the lanes' m tiles
+                up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
+                incl = incl + cutlass.select_(lane >= (1 << d), up, Int32(0))
+            hits = cute.arch.vote_ballot_sync(base_tile + incl > mg)
+            if hits != 0:
+                first = cute.arch.popc((hits & -hits) - 1)  # the lowest lane whose group reaches past mg
+                e = base_e + first
+                first_tile = base_tile + cute.arch.shuffle_sync(incl - tiles, first)
+                rows = cute.arch.shuffle_sync(g_rows, first)
+                start = cute.arch.shuffle_sync(g_end - g_rows, first)
+                searching = False
+            elif base_e + 32 >= experts:
+                e = experts
+                searching = False
+            else:
+                base_e += 32
+                base_tile += cute.arch.shuffle_sync(incl, 31)
+                base_start = cute.arch.shuffle_sync(g_end, 31)
         return e, first_tile, start, rows
 
     @cute.jit
