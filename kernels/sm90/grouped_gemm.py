@@ -16,7 +16,9 @@ W is (E, N, K) K-major, seen as torch's (E, K, N) ``b``. Recipes: "tensor" (scal
 a scale per A row and 128-deep K block, one per 128x128 block of each expert's W), applied per K tile as the
 dense kernel's block-scaled recipes do (``block_scales.py``: staged in the stage, read by the consumers before the
 K tile's MMAs, applied in the promotion). Each 128-deep K tile accumulates into a fresh fragment promoted into the
-fp32 accumulator (``promoted_mainloops.py``).
+fp32 accumulator (``promoted_mainloops.py``): two fragments alternating, except in the row-wise recipe's 64-row
+tile, which promotes each K tile before issuing the next and holds instead the unit's row and column scales,
+loaded as the unit starts so that their latency passes under its main loop.
 
 | warp role | threads | registers | work |
 |---|---|---|---|
@@ -131,6 +133,13 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         self.stages = cfg.stages or max_stages(cfg)
         self.masked = cfg.layout == "masked"
         self.block_scaled = cfg.recipe in BLOCK_RECIPES
+        # Row-wise scales of a 64-row tile are loaded as its unit starts, into registers of their own (one warp
+        # group has the room), so that their latency passes under the main loop instead of before the stores.
+        self.prefetch_row_scales = cfg.recipe == "row" and cfg.tile_m == 64
+        # ... where they take the second promotion fragment's registers: that tile promotes each K tile before
+        # issuing the next (its rows are few, its time the W bytes').
+        self._consumer_mainloop = (self._mainloop_promoted_serial if self.prefetch_row_scales
+                                   else self._mainloop_promoted)
         # SharedStorage: the stages' barriers, then A's and W's stages, each 1024-byte aligned, then the scale slots
         self.smem_bytes = 1024 + self.stages * stage_bytes(cfg)
 
@@ -300,6 +309,10 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             scale_regs = None
             if cutlass.const_expr(self.block_scaled):
                 scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(2))
+            # (the row and column scale of each element; by default the promotion fragments, dead by the epilogue)
+            row_scales = temps
+            if cutlass.const_expr(self.prefetch_row_scales):
+                row_scales = tuple(cute.make_rmem_tensor(tile_coords.shape, Float32) for _ in range(2))
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mmas = (tiled_mma_fresh, tiled_mma)
@@ -312,15 +325,19 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
                 if e < experts:
                     mt, tn = self._unit_tile(walk, unit, first_tile, rows)
+                    g = e if cutlass.const_expr(self.masked) else Int32(0)
+                    unit_rows = (start + mt * bM, rows - mt * bM, tn * bN)  # first row, rows to store, first column
+                    if cutlass.const_expr(self.prefetch_row_scales):
+                        self._load_row_scales(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
                         scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, BLOCK_RECIPES[
                             self.cfg.recipe], (bM, bN))
-                    read_state, release_state = self._mainloop_promoted(
+                    read_state, release_state = self._consumer_mainloop(
                         mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, scales)
-                    g = e if cutlass.const_expr(self.masked) else Int32(0)
-                    self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, start + mt * bM, rows - mt * bM,
-                                     tn * bN, n, temps[0])
+                    if cutlass.const_expr(self.cfg.recipe == "row" and not self.prefetch_row_scales):
+                        self._load_row_scales(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
+                    self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, unit_rows, n, row_scales)
                     unit += cute.arch.grid_dim()[0]
                 else:
                     unit = unit_bound
@@ -406,20 +423,31 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 unit = unit_bound
 
     @cute.jit
-    def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, r0, valid_rows, c0, n, scratch):
-        """Scale the tile in fp32 and store the rows of its group (``valid_rows`` from ``r0``; columns below N).
-        Row-wise scales are all loaded into ``scratch`` (a dead promotion fragment) before the first store: loads
-        after a store to memory that may alias wait for it, one load latency per element."""
+    def _load_row_scales(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        """Row-wise recipe: each fragment element's row scale into ``dst[0]`` and column scale into ``dst[1]``, all
+        before the first store (loads after a store to memory that may alias wait for it). A thread's elements
+        share 2 rows and 16 column pairs: the repeated loads fold into one each."""
+        r0, valid_rows, c0 = unit_rows
+        # (indices clamped into the group's rows and N, not predicated: the fragments stay in registers)
+        for i in cutlass.range(cute.size(dst[0]), unroll_full=True):
+            m, c = tile_coords[i]
+            dst[0][i] = Float32(mSA[r0 + cutlass.min(m, valid_rows - 1), g])
+            dst[1][i] = Float32(mSB[cutlass.min(c0 + c, n - 1), e])
+
+    @cute.jit
+    def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, unit_rows, n, row_scales):
+        """Scale the tile in fp32 and store the rows of its group (``unit_rows``: its first row, the rows to store,
+        its first column; columns below N). Row-wise, ``row_scales`` holds each element's row and column scales
+        (``_load_row_scales``); their products go into ``row_scales[0]``."""
+        r0, valid_rows, c0 = unit_rows
         gD = mD[(None, None, g)]
         alpha = Float32(1.0)
         if cutlass.const_expr(self.cfg.recipe == "tensor"):
             alpha = Float32(mSA[0]) * Float32(mSB[e])
+        scratch = row_scales[0]
         if cutlass.const_expr(self.cfg.recipe == "row"):
-            # (indices clamped into the group's rows and N, not predicated: the fragment stays in registers)
             for i in cutlass.range(cute.size(acc), unroll_full=True):
-                m, c = tile_coords[i]
-                row, col = r0 + cutlass.min(m, valid_rows - 1), cutlass.min(c0 + c, n - 1)
-                scratch[i] = Float32(mSA[row, g]) * Float32(mSB[col, e])
+                scratch[i] = scratch[i] * row_scales[1][i]
         # Fragment elements 2j and 2j + 1 are columns c and c + 1 of one row (tests/test_grouped.py): one 32-bit
         # store for both where the row starts 4-byte aligned (N even) and both columns are below N.
         paired = n % 2 == 0
