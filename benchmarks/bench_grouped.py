@@ -6,6 +6,8 @@ and a loop of this library's dense ``scaled_mm`` over the experts, in the same r
     python -m benchmarks.bench_grouped --models dsv3,mixtral --tokens 64,4096 --routing uniform --layouts contiguous
     python -m benchmarks.bench_grouped --tile-m 64 --name grouped_t64      (the table's instances with 64-row tiles)
     python -m benchmarks.bench_grouped --tile-n 64 --check --no-save       (64-column tiles, checked)
+    python -m benchmarks.bench_grouped --tile-m 64 --early-row-scales off --no-save
+                                        (the row-wise 64-row tiles loading their scales after the main loop)
 
 Per model, both expert GEMMs of its MoE layer: gate_up (N = 2I, K = H) and down (N = H, K = I). ``--tokens`` are
 the tokens routed (each to top-k experts, so T * k rows in all); routing "uniform" draws each token's k distinct
@@ -66,8 +68,9 @@ def _weights(experts, n, k, gen):
 
 
 def our_call(a, b, sa, sb, offs=None, counts=None, tile=None):
-    """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` ({"tile_m": rows, "tile_n": columns}, either) the
-    table's instance for it built with that tile (a kernel option timed against the table's)."""
+    """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` ({"tile_m": rows, "tile_n": columns,
+    "early_row_scales": on}, any of them) the table's instance for it built so (a kernel option timed against the
+    table's)."""
     if not tile:
         return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
     problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
@@ -142,6 +145,9 @@ def main(argv=None):
                    help="rows a tile of the table's pick (a kernel option; default: the table's)")
     p.add_argument("--tile-n", type=int, default=None, choices=(32, 64, 128),
                    help="columns a tile of the table's pick (a kernel option; default: the table's)")
+    p.add_argument("--early-row-scales", choices=("on", "off"), default=None,
+                   help="a 64-row tile's row-wise scales loaded as each unit starts, or after its main loop (a "
+                        "kernel option; default: the table's, as each unit starts)")
     common.add_result_options(p, "grouped")
     args = p.parse_args(argv)
     models = args.models.split(",")
@@ -152,7 +158,9 @@ def main(argv=None):
     floors = common.measured_floors()
     gen = torch.Generator(device="cuda").manual_seed(0)
     cpu_gen = torch.Generator().manual_seed(0)
-    tile = {k: v for k, v in (("tile_m", args.tile_m), ("tile_n", args.tile_n)) if v is not None}
+    early = None if args.early_row_scales is None else args.early_row_scales == "on"
+    tile = {k: v for k, v in (("tile_m", args.tile_m), ("tile_n", args.tile_n), ("early_row_scales", early))
+            if v is not None}
     print(" | ".join(COLUMNS))
     rows = []
     for model in models:

@@ -84,7 +84,7 @@ def test_family_checks_name_the_broken_rule():
 
 def test_resources_are_the_kernel_objects():
     from cutedsl_gemm.kernels.sm90.fp8_gemm import Sm90Fp8Gemm
-    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm, max_stages, stage_bytes
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import grouped_kernel, max_stages, stage_bytes
     from cutedsl_gemm.kernels.sm90.weight_only_gemm import Sm90WeightOnlyGemm, WeightOnlyPlan
     from cutedsl_gemm.tools.ptx_inspect import kernel_resources
 
@@ -98,9 +98,10 @@ def test_resources_are_the_kernel_objects():
         stages = WeightOnlyPlan.max_stages(cfg)
         assert kernel_resources(inst) == (kernel.smem_bytes, kernel.stages) == (WeightOnlyPlan.smem_usage(cfg, stages),
                                                                                 stages)
-    for inst in (_first(op=M.GROUPED_GEMM, recipe="row"), _first(op=M.GROUPED_GEMM, recipe="1x128_128x128")):
+    for inst in (_first(op=M.GROUPED_GEMM, recipe="row"), _first(op=M.GROUPED_GEMM, recipe="1x128_128x128"),
+                 _first(op=M.GROUPED_GEMM, early_row_scales=True)):
         cfg = M.grouped_config(inst)
-        kernel = Sm90GroupedFp8Gemm(cfg)
+        kernel = grouped_kernel(cfg)
         assert kernel_resources(inst) == (kernel.smem_bytes, kernel.stages) == (
             1024 + max_stages(cfg) * stage_bytes(cfg), max_stages(cfg))
 
@@ -129,7 +130,8 @@ def test_entries_are_the_kernels_with_their_fake_arguments():
              (_first(op=M.QUANT_GEMM), "Sm90Fp8Gemm", "__call__"),
              (_first(op=M.GEMM_FP8_OUT), "Sm90Fp8Gemm", "call_fp8_out"),
              (_first(op=M.WEIGHT_ONLY), "Sm90WeightOnlyGemm", "__call__"),
-             (_first(op=M.GROUPED_GEMM), "Sm90GroupedFp8Gemm", "__call__"),
+             (_first(op=M.GROUPED_GEMM, early_row_scales=False), "Sm90GroupedFp8Gemm", "__call__"),
+             (_first(op=M.GROUPED_GEMM, early_row_scales=True), "Sm90GroupedFp8GemmEarlyRowScales", "__call__"),
              (_first(arch=M.SM100, recipe="tensor"), "Sm100F8F6F4Gemm", "__call__"),
              (_first(arch=M.SM100, recipe="mx"), "Sm100F8F6F4Gemm", "call_block_scaled"))
     for inst, cls, method in cases:

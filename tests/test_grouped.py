@@ -57,6 +57,25 @@ def test_describe_reads_layout_and_recipe(layout, recipe):
         assert tuple(sb.shape) == (2, 4, 4) and sb.stride() == (1, 2, 8)
 
 
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
+def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
+    """Up to 64 rows per group the row-wise recipe's tile loads its scales as each unit starts, at any K; the other
+    recipes and the 128-row tile load them (or their block scales) as before, and the kernel refuses early row
+    scales anywhere else."""
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
+
+    e = 8
+    for rows, k in ((1, 768), (16, 2048), (64, 7168), (65, 768), (300, 7168)):
+        shape_rows = rows * e if layout == "contiguous" else rows
+        inst = G.select(_describe(_call(layout, recipe, e=e, rows=shape_rows, k=k)))
+        assert inst.tile_m == (64 if rows <= 64 else 128), (rows, k)
+        assert inst.early_row_scales == (rows <= 64 and recipe == "row"), (rows, k, inst.name)
+        assert G.config(inst).early_row_scales == inst.early_row_scales
+    with pytest.raises(ValueError, match="early row scales are for the row-wise recipe's 64-row tile"):
+        Sm90GroupedGemmConfig(recipe=recipe, tile_m=64 if recipe != "row" else 128, early_row_scales=True).check()
+
 BAD = [
     ({"b": torch.empty(4, 256, 512, dtype=FP8, device="meta")}, "K contiguous"),
     ({"a": torch.empty(300, 512, dtype=torch.bfloat16, device="meta")}, "a must be float8_e4m3fn"),

@@ -180,7 +180,7 @@ def config(inst: M.KernelInstance):
         raise ValueError("grouped GEMM rows are unclustered, unswapped, promoted, 128-deep K tiles without bias")
     return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
                                  b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
-                                 tile_n=inst.tile_n, stages=inst.stages)
+                                 tile_n=inst.tile_n, stages=inst.stages, early_row_scales=inst.early_row_scales)
 
 
 def check(inst: M.KernelInstance) -> None:
@@ -191,9 +191,9 @@ def check(inst: M.KernelInstance) -> None:
 
 def resources(inst: M.KernelInstance) -> tuple[int, int]:
     """(dynamic shared memory bytes, mainloop stages) of the instance's kernel, as its plan sets them."""
-    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import grouped_kernel
 
-    kernel = Sm90GroupedFp8Gemm(config(inst))
+    kernel = grouped_kernel(config(inst))
     return kernel.smem_bytes, kernel.stages
 
 
@@ -204,7 +204,7 @@ def entry(inst: M.KernelInstance):
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream, make_fake_tensor
 
     from cutedsl_gemm.kernels.sm90.gemm_plan import cutlass_dtype
-    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8Gemm
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import grouped_kernel
 
     cfg = config(inst)
     e, rows, n, k = cute.sym_int(), cute.sym_int(), cute.sym_int(), cute.sym_int(divisibility=16)
@@ -231,7 +231,7 @@ def entry(inst: M.KernelInstance):
         sa = make_fake_compact_tensor(cutlass.Float32, sa_rows, stride_order=(0, 1), assumed_align=4)
         sb = make_fake_compact_tensor(cutlass.Float32, (n, e), stride_order=(0, 1), assumed_align=4)
     groups = make_fake_compact_tensor(cutlass.Int32, (e,), assumed_align=4)
-    return Sm90GroupedFp8Gemm(cfg), (a, b, d, sa, sb, groups, cutlass.Int32(1), cutlass.Int32(1),
+    return grouped_kernel(cfg), (a, b, d, sa, sb, groups, cutlass.Int32(1), cutlass.Int32(1),
                                      make_fake_stream(use_tvm_ffi_env_stream=True))
 
 

@@ -81,6 +81,8 @@ class KernelInstance:
     ctas_per_sm: int = 1
     # Output slice buffers of the epilogue (Sm90GemmConfig.epi_stages); 0 (every table row): as many as fit.
     epi_stages: int = 0
+    # Grouped row-wise 64-row tiles: the unit's scales loaded as it starts (Sm90GroupedGemmConfig.early_row_scales).
+    early_row_scales: bool = False
 
     @property
     def name(self) -> str:
@@ -88,6 +90,7 @@ class KernelInstance:
         extra = ("_swapab" if self.swap_ab else "") + (f"_k{self.tile_k}" if self.tile_k != 128 else "")
         extra += f"_{self.ctas_per_sm}persm" if self.ctas_per_sm != 1 else ""
         extra += f"_epi{self.epi_stages}" if self.epi_stages else ""
+        extra += "_earlyscales" if self.early_row_scales else ""
         # (before the tile, so that no instance's name is a substring of another's: name filters stay exact)
         wave = "_lastwave" if self.split_tail else ""
         return (
@@ -430,13 +433,18 @@ TABLE: Tuple[TileConfig, ...] = (
     # per-tensor, row-wise and DeepSeek-V3 block scales, promoted accumulation, bf16 / fp16 out. M ranges are rows
     # per group (families.sm90_grouped.GroupedProblem.rows_per_group): up to 64, 64-row tiles waste fewer rows of
     # each expert's last tile (1.2-1.3x at 2-32 rows per expert), from 128 rows per expert 128-row tiles read each
-    # weight tile half as often (1.16-1.4x).
+    # weight tile half as often (1.16-1.4x). The row-wise 64-row tile loads its scales as each unit starts
+    # (docs/design.md: 1.01x geomean over 48 MoE GEMMs; no rule by K held across two runs).
     *(
-        TileConfig(SM90, GROUPED_GEMM, layout, ("tensor", "row", "1x128_128x128"), tm, 128, accum="promoted",
-                   m_min=lo, m_max=hi, ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"),
+        TileConfig(SM90, GROUPED_GEMM, layout, recipes, tm, 128, accum="promoted", m_min=lo, m_max=hi,
+                   early_row_scales=early, ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"),
                    bias_kinds=(None,))
         for layout in ("contiguous", "masked")
-        for tm, lo, hi in ((64, 1, 64), (128, 65, 1 << 31))
+        for recipes, tm, lo, hi, early in (
+            (("row",), 64, 1, 64, True),
+            (("tensor", "1x128_128x128"), 64, 1, 64, False),
+            (("tensor", "row", "1x128_128x128"), 128, 65, 1 << 31, False),
+        )
     ),
     # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the
     # operand formats are run-time values, so one kernel serves every f8f6f4 pair (operand class F8F6F4), per

@@ -17,8 +17,9 @@ a scale per A row and 128-deep K block, one per 128x128 block of each expert's W
 dense kernel's block-scaled recipes do (``block_scales.py``: staged in the stage, read by the consumers before the
 K tile's MMAs, applied in the promotion). Each 128-deep K tile accumulates into a fresh fragment promoted into the
 fp32 accumulator (``promoted_mainloops.py``): two fragments alternating, except in the row-wise recipe's 64-row
-tile, which promotes each K tile before issuing the next and holds instead the unit's row and column scales,
-loaded as the unit starts so that their latency passes under its main loop.
+tile (``Sm90GroupedFp8GemmEarlyRowScales``), which promotes each K tile before issuing the next and
+holds instead the unit's row and column scales, loaded as the unit starts so that their latency passes under its
+main loop.
 
 | warp role | threads | registers | work |
 |---|---|---|---|
@@ -83,6 +84,8 @@ class Sm90GroupedGemmConfig:
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 0  # 0: as many as shared memory allows
+    # Row-wise 64-row tiles: the unit's scales loaded as it starts (Sm90GroupedFp8GemmEarlyRowScales)
+    early_row_scales: bool = False
 
     def check(self) -> None:
         """Raise ValueError for a configuration the kernel cannot build."""
@@ -97,6 +100,9 @@ class Sm90GroupedGemmConfig:
         if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
             raise ValueError(f"grouped GEMM tile {self.tile_m}x{self.tile_n}: tile_m 64 or 128, tile_n a multiple "
                              "of 16 up to 128")
+        if self.early_row_scales and (self.recipe != "row" or self.tile_m != 64):
+            raise ValueError(f"early row scales are for the row-wise recipe's 64-row tile, not {self.recipe} "
+                             f"{self.tile_m}x{self.tile_n}")
         if self.stages and self.stages > max_stages(self):
             raise ValueError(f"{self.stages} stages of {stage_bytes(self)} bytes exceed shared memory")
 
@@ -133,13 +139,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         self.stages = cfg.stages or max_stages(cfg)
         self.masked = cfg.layout == "masked"
         self.block_scaled = cfg.recipe in BLOCK_RECIPES
-        # Row-wise scales of a 64-row tile are loaded as its unit starts, into registers of their own (one warp
-        # group has the room), so that their latency passes under the main loop instead of before the stores.
-        self.prefetch_row_scales = cfg.recipe == "row" and cfg.tile_m == 64
-        # ... where they take the second promotion fragment's registers: that tile promotes each K tile before
-        # issuing the next (its rows are few, its time the W bytes').
-        self._consumer_mainloop = (self._mainloop_promoted_serial if self.prefetch_row_scales
-                                   else self._mainloop_promoted)
+        self._consumer_mainloop = self._mainloop_promoted
         # SharedStorage: the stages' barriers, then A's and W's stages, each 1024-byte aligned, then the scale slots
         self.smem_bytes = 1024 + self.stages * stage_bytes(cfg)
 
@@ -265,7 +265,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-                e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
+                e, first_tile, start, rows = self._first_group()
                 unit = cute.arch.block_idx()[0]
                 while unit < unit_bound:
                     e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
@@ -309,17 +309,14 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             scale_regs = None
             if cutlass.const_expr(self.block_scaled):
                 scale_regs = tuple(cute.make_rmem_tensor(cute.make_layout(SCALE_REGS), Float32) for _ in range(2))
-            # (the row and column scale of each element; by default the promotion fragments, dead by the epilogue)
-            row_scales = temps
-            if cutlass.const_expr(self.prefetch_row_scales):
-                row_scales = tuple(cute.make_rmem_tensor(tile_coords.shape, Float32) for _ in range(2))
+            row_scales = self._row_scale_regs(temps, tile_coords.shape)
             tiled_mma.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, True)
             tiled_mma_fresh.set(cute.nvgpu.warpgroup.Field.ACCUMULATE, False)
             mmas = (tiled_mma_fresh, tiled_mma)
             read_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             n = mD.shape[1]
-            e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
+            e, first_tile, start, rows = self._first_group()
             unit = cute.arch.block_idx()[0]
             while unit < unit_bound:
                 e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
@@ -327,23 +324,21 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                     mt, tn = self._unit_tile(walk, unit, first_tile, rows)
                     g = e if cutlass.const_expr(self.masked) else Int32(0)
                     unit_rows = (start + mt * bM, rows - mt * bM, tn * bN)  # first row, rows to store, first column
-                    if cutlass.const_expr(self.prefetch_row_scales):
-                        self._load_row_scales(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
+                    self._scales_at_unit_start(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
                         scales = TileScales(scale_slots, tile_coords, tn * bN, scale_regs, BLOCK_RECIPES[
                             self.cfg.recipe], (bM, bN))
                     read_state, release_state = self._consumer_mainloop(
                         mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, scales)
-                    if cutlass.const_expr(self.cfg.recipe == "row" and not self.prefetch_row_scales):
-                        self._load_row_scales(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
+                    self._scales_after_mainloop(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
                     self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, unit_rows, n, row_scales)
                     unit += cute.arch.grid_dim()[0]
                 else:
                     unit = unit_bound
 
     @cute.jit
-    def _first_group(self, mGroups, experts, limit):
+    def _first_group(self):
         """The walk's cursor before group 0: (group, its first m tile, its first row, its rows)."""
         return Int32(-1), Int32(0), Int32(0), Int32(0)
 
@@ -401,7 +396,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         mGroups, tiles_n, unit_bound, experts, limit, _ = walk
         bM, bN, _ = self.tile_shape_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-        e, first_tile, start, rows = self._first_group(mGroups, experts, limit)
+        e, first_tile, start, rows = self._first_group()
         unit = cute.arch.block_idx()[0]
         lane = cute.arch.lane_idx()
         while unit < unit_bound:
@@ -421,6 +416,19 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 unit += cute.arch.grid_dim()[0]
             else:
                 unit = unit_bound
+
+    # ---- the row-wise recipe's scales: hooks (Sm90GroupedFp8GemmEarlyRowScales loads them as the unit starts) ----
+    def _row_scale_regs(self, temps, shape):
+        """Registers of each fragment element's row and column scale: the promotion fragments, dead by the
+        epilogue."""
+        return temps
+
+    def _scales_at_unit_start(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        """Nothing before the main loop: its promotion fragments hold the scales' registers until it ends."""
+
+    def _scales_after_mainloop(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        if self.cfg.recipe == "row":
+            self._load_row_scales(dst, tile_coords, mSA, mSB, g, e, unit_rows, n)
 
     @cute.jit
     def _load_row_scales(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
@@ -480,3 +488,39 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         elif cutlass.const_expr(self.cfg.recipe == "row"):
             v = v * scratch[i]
         return v
+
+
+class Sm90GroupedFp8GemmEarlyRowScales(Sm90GroupedFp8Gemm):
+    """The row-wise recipe's 64-row tile with the unit's row and column scales loaded as the unit starts, into
+    registers of their own, so that their latency passes under the main loop instead of before the stores. The
+    registers are the second promotion fragment's: the consumer promotes each K tile before issuing the next
+    (``_mainloop_promoted_serial``): its rows are few, its time the W bytes'.
+
+    | warp role | threads | registers | work |
+    |---|---|---|---|
+    | TMA producer | warp 0 of warp group 0 | 40 | as ``Sm90GroupedFp8Gemm`` |
+    | idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
+    | MMA consumer | warp group 1 | 232 | the unit's scales, then WGMMA with serial promotion, epilogue |
+
+    | pipeline | producer -> consumer | stages |
+    |---|---|---|
+    | mainloop (PipelineTmaAsync) | TMA warp -> consumer warp group | ``stages`` (A + W tile) |
+    """
+
+    def __init__(self, cfg: Sm90GroupedGemmConfig):
+        super().__init__(cfg)
+        self._consumer_mainloop = self._mainloop_promoted_serial
+
+    def _row_scale_regs(self, temps, shape):
+        return tuple(cute.make_rmem_tensor(shape, Float32) for _ in range(2))
+
+    def _scales_at_unit_start(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        self._load_row_scales(dst, tile_coords, mSA, mSB, g, e, unit_rows, n)
+
+    def _scales_after_mainloop(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        """(loaded as the unit started)"""
+
+
+def grouped_kernel(cfg: Sm90GroupedGemmConfig) -> Sm90GroupedFp8Gemm:
+    """The kernel object that builds ``cfg``."""
+    return (Sm90GroupedFp8GemmEarlyRowScales if cfg.early_row_scales else Sm90GroupedFp8Gemm)(cfg)
