@@ -53,6 +53,9 @@ FLOOR_KEYS = {
     "launch_us": "one-element kernel us",
     "stream_fixed_us": "read-only stream fixed cost us per call",
 }
+#: the summary key of the fixed cost per call of read-only streams back to back in a CUDA graph (the smallest over
+#: measure_floor's chains): the floor of a step that runs one kernel per weight; not in files from before it
+CHAINED_FIXED_KEY = "read-only streams in a CUDA graph, fixed cost us per call"
 #: Floors field -> the measure of floor.json's rows that holds it (files written before the summary held all four)
 FLOOR_ROWS = {"hbm_tbps": "read-only stream, at the margin", "launch_us": "one-element kernel",
               "stream_fixed_us": "read-only stream, fixed cost per call"}

@@ -75,6 +75,7 @@ from cutedsl_gemm.numerics.formats import (
 from cutedsl_gemm.numerics.formats import recipe as as_recipe
 from cutedsl_gemm.numerics.scale_layouts import blocked_scale_shape
 from cutedsl_gemm.ops.library import EAGER, OPS, define, op_name
+from cutedsl_gemm.runtime.device import device_info
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 from cutedsl_gemm.runtime.plans import PREPARED
 
@@ -404,10 +405,6 @@ def _get(kind, x, fmt, *cfg):
     return KERNEL_CACHE.get(key, build)
 
 
-def _num_sms(device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _allocator(gran, fmt, block, scale_layout, rows, k):
     """x -> (q, the scales the kernel writes, the scales returned) for a (rows, K) input: the layouts of the
     module docstring (per tensor the kernel writes a (1,) tensor, returned as its 0-d view)."""
@@ -444,7 +441,7 @@ def _plan(x, gran, fmt, block, scale_layout):
     if gran is G.TENSOR:
         # partial maxima (grid-stride CTAs, no atomics), then the cast kernel folds them
         ntiles = ceil_div(rows, 128) * ceil_div(k, 128)
-        parts = max(1, min(ntiles, AMAX_CTAS_PER_SM * _num_sms(x.device)))
+        parts = max(1, min(ntiles, AMAX_CTAS_PER_SM * device_info(x.device.index)[1]))
         amax, cast = _get("tensor_amax", x, fmt), _get("tensor_cast", x, fmt)
 
         def run(x):

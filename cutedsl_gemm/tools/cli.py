@@ -38,9 +38,10 @@ def cmd_info(args) -> int:
     from cutedsl_gemm.runtime.jit import cache_dir
 
     if torch.cuda.is_available():
-        major, minor = torch.cuda.get_device_capability()
-        sms = torch.cuda.get_device_properties(0).multi_processor_count
-        print(f"GPU:        {torch.cuda.get_device_name()} (sm_{major}{minor}, {sms} SMs)")
+        from cutedsl_gemm.runtime.device import device_info
+
+        arch, sms = device_info(torch.cuda.current_device())
+        print(f"GPU:        {torch.cuda.get_device_name()} ({arch}, {sms} SMs)")
     else:
         print("GPU:        none (kernels compile for a target arch; run with a Hopper GPU to execute them)")
     print(f"arch:       {_arch_line()}")
