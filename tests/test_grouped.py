@@ -57,7 +57,6 @@ def test_describe_reads_layout_and_recipe(layout, recipe):
         assert tuple(sb.shape) == (2, 4, 4) and sb.stride() == (1, 2, 8)
 
 
-
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 @pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
 def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
@@ -75,6 +74,7 @@ def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
         assert G.config(inst).early_row_scales == inst.early_row_scales
     with pytest.raises(ValueError, match="early row scales are for the row-wise recipe's 64-row tile"):
         Sm90GroupedGemmConfig(recipe=recipe, tile_m=64 if recipe != "row" else 128, early_row_scales=True).check()
+
 
 BAD = [
     ({"b": torch.empty(4, 256, 512, dtype=FP8, device="meta")}, "K contiguous"),
