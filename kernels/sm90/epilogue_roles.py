@@ -77,18 +77,19 @@ class TmaStoreEpilogue:
         return alpha
 
     @cute.jit
-    def visit(self, acc, acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales):
+    def visit(self, acc, acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, staged_scales):
         """The tile's fp32 arithmetic, in ``acc_f32``: an int8 kernel's exact int32 sums (``acc``) converted, then
         the recipe's scales and the bias (``apply_scales``). The hook a fusion of fp32 math overrides."""
         if cutlass.const_expr(self.gemm.integer):
             acc_f32.store(acc.load().to(Float32))
-        self.apply_scales(acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales)
+        self.apply_scales(acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, staged_scales)
 
     @cute.jit
-    def apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, token_scales=None):
+    def apply_scales(self, acc, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha, staged_scales=(None, None)):
         """acc <- acc * scale (+ bias) in fp32, with scale from the epilogue-scaled recipe (per-tensor: the
-        product ``alpha`` read before the tile loop; per token, computed in the kernel: ``token_scales``, the
-        tile's columns' scales in shared memory)."""
+        product ``alpha`` read before the tile loop; row-wise: row scale x column scale, each from the tile's
+        copy the producer staged in shared memory (``staged_scales``: (rows, columns)) or, where that is None,
+        from global memory -- per token, the columns' scales the kernel computed)."""
         g = self.gemm
         bM, bN, _ = g.tile_shape_mnk
         M, N = mD.shape
@@ -100,12 +101,16 @@ class TmaStoreEpilogue:
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 acc[i] = acc[i] * alpha
         else:
+            row_scales, col_scales = staged_scales
             for i in cutlass.range(cute.size(acc), unroll_full=True):
                 m, n = tCcD[i]
                 # Rows/columns past the edge are clipped by the TMA store; clamp so the loads stay in bounds.
-                sa = Float32(mSA[cutlass.min(m, M - 1), 0])
-                if cutlass.const_expr(token_scales is not None):
-                    sb = token_scales[n - tn * bN]
+                if cutlass.const_expr(row_scales is not None):
+                    sa = row_scales[m - tm * bM]
+                else:
+                    sa = Float32(mSA[cutlass.min(m, M - 1), 0])
+                if cutlass.const_expr(col_scales is not None):
+                    sb = col_scales[n - tn * bN]
                 else:
                     sb = Float32(mSB[0, cutlass.min(n, N - 1)])
                 acc[i] = acc[i] * (sa * sb)

@@ -9,9 +9,8 @@ weight rows fill WGMMA's 64-row M side and the few activation rows (decode: M <=
 can be as narrow as 16, instead of zero-filling 128-row A tiles.
 """
 
-from __future__ import annotations  # noqa: I001
-
-from dataclasses import dataclass
+# (no ``from __future__ import annotations``: ``_shared_storage``'s cute.struct reads its annotations as types)
+from dataclasses import dataclass  # noqa: I001
 
 import cutlass
 import cutlass.cute as cute
@@ -29,7 +28,7 @@ from .epilogue_quant import FP8OutputEpilogue
 from .epilogue_roles import TmaStoreEpilogue
 from .split_k import k_tile_range, reduce_partials
 from .producer_roles import (
-    BlockScaledProducer, ProducerView, QuantizingProducer, TmaProducer, TokenQuantizingProducer,
+    BlockScaledProducer, ProducerView, QuantizingProducer, RowScaleProducer, TmaProducer, TokenQuantizingProducer,
 )
 from .block_scales import BLOCK_RECIPES, SCALE_REGS, TileScales, is_block_scaled
 # Re-exported: the host compile path and tests import the configuration from here.
@@ -62,6 +61,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     |---|---|---|---|
     | WG 0, warp 0 | TMA producer (every producer role) | A, W tiles into the stages, cluster multicast [1] | 40 [2] |
     | WG 0, warp 1 | scale warp (``BlockScaledProducer``) | each K tile's block scales into its stage [3] | 40 [2] |
+    | WG 0, warp 1 | scale warp (``RowScaleProducer``) | each unit's row and column scales into a slot [6] | 40 |
     | WG 0, warps 1..3 | quantizers (``QuantizingProducer``) | each stage's token tile quantized to FP8 [4] | 96 |
     | WG 1 .. tile_m/64 | consumers | 64 rows of the tile each: main loop, then epilogue | 232 [5] |
 
@@ -73,6 +73,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     scales. Per token (``TokenQuantizingProducer``, recipe "row"), each token tile's scales are found first and handed
     to the epilogue through a ring of ``HANDOFF_UNITS`` units.
     [5] 240 for promoted 144-wide tiles; 216 with two CTAs per SM (224 block-scaled); 200 in a quantizing kernel.
+    [6] The row-wise recipe's epilogue scales, loaded ahead of the epilogue instead of after the main loop
+    (``unit_scales.py``).
 
     Pipelines and their stages:
 
@@ -81,6 +83,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
     | mainloop (PipelineTmaAsync) | producer warps (``arrivals``) -> consumers | ``ab_stages`` (>= 4 if smem allows) |
     | unquantized token tiles (mbarriers) | TMA warp -> quantizing warps | ``ab_stages`` |
     | token-scale ring (full / empty mbarriers) | quantizing warp 1 -> consumers | ``HANDOFF_UNITS`` |
+    | row-wise unit scales (full / empty mbarriers) | scale warp -> consumers | 1 unit |
     | epilogue store (PipelineTmaStore) | consumers -> TMA store engine | ``epi_stages`` slices (>= 2, <= a tile) |
 
     An FP8 output (``d_quant``) the consumers quantize and store themselves from one 128-column slice buffer
@@ -179,7 +182,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         self.smem_bytes = self.smem_usage(cfg, self.ab_stages, self.epi_stages)
         # The roles, bound once. How warp group 0 fills the stages:
         producer = TokenQuantizingProducer if self.per_token_quant else QuantizingProducer if self.quantizes_a else (
-            BlockScaledProducer if self.block_scaled else TmaProducer)
+            BlockScaledProducer if self.block_scaled else RowScaleProducer if cfg.recipe == "row" else TmaProducer)
         self.producer = producer(self)
         # ... the consumers' main loop (promoted_mainloops.py; ``_mainloop`` for fast accumulation) ...
         self._consumer_mainloop = (
@@ -229,20 +232,8 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
         a_scales_by_tma, tma_sa, tSA = self.producer.make_a_scale_load(mSA)
         tma_d, tD = self.epilogue.make_store(mD, d_smem)
 
-        @cute.struct
-        class SharedStorage:
-            mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
-            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
-            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
-            # Block scales of each stage's K tile (a 1-element placeholder for epilogue-scaled recipes).
-            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.ab_stages if self.block_scaled else 1],
-                                   128 if self.a_scale_tma else 16]
-            sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.ab_stages if self.block_scaled else 1], 16]
-            split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
-
-        self.shared_storage = SharedStorage
-        smem_bytes = SharedStorage.size_in_bytes() + self.producer.make_storage(x_smem)
+        self.shared_storage = self._shared_storage(a_smem, b_smem, d_smem)
+        smem_bytes = self.shared_storage.size_in_bytes() + self.producer.make_storage(x_smem)
         assert smem_bytes <= smem_capacity(self.cfg.ctas_per_sm), (smem_bytes, self.cfg)
 
         M, N = mD.shape
@@ -272,6 +263,31 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             stream=stream,
             use_pdl=self.cfg.pdl,
         )
+
+    def _shared_storage(self, a_smem, b_smem, d_smem):
+        """The kernel's shared-memory struct. (Plain Python, not traced: the DSL would turn the fields' ``if`` into
+        a traced branch.)"""
+        bM, bN, _ = self.tile_shape_mnk
+        unit_scales = self.producer.stages_unit_scales
+
+        @cute.struct
+        class SharedStorage:
+            mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.ab_stages * 2]
+            if unit_scales:  # (the row-wise unit-scale slot: rows and barriers in the 1 KiB before the stages)
+                unit_barriers: cute.struct.MemRange[cutlass.Int64, 2]
+                unit_rows: cute.struct.Align[cute.struct.MemRange[Float32, bM], 16]
+            sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
+            sD: cute.struct.Align[cute.struct.MemRange[self.d_dtype, cute.cosize(d_smem)], 1024]
+            # Block scales of each stage's K tile (a 1-element placeholder for epilogue-scaled recipes).
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.ab_stages if self.block_scaled else 1],
+                                   128 if self.a_scale_tma else 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.ab_stages if self.block_scaled else 1], 16]
+            split_flag: cute.struct.MemRange[Int32, 1]  # split-K: the tile counter's old value, for all threads
+            if unit_scales:  # (... and its columns in the struct's last KiB: unit_scales.unit_scale_bytes)
+                unit_cols: cute.struct.Align[cute.struct.MemRange[Float32, bN], 16]
+
+        return SharedStorage
 
     @cute.jit
     def call_fp8_out(
@@ -399,7 +415,7 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
             cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)),
             defer_sync=True,
         )
-        psmem = self.producer.init_smem(smem, tidx, mX)  # the producer role's own shared memory
+        psmem = self.producer.init_smem(smem, storage, tidx, mX)  # the producer role's own shared memory
         pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, cn), is_relaxed=True)
 
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
@@ -468,11 +484,12 @@ class Sm90Fp8Gemm(PromotedMainloops, Sm90GemmPlan):
                     k_count, self._tile_scales(scale_slots, frags, tn))
                 owns_epilogue = self._reduce_splits(sched, unit, cluster_coord, tm, tn, split, splits, tiles_m, tiles_n,
                                                     frags.acc, mWorkspace, mCounters, mma_tidx, epi_barrier, split_flag)
-                # (per-token quantization: the unit's token scales, which the producer's quantizing warps found)
-                token_scales, ring_slot = self.producer.epilogue_scales(psmem, units_done)
+                # (the unit's scales the producer staged in shared memory: row-wise, both; per-token quantization,
+                # the token scales its quantizing warps found)
+                staged_scales, ring_slot = self.producer.epilogue_scales(psmem, units_done)
                 if owns_epilogue:
                     self.epilogue.visit(frags.acc, frags.acc_f32, thr_mma, mD, mSA, mSB, mBias, tm, tn, alpha,
-                                        token_scales)
+                                        staged_scales)
                 units_done = self.producer.release_epilogue_scales(psmem, ring_slot, units_done)
                 if owns_epilogue:
                     self.epilogue.store_tile(epi, frags.acc_f32, tma_d, sD, gD, tm, tn, tiles_done, store_pipe,

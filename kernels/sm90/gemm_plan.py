@@ -12,6 +12,7 @@ import cutlass
 
 from .activation_quant import HANDOFF_UNITS, row_scale_floats, w_prefetch_floats
 from .block_scales import BLOCK_RECIPES, SCALE_BLOCK, is_block_scaled, scale_smem_bytes_per_stage
+from .unit_scales import unit_scale_bytes
 
 SM90_SMEM_CAPACITY = 232448  # bytes of dynamic shared memory per CTA on H100 (227 KiB)
 SM90_SMEM_PER_SM = 233472  # per SM (228 KiB), of which the driver reserves 1 KiB per resident CTA
@@ -316,10 +317,12 @@ class Sm90GemmPlan:
 
     @classmethod
     def fixed_bytes(cls, cfg: Sm90GemmConfig) -> int:
-        """Shared memory outside the stages and the epilogue: barriers and alignment, and the W-scale buffers of
-        the quantizing warps (activation_quant.py)."""
-        quantizing = w_prefetch_floats() * 4 if cfg.a_input else 0
-        if cfg.a_input and cfg.recipe == "row":  # per token: the token scales and the epilogue ring's barriers
+        """Shared memory outside the stages and the epilogue: barriers and alignment, the W-scale buffers of
+        the quantizing warps (activation_quant.py), the row-wise recipe's unit-scale slot (unit_scales.py)."""
+        if not cfg.a_input:
+            return cls.reserved_bytes + (unit_scale_bytes(cfg.tile_n) if cfg.recipe == "row" else 0)
+        quantizing = w_prefetch_floats() * 4
+        if cfg.recipe == "row":  # per token: the token scales and the epilogue ring's barriers
             quantizing += row_scale_floats(cfg.tile_n) * 4 + 2 * HANDOFF_UNITS * 8
         return cls.reserved_bytes + quantizing
 

@@ -5,6 +5,7 @@ calls its hooks and never asks which one it has.
 | role | warp 0 | warps 1 .. 3 | arrivals per stage |
 |---|---|---|---|
 | ``TmaProducer`` (epilogue-scaled recipes) | A, W tiles by TMA | idle | 1 (expect_tx) |
+| ``RowScaleProducer`` (recipe "row") | A, W tiles by TMA | warp 1: each unit's row and column scales | 1 |
 | ``BlockScaledProducer`` | A, W tiles (+ A's scales, 64-row tiles) | warp 1: block scales (``ScaleStaging``) | 1 + 32 |
 | ``QuantizingProducer`` (``a_input``, 1x128) | W tiles, unquantized token tiles | quantize the token tiles | 1 + 32 |
 | ``TokenQuantizingProducer`` (``a_input``, row) | as above | + each token tile's amax pass, hand-off ring | 1 + 32 |
@@ -18,8 +19,9 @@ Hooks, in the order the kernel calls them (a producer role overrides any of them
   ``init_smem`` (the role's barriers), ``b_destination`` (where B's TMA loads land).
 * producer warp group: ``run(view, warp_idx)`` -- warp 0's ``TmaLoads`` (``tma_loads.py``; its ``a_tile_scales``
   and ``b_stage`` hooks), then ``helper_warps``; each warp walks the same stages (``walk``).
-* consumers, per tile: ``epilogue_scales`` / ``release_epilogue_scales`` -- scales the producer computed for the
-  epilogue (per-token quantization's token scales).
+* consumers, per tile: ``epilogue_scales`` / ``release_epilogue_scales`` -- scales the producer staged for the
+  epilogue in shared memory, as (row scales, column scales), either None where the epilogue reads its own: the
+  row-wise recipe's both (``RowScaleProducer``), per-token quantization's token scales (the columns).
 """
 
 # (no ``from __future__ import annotations``: ``make_storage``'s cute.struct reads its annotations as types)
@@ -28,7 +30,7 @@ from dataclasses import dataclass
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
-from cutlass import Float32
+from cutlass import Float32, Int32
 
 from .activation_quant import (
     HANDOFF_UNITS,
@@ -47,6 +49,13 @@ from .activation_quant import (
 from .block_scales import PRODUCER_LANES, ScaleStaging, a_scale_tma_atom, a_scale_tma_view
 from .split_k import k_tile_range
 from .tma_loads import ATileScalesByTma, TmaLoads
+from .unit_scales import (
+    SCALE_WARP_LANES,
+    init_unit_scale_barriers,
+    make_unit_scales,
+    release_unit_scales,
+    wait_unit_scales,
+)
 
 
 @dataclass(frozen=True)
@@ -116,8 +125,11 @@ class TmaProducer:
         return (cute.size_in_bytes(g.a_dtype, cute.slice_(a_smem, (None, None, 0)))
                 + cute.size_in_bytes(g.b_dtype, cute.slice_(b_smem, (None, None, 0))))
 
-    def init_smem(self, smem, tidx, mX):
-        """Allocate and initialize the role's shared memory (one thread inits its barriers); its handle, or None."""
+    stages_unit_scales = False  # whether the kernel's struct holds the row-wise unit-scale slot (RowScaleProducer)
+
+    def init_smem(self, smem, storage, tidx, mX):
+        """Allocate and initialize the role's shared memory (one thread inits its barriers), or set up its part of
+        the kernel's ``storage``; its handle, or None."""
         return None
 
     def b_destination(self, sB, psmem, x_smem, cluster_coord):
@@ -150,8 +162,9 @@ class TmaProducer:
         """Warps 1 .. 3 of the producer warp group: idle here."""
 
     def epilogue_scales(self, psmem, units_done):
-        """(Consumers, per unit, before the epilogue.) (the unit's scales from the producer, handle), or Nones."""
-        return None, None
+        """(Consumers, per unit, before the epilogue.) ((the unit's row scales, column scales) in shared memory,
+        either None where the epilogue reads them itself; handle)."""
+        return (None, None), None
 
     def release_epilogue_scales(self, psmem, handle, units_done):
         """(Consumers, after the tile's ``visit``.) Release them; returns the count of units handed over."""
@@ -188,6 +201,76 @@ class TmaProducer:
                 state.advance()
             unit += num_clusters
         return state
+
+
+class RowScaleProducer(TmaProducer):
+    """``TmaProducer`` and warp 1, the scale warp of the row-wise recipe: each work unit's row and column scales into
+    a shared-memory slot ahead of the unit's epilogue (``unit_scales.py``), which reads them there."""
+
+    stages_unit_scales = True  # the kernel's struct holds the slot (``Sm90Fp8Gemm.__call__``)
+
+    # ---- device, every thread ----------------------------------------------------------------------------------
+    @cute.jit
+    def init_smem(self, smem, storage, tidx, mX):
+        bM, bN, _ = self.gemm.tile_shape_mnk
+        if tidx == 0:
+            init_unit_scale_barriers(storage.unit_barriers.data_ptr(), self.gemm.num_mma_threads)
+        return make_unit_scales(storage.unit_rows.get_tensor(cute.make_layout(bM)),
+                                storage.unit_cols.get_tensor(cute.make_layout(bN)), storage.unit_barriers.data_ptr())
+
+    # ---- producer warp group -----------------------------------------------------------------------------------
+    @cute.jit
+    def helper_warps(self, v: ProducerView, warp_idx):
+        if warp_idx == 1:
+            tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord, _ = v.walk
+            self.stage_scales(v.smem, v.mSA, v.mSB, tiles_m, tiles_n, splits, num_clusters, cluster_id, cluster_coord)
+
+    @cute.jit
+    def stage_scales(self, slot, mSA: cute.Tensor, mSB: cute.Tensor, tiles_m, tiles_n, splits, num_clusters,
+                     cluster_id, cluster_coord):
+        """(Warp 1.) Every work unit of this CTA in the consumers' order: its tile's row scales ``mSA`` (M, 1) and
+        column scales ``mSB`` (1, N) (the kernel's orientation) into the slot, indices clamped into M and N."""
+        bM, bN, _ = self.gemm.tile_shape_mnk
+        lanes = SCALE_WARP_LANES
+        row_loads = bM // lanes
+        col_loads = -(-bN // lanes)
+        m_last = mSA.shape[0] - 1
+        n_last = mSB.shape[1] - 1
+        lane = cute.arch.lane_idx()
+        rows = cute.make_rmem_tensor((row_loads,), Float32)
+        cols = cute.make_rmem_tensor((col_loads,), Float32)
+        sched = self.gemm._scheduler(tiles_m, tiles_n, splits, num_clusters)
+        if cutlass.const_expr(self.gemm.cfg.pdl):
+            cute.arch.griddepcontrol_wait()  # the kernel before may be writing the scales (a quantizer)
+        handed = Int32(0)
+        unit = cluster_id
+        while unit < sched.num_units:
+            tm, tn, _, _ = self.gemm._unit(sched, unit, cluster_coord, splits)
+            # The loads first: their latency runs while the consumers still hold the slot.
+            for i in cutlass.range_constexpr(row_loads):
+                rows[i] = Float32(mSA[cutlass.min(tm * bM + i * lanes + lane, m_last), 0])
+            for i in cutlass.range_constexpr(col_loads):
+                cols[i] = Float32(mSB[0, cutlass.min(tn * bN + i * lanes + lane, n_last)])
+            cute.arch.mbarrier_wait(slot.empty, (handed % 2) ^ 1)
+            for i in cutlass.range_constexpr(row_loads):
+                slot.rows[i * lanes + lane] = rows[i]
+            for i in cutlass.range_constexpr(col_loads):
+                if cutlass.const_expr((i + 1) * lanes <= bN):
+                    slot.cols[i * lanes + lane] = cols[i]
+                elif i * lanes + lane < bN:  # (the 16-column tail of an 80- or 144-wide tile)
+                    slot.cols[i * lanes + lane] = cols[i]
+            cute.arch.mbarrier_arrive(slot.full)
+            handed += 1
+            unit += num_clusters
+
+    @cute.jit
+    def epilogue_scales(self, psmem, units_done):
+        wait_unit_scales(psmem, units_done)
+        return (psmem.rows, psmem.cols), None
+
+    def release_epilogue_scales(self, psmem, handle, units_done):
+        release_unit_scales(psmem)
+        return units_done + 1
 
 
 class BlockScaledProducer(TmaProducer):
@@ -259,7 +342,7 @@ class QuantizingProducer(TmaProducer):
         return cute.size_in_bytes(self.gemm.a_dtype, cute.slice_(a_smem, (None, None, 0)))
 
     @cute.jit
-    def init_smem(self, smem, tidx, mX):
+    def init_smem(self, smem, storage, tidx, mX):
         qstorage = smem.allocate(self.storage, byte_alignment=128)
         x_full = qstorage.x_barriers.data_ptr()
         if tidx == 0:
@@ -319,7 +402,7 @@ class TokenQuantizingProducer(QuantizingProducer):
     @cute.jit
     def epilogue_scales(self, psmem, units_done):
         ring_slot = wait_token_scales(psmem.row_scales, units_done)
-        return psmem.row_scales.ring[(None, ring_slot)], ring_slot
+        return (None, psmem.row_scales.ring[(None, ring_slot)]), ring_slot
 
     def release_epilogue_scales(self, psmem, handle, units_done):
         release_token_scales(psmem.row_scales, handle)
