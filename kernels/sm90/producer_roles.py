@@ -207,7 +207,7 @@ class RowScaleProducer(TmaProducer):
     """``TmaProducer`` and warp 1, the scale warp of the row-wise recipe: each work unit's row and column scales into
     a shared-memory slot ahead of the unit's epilogue (``unit_scales.py``), which reads them there."""
 
-    stages_unit_scales = True  # the kernel's struct holds the slot (``Sm90Fp8Gemm.__call__``)
+    stages_unit_scales = True  # the kernel's struct holds the slot (``Sm90Fp8Gemm._shared_storage``)
 
     # ---- device, every thread ----------------------------------------------------------------------------------
     @cute.jit
