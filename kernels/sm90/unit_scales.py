@@ -6,10 +6,10 @@ its main loop and its first multiply: an L2 round trip and, on a 192-wide tile, 
 thread, on every tile's critical path (at K 256-512, where the main loop is short, 10-20% of the kernel). Warp 1 of
 the producer warp group instead walks the consumers' work units and, per unit, loads the tile's ``tile_m`` row
 scales and ``tile_n`` column scales into one shared-memory slot guarded by a full / empty mbarrier pair (in the
-kernel struct's alignment padding: ``unit_scale_bytes``): it issues
-the next unit's loads as soon as it has handed over the last ones, and stores them once the consumers have released
-the slot (after scaling their tile), so they land during the next main loop. One slot suffices: a whole main loop
-lies between a release and the next unit's epilogue.
+kernel struct's alignment padding: ``unit_scale_bytes``): it issues the next unit's loads as soon as it has handed
+over the last ones, and stores them once the consumers have released the slot (after scaling their tile), so they
+land during the next main loop. One slot suffices: a whole main loop lies between a release and the next unit's
+epilogue.
 """
 
 from __future__ import annotations
