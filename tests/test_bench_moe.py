@@ -345,7 +345,9 @@ def test_tiny_model_split_on_the_cpu(tmp_path, monkeypatch, reference_ops):
         assert ours["rest ms"] == noop["ms"] and ours["experts ms"] == pytest.approx(ours["ms"] - noop["ms"], abs=1e-3)
         assert bf16["rest ms"] == noop_bf16["ms"] and bf16["bound x bf16"] is None and bf16["experts floor ms"] > 0
         floor = ours["experts floor ms"]  # the weights of the experts hit, at the given 1 GB/s
-        assert floor > 0 and ours["bound x bf16"] == pytest.approx(bf16["ms"] / (noop["ms"] + floor), rel=1e-2)
+        # the cell is rounded to 3 decimals, so half a unit of that rounding is allowed besides 1%
+        bound = bf16["ms"] / (noop["ms"] + floor)
+        assert floor > 0 and ours["bound x bf16"] == pytest.approx(bound, rel=1e-2, abs=6e-4)
     got = json.loads((tmp_path / "moe_split_tiny.json").read_text())
     assert "row: decode batch 2: bound x bf16" in got["summary"] and "split: experts ms" in got["notes"]
 
