@@ -5,7 +5,8 @@ and ``torch.library.opcheck`` passes.
 Each op is defined once, beside its public function, with :func:`define`: ``ops/scaled_mm.py`` (``scaled_mm``,
 ``quantize_scaled_mm``, ``scaled_mm_fp8_out``), ``ops/quantize.py`` (``quantize_fp8``, ``quantize_int8``,
 ``quantize_mx``, ``quantize_nvfp4``), ``ops/gated.py`` (``silu_mul_quantize_fp8``), ``ops/weight_only.py``
-(``mm_weight_only``), ``ops/grouped.py`` (``grouped_scaled_mm``) and ``nn/recipes.py`` (``fp8_linear``). Every
+(``mm_weight_only``), ``ops/grouped.py`` (``grouped_scaled_mm``), ``ops/moe_route.py`` (``route_quantize_fp8``,
+``sum_routed_pairs``) and ``nn/recipes.py`` (``fp8_linear``). Every
 definition runs on ``import cutedsl_gemm``.
 This module imports none of them.
 
