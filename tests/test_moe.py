@@ -18,7 +18,9 @@ from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import moe
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import RECIPES, ScaleGranularity
+from cutedsl_gemm.ops import moe_route
 from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
+from cutedsl_gemm.ops.moe_route import route_quantize_fp8
 from cutedsl_gemm.ops.quantize import quantize_fp8
 
 transformers = pytest.importorskip("transformers")
@@ -653,8 +655,13 @@ def reference_ops(monkeypatch):
             quantizer_calls.append("silu_mul " + granularity)
             return silu_mul_quantize_fp8(h, granularity, weights, backend="reference", **kw)
 
+        def route(hidden, ids, weights, e, granularity, **kw):
+            quantizer_calls.append("route " + granularity)
+            return route_quantize_fp8(hidden, ids, weights, e, granularity, backend="reference", **kw)
+
         monkeypatch.setattr(moe, "quantize_fp8", quantize)
         monkeypatch.setattr(moe, "silu_mul_quantize_fp8", quantize_gated)
+        monkeypatch.setattr(moe, "route_quantize_fp8", route)
         return grouped_calls, quantizer_calls
 
     return use
@@ -694,10 +701,19 @@ def _routed(kind, t=48, seed=0):
     return model, name, experts, x, ids, w
 
 
+def _route_by(routing, monkeypatch):
+    """Make the experts route their pairs by ``routing``: "one kernel" (route_quantize_fp8, the default at these
+    sizes) or "sort" (a sort, a gather and the quantizer, the form past ROUTE_MAX_PAIRS)."""
+    if routing == "sort":
+        monkeypatch.setattr(moe_route, "ROUTE_MAX_PAIRS", 0)
+
+
+@pytest.mark.parametrize("routing", ["one kernel", "sort"])
 @pytest.mark.parametrize("kind", MODELS)
 @pytest.mark.parametrize("recipe", EXPERT_RECIPES)
-def test_forward_matches_the_bf16_experts_and_its_emulation(kind, recipe, reference_ops):
+def test_forward_matches_the_bf16_experts_and_its_emulation(kind, recipe, routing, reference_ops, monkeypatch):
     grouped_calls, quantizer_calls = reference_ops(recipe)
+    _route_by(routing, monkeypatch)
     _, _, experts, x, ids, w = _routed(kind)
     with torch.no_grad():
         want = experts(x, ids, w)
@@ -707,7 +723,11 @@ def test_forward_matches_the_bf16_experts_and_its_emulation(kind, recipe, refere
     assert grouped_calls == ["contiguous"] * 2
     gran = moe.ACTIVATION_GRANULARITY[recipe]
     # the down GEMM's activations: SiLU, the weights and the quantizer in one kernel, but per tensor
-    assert quantizer_calls == [gran, gran if recipe == "tensor" else "silu_mul " + gran]
+    if recipe == "tensor":  # one scale over all pairs: the sort path, whatever the size
+        assert quantizer_calls == [gran, gran]
+    else:
+        first = "route " + gran if routing == "one kernel" else gran
+        assert quantizer_calls == [first, "silu_mul " + gran]
     # FP8 codes with 3 mantissa bits on both operands of two GEMMs: ~4% per GEMM on random weights
     assert R.rel_error(got, want) < 0.08
     # the glue itself (gate / up halves, per-expert weights, routing weights, combine): all but bf16 ties
@@ -815,8 +835,9 @@ def test_deepseek_experts_hold_block_scales():
     assert R.rel_error(down, ref.down_proj.detach().float()) < 0.05
 
 
+@pytest.mark.parametrize("routing", ["one kernel", "sort"])
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
-def test_torch_compile_traces_the_experts_in_one_graph(layout):
+def test_torch_compile_traces_the_experts_in_one_graph(layout, routing, monkeypatch):
     """torch.compile(fullgraph=True) traces a converted experts module with no graph break: routing glue as torch
     ops, the quantizer and the grouped GEMM as this library's operators (recorded, not run: the backend only keeps
     the graph)."""
@@ -833,6 +854,7 @@ def test_torch_compile_traces_the_experts_in_one_graph(layout):
         shapes = [(o.meta["example_value"].shape, o.meta["example_value"].dtype) for o in outputs]
         return lambda *args: [torch.empty(shape, dtype=dtype) for shape, dtype in shapes]  # the kernels need a GPU
 
+    _route_by(routing, monkeypatch)
     torch._dynamo.reset()
     compiled = torch.compile(experts, fullgraph=True, backend=keep_graph)
     ids, w = _routing(16, 2, experts.num_experts, seed=3)
@@ -840,6 +862,9 @@ def test_torch_compile_traces_the_experts_in_one_graph(layout):
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     assert sum("cutedsl_gemm.grouped_scaled_mm" in t for t in targets) == 2, targets  # gate_up and down
-    assert sum("cutedsl_gemm.quantize_fp8" in t for t in targets) == 1, targets  # the tokens
+    one = routing == "one kernel"
+    assert sum("cutedsl_gemm.route_quantize_fp8" in t for t in targets) == one, targets  # the tokens, placed
+    assert sum("cutedsl_gemm.quantize_fp8" in t for t in targets) == (not one), targets  # the tokens
     assert sum("cutedsl_gemm.silu_mul_quantize_fp8" in t for t in targets) == 1, targets  # the down GEMM's input
+    assert sum("cutedsl_gemm.sum_routed_pairs" in t for t in targets) == one, targets  # the combine
     torch._dynamo.reset()

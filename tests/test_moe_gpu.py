@@ -17,6 +17,7 @@ from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import moe
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ScaleGranularity as G
+from cutedsl_gemm.ops import moe_route
 
 transformers = pytest.importorskip("transformers")
 
@@ -97,6 +98,16 @@ def _experts(kind, recipe, capacity=None):
     model = _model(kind)
     experts = model.model.layers[0].mlp.experts
     return experts, cnn.QuantizedExperts.from_experts(experts, recipe, capacity=capacity), model.config
+
+
+#: How QuantizedExperts routes its pairs: one kernel each side of the GEMMs (the default at these sizes) or a sort,
+#: a gather and the quantizer (past ops.moe_route.ROUTE_MAX_PAIRS, and for the per-tensor recipe).
+ROUTINGS = ["one kernel", "sort"]
+
+
+def _route_by(routing, monkeypatch):
+    if routing == "sort":
+        monkeypatch.setattr(moe_route, "ROUTE_MAX_PAIRS", 0)
 
 
 def _same_bits(a, b):
@@ -224,11 +235,13 @@ def _bf16_experts(experts, x, ids, w):
     return out
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("recipe", RECIPES)
 @pytest.mark.parametrize("kind", MODELS)
-def test_forward_matches_the_float64_reference(kind, recipe, layout, monkeypatch):
+def test_forward_matches_the_float64_reference(kind, recipe, layout, routing, monkeypatch):
     t = 96
+    _route_by(routing, monkeypatch)
     experts, layer, config = _experts(kind, recipe)
     e, k, i = layer.num_experts, config.num_experts_per_tok, layer.intermediate_dim
     layer.capacity = t if LAYOUTS[layout] == "tokens" else None
@@ -262,7 +275,10 @@ def test_forward_matches_the_float64_reference(kind, recipe, layout, monkeypatch
     y_ref = _check_gemm(calls[1], down, "down")
     # the combine: each token's k weighted rows added up (the glue's own function, then float64)
     y = calls[1][6]
-    if layout == "masked":
+    if routing == "one kernel" and recipe != "tensor":  # (per tensor routes by the sort at every size)
+        pos = moe_route.route_pairs(ids, e, t if layout == "masked" else None)[0]
+        glue = moe_route.sum_routed_pairs(y, pos, backend="reference")
+    elif layout == "masked":
         glue = moe.sum_pairs_masked(y, moe.to_masked(x, ids, e, t)[2], t, k)
     else:
         glue = moe.sum_pairs(y, moe.permute(x, ids, e)[2], t, k)
@@ -357,12 +373,14 @@ def test_moe_block_replays_from_a_cuda_graph(kind, recipe, layout):
     assert not torch.equal(out[0], out[1])
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_experts_replay_from_a_cuda_graph_with_new_routings(recipe, layout):
+def test_experts_replay_from_a_cuda_graph_with_new_routings(recipe, layout, routing, monkeypatch):
     """QuantizedExperts captured once: new hidden states and routing (ids and weights) written into the captured
     inputs, with empty experts in one routing and every expert used in the other, replay to eager's bits."""
     t = 72
+    _route_by(routing, monkeypatch)
     _, layer, config = _experts("qwen3_moe", recipe, capacity=t if LAYOUTS[layout] == "tokens" else None)
     e, k, h = layer.num_experts, config.num_experts_per_tok, layer.hidden_dim
     draws = [(_hidden(t, h, seed=41), *_routing(t, k, e, seed=42, empty=True)),
@@ -373,10 +391,12 @@ def test_experts_replay_from_a_cuda_graph_with_new_routings(recipe, layout):
     _replays_like_eager(layer, static, draws)
 
 
+@pytest.mark.parametrize("routing", ROUTINGS)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_two_eager_runs_are_bit_identical(recipe, layout):
+def test_two_eager_runs_are_bit_identical(recipe, layout, routing, monkeypatch):
     t = 128
+    _route_by(routing, monkeypatch)
     _, layer, config = _experts("mixtral", recipe, capacity=t if LAYOUTS[layout] == "tokens" else None)
     ids, w = _routing(t, config.num_experts_per_tok, layer.num_experts, seed=51)
     x = _hidden(t, layer.hidden_dim, seed=52)

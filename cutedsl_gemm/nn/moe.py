@@ -39,6 +39,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ceil_div
 from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.library import EAGER
+from cutedsl_gemm.ops.moe_route import route_quantize_fp8, routes_in_one_kernel, sort_pairs, sum_routed_pairs
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.runtime.device import device_info
 
@@ -76,25 +77,13 @@ def _check_routing(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: in
     return tuple(topk_ids.shape)
 
 
-def _sorted_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple:
-    """(expert ids sorted, order, the expert ids 0 .. E-1): the (token, k) pairs, flattened token-major, ordered by
-    expert with a stable sort, so that within an expert they stay in token order; ``searchsorted`` of the expert
-    ids in the sorted ones gives each expert's first row (left) and end row (right)."""
-    # the narrowest integer that holds the ids: the radix sort makes a pass per 4 bits of its key (int64 ids cost
-    # 4x the int16 sort)
-    key = torch.int16 if num_experts <= 1 << 15 else torch.int32
-    flat = topk_ids.reshape(-1).to(key)
-    sorted_ids, order = torch.sort(flat, stable=True)
-    return sorted_ids, order, torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
-
-
 def permute(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int) -> tuple:
     """The grouped GEMM's contiguous layout: ``(permuted_hidden (T*k, H), offs (E,) int32, order (T*k,) int64)``.
     Row r of ``permuted_hidden`` is token ``order[r] // k`` (its top-k slot ``order[r] % k``); the rows of expert e
     are ``offs[e-1]:offs[e]`` (cumulative end rows, as ``F.grouped_mm`` takes them; empty groups allowed), in token
     order. ``combine`` takes ``order`` back."""
     _, k = _check_routing(hidden, topk_ids, num_experts)
-    sorted_ids, order, experts = _sorted_pairs(topk_ids, num_experts)
+    sorted_ids, order, experts = sort_pairs(topk_ids, num_experts)
     ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
     return hidden.index_select(0, order // k), ends, order
 
@@ -219,7 +208,7 @@ def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ca
         return (hidden.new_zeros((num_experts, capacity, h)),
                 torch.zeros(num_experts, dtype=torch.int32, device=device),
                 torch.empty(0, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.bool, device=device))
-    sorted_ids, order, experts = _sorted_pairs(topk_ids, num_experts)
+    sorted_ids, order, experts = sort_pairs(topk_ids, num_experts)
     starts = torch.searchsorted(sorted_ids, experts)
     counts = torch.searchsorted(sorted_ids, experts, right=True) - starts
     c = torch.arange(capacity, device=device)
@@ -425,7 +414,9 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     for the down GEMM in the same kernel (``silu_mul_quantize_fp8``; per tensor: torch, then ``quantize_fp8``), the
     grouped down GEMM, the sum of each token's rows (``sum_pairs``). With ``capacity`` set, the masked layout instead
     (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the capacity makes
-    its token's output NaN.
+    its token's output NaN. For the row-wise and DeepSeek recipes at decode and small batches
+    (``ops.moe_route.routes_in_one_kernel``: up to ``ROUTE_MAX_PAIRS`` pairs) one kernel does the permutation and
+    the quantization (``route_quantize_fp8``) and one the sum (``sum_routed_pairs``): five kernels a call.
 
     Saved format (``state_dict``, loadable with ``safetensors``): ``gate_up_proj`` (E, 2I, H) and ``down_proj``
     (E, H, I) float8_e4m3fn, each expert's row-major weight quantized as ``QuantizedLinear`` quantizes a weight
@@ -521,6 +512,8 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             return hidden_states.new_zeros((t, self.hidden_dim))
         grouped = _grouped_scaled_mm()
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # (E, K, N) views
+        if self.recipe != "tensor" and routes_in_one_kernel(t, k, self.num_experts, self.hidden_dim):
+            return self._forward_routed(grouped, gate_up, down, hidden_states, top_k_index, top_k_weights)
         if self.capacity is None:
             x, offs, order = permute(hidden_states, top_k_index, self.num_experts)
             qx, sx = self._quantize(x)
@@ -541,6 +534,26 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=counts,
                     out_dtype=dtype)
         return sum_pairs_masked(y, slot, t, k, out_dtype=dtype)
+
+    def _forward_routed(self, grouped, gate_up, down, hidden_states, top_k_index, top_k_weights):
+        """The forward with the routing in one kernel on each side of the GEMMs (``route_quantize_fp8``,
+        ``sum_routed_pairs``): five kernels in all, for the row-wise and DeepSeek recipes up to
+        ``ROUTE_MAX_PAIRS`` pairs."""
+        gran, dtype, e = ACTIVATION_GRANULARITY[self.recipe], hidden_states.dtype, self.num_experts
+        c = None if self.capacity is None else min(self.capacity, hidden_states.shape[0])
+        qx, sx, groups, pos, weights = route_quantize_fp8(hidden_states, top_k_index.contiguous(),
+                                                          top_k_weights.contiguous(), e, gran, capacity=c)
+        if c is None:
+            h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, groups, out_dtype=dtype)
+            qh, sh = silu_mul_quantize_fp8(h, gran, weights)
+            y = grouped(qh, down, sh, self.down_proj_scale, groups, out_dtype=dtype)
+        else:
+            h = grouped(qx.view(e, c, -1), gate_up, sx.view(e, c, -1), self.gate_up_proj_scale, counts=groups,
+                        out_dtype=dtype)
+            qh, sh = silu_mul_quantize_fp8(h.view(e * c, -1), gran, weights)
+            y = grouped(qh.view(e, c, -1), down, sh.view(e, c, -1), self.down_proj_scale, counts=groups,
+                        out_dtype=dtype)
+        return sum_routed_pairs(y, pos)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple:
         """(gate_up (E, 2I, H), down (E, H, I)) in ``dtype``: the weights the grouped GEMM multiplies (codes times
