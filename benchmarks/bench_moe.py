@@ -61,6 +61,7 @@ import torch
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn.moe import EXPERT_RECIPES, is_experts
 from cutedsl_gemm.numerics import reference as R
+from cutedsl_gemm.ops import moe_route
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.cli import positive_int
 
@@ -75,6 +76,7 @@ BF16_EXPERTS = ("grouped_mm", "eager")
 #: the implementations whose forward reads the routing on the host, which a CUDA graph cannot hold
 HOST_SYNCED = ("eager",)
 OURS = "QuantizedExperts"
+SORT_ROUTED = OURS + ", sort routing"  # (--sort-routing) ours with the pairs routed by the sort at every size
 BLOCK_NAME = "moe_block"
 MODEL_NAME = "moe_model_qwen3_30b"
 BLOCK_COLUMNS = ["block", "phase", "tokens", "recipe", "experts implementation", "mode", "us", "tokens/s", "x bf16",
@@ -240,7 +242,26 @@ class BlockVariant:
 
     @property
     def label(self) -> str:
-        return f"bf16 ({self.experts})" if self.recipe == "bf16" else f"ours {self.recipe}"
+        if self.recipe == "bf16":
+            return f"bf16 ({self.experts})"
+        return f"ours {self.recipe}" + (" (sort routing)" if self.experts == SORT_ROUTED else "")
+
+
+class SortRouted(torch.nn.Module):
+    """A converted block whose experts route their pairs by the sort, the gather and the quantizer at every size
+    (``ops.moe_route.ROUTE_MAX_PAIRS`` 0 while it runs, a CUDA graph's capture included): the other side of the
+    one-kernel routing's size rule."""
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, *args, **kwargs):
+        saved, moe_route.ROUTE_MAX_PAIRS = moe_route.ROUTE_MAX_PAIRS, 0
+        try:
+            return self.block(*args, **kwargs)
+        finally:
+            moe_route.ROUTE_MAX_PAIRS = saved
 
 
 def block_variants(run, name: str, block) -> list:
@@ -261,6 +282,8 @@ def block_variants(run, name: str, block) -> list:
                     f"{n}: {why}" for n, why in report.skipped.items()))
             run.notes += [f"{name} {recipe}: not converted: {n} ({why})" for n, why in report.skipped.items()]
             variants.append(BlockVariant(recipe, OURS, module))
+            if args.sort_routing and recipe != "tensor":  # (per tensor routes by the sort at every size)
+                variants.append(BlockVariant(recipe, SORT_ROUTED, SortRouted(module)))
         except Exception as e:
             run.failed[f"{name}: conversion, {recipe}"] = BM.one_line(e)
     return variants
@@ -605,6 +628,8 @@ def parse_args(argv=None):
     p.add_argument("--bf16-experts", type=experts_list, default=list(BF16_EXPERTS), metavar="I,...",
                    help="transformers' experts implementations of the bf16 block, the first the anchor (default "
                         f"{','.join(BF16_EXPERTS)})")
+    p.add_argument("--sort-routing", action="store_true",
+                   help="the block: also time each recipe with its pairs routed by the sort at every size")
     p.add_argument("--model-recipe", choices=EXPERT_RECIPES, default="row", help="the model's conversion (default row)")
     p.add_argument("--layers", type=positive_int, default=None, metavar="N",
                    help=f"the model's decoder layers (default {M.QWEN3_30B_A3B_LAYERS}; 2 with --tiny)")
