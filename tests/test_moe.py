@@ -20,7 +20,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import RECIPES, ScaleGranularity
 from cutedsl_gemm.ops import moe_route
 from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
-from cutedsl_gemm.ops.moe_route import route_quantize_fp8
+from cutedsl_gemm.ops.moe_route import route_quantize_fp8, sum_routed_pairs
 from cutedsl_gemm.ops.quantize import quantize_fp8
 
 transformers = pytest.importorskip("transformers")
@@ -121,32 +121,30 @@ def test_gated_activation_is_silu_times_up_in_fp32_rounded_once(dtype):
 
 @pytest.mark.parametrize("t, k, e, pool", ROUTINGS)
 @pytest.mark.parametrize("width", [40, 38, 37])  # rows of 80, 76 and 74 bytes: moved as 8-, 4- and 2-byte words
-def test_sum_pairs_adds_each_tokens_weighted_rows(t, k, e, pool, width):
+def test_pair_rows_invert_the_permutation_and_the_rows_add_up(t, k, e, pool, width):
     ids, w = _routing(t, k, e, seed=200 + t, experts=pool)
     _, _, order = moe.permute(torch.zeros(t, 8), ids, e)
     row_of = {p: r for r, p in enumerate(order.tolist())}
     pw = moe.pair_weights(w, order)
     assert pw.dtype == torch.float32 and pw.tolist() == [w.view(-1)[p].item() for p in order.tolist()]
+    rows = moe.pair_rows(order, t, k)
+    assert rows.dtype == torch.int32 and rows.view(-1).tolist() == [row_of[p] for p in range(t * k)]
     out = torch.randn(t * k, width).to(torch.bfloat16)
-    token_major = moe._token_major(out, order)
+    token_major = moe._token_major(out, order)  # (combine's scatter)
     assert torch.equal(token_major, out[[row_of[p] for p in range(t * k)]])
     shifted = torch.cat([torch.zeros(1).to(torch.bfloat16), out.reshape(-1)])[1:].view(t * k, width)
     assert shifted.storage_offset() == 1  # (2 bytes in: moved as 2-byte words)
     assert torch.equal(moe._token_major(shifted, order), token_major)
-    got = moe.sum_pairs(out, order, t, k)
+    got = sum_routed_pairs(out, rows)
     want = token_major.view(t, k, width).double().sum(1)
     assert got.dtype == torch.bfloat16 and got.shape == (t, width)
     # fp32 accumulation of k bf16 rows, rounded once: within half a bf16 ulp of the exact sum, plus fp32's k ulps
     torch.testing.assert_close(got.double(), want, rtol=2 ** -8 + k * 2 ** -23, atol=1e-30)
-    assert torch.equal(moe.sum_pairs(out, order, t, k, out_dtype=torch.float32), token_major.view(t, k, width)
-                       .float().sum(1))
 
 
-def test_sum_pairs_refuses_a_mismatched_layout():
+def test_pair_rows_refuse_a_mismatched_layout():
     with pytest.raises(ValueError, match=r"T\*k = 4 \* 2"):
-        moe.sum_pairs(torch.zeros(6, 16), torch.arange(6), 4, 2)
-    with pytest.raises(ValueError, match=r"T\*k = 4 \* 2"):
-        moe.sum_pairs_masked(torch.zeros(2, 3, 16), torch.arange(6), 4, 2)
+        moe.pair_rows(torch.arange(6), 4, 2)
 
 
 def test_permute_then_combine_gives_the_tokens_back():
@@ -205,7 +203,7 @@ def test_masked_pair_weights_and_sums_against_a_loop(t, k, e, pool, capacity):
             want_w[s] = w.view(-1)[p]
     assert mw.shape == (e, c) and torch.equal(mw.view(-1), want_w)
     out = torch.randn(e, c, 24).to(torch.bfloat16)
-    got = moe.sum_pairs_masked(out, slot, t, k)
+    got = sum_routed_pairs(out, slot.view(t, k).to(torch.int32))
     flat = out.reshape(e * c, 24)
     for tok in range(t):
         slots = slot[tok * k:(tok + 1) * k].tolist()
@@ -277,7 +275,8 @@ def _glue(hidden, ids, w, e, capacity):
     y = moe.combine(permuted, order, w, t)
     masked, counts, slot, overflow = moe.to_masked(hidden, ids, e, capacity)
     ym = moe.combine_masked(masked, slot, w, t)
-    return permuted, offs, order, y, masked, counts, slot, overflow, ym
+    rows = moe.pair_rows(order, t, ids.shape[1])
+    return permuted, offs, order, y, masked, counts, slot, overflow, ym, rows
 
 
 @pytest.mark.parametrize("t, k, e, pool", ROUTINGS)
@@ -288,7 +287,7 @@ def test_routing_glue_reads_nothing_on_the_host(t, k, e, pool):
     with _NoHostSync():
         _glue(hidden, ids, w, e, c)
     meta = _glue(hidden.to("meta"), ids.to("meta"), w.to("meta"), e, c)  # shapes from shapes alone
-    shapes = [(t * k, 64), (e,), (t * k,), (t, 64), (e, c, 64), (e,), (t * k,), (), (t, 64)]
+    shapes = [(t * k, 64), (e,), (t * k,), (t, 64), (e, c, 64), (e,), (t * k,), (), (t, 64), (t, k)]
     assert [tuple(m.shape) for m in meta] == shapes
 
 
@@ -866,5 +865,5 @@ def test_torch_compile_traces_the_experts_in_one_graph(layout, routing, monkeypa
     assert sum("cutedsl_gemm.route_quantize_fp8" in t for t in targets) == one, targets  # the tokens, placed
     assert sum("cutedsl_gemm.quantize_fp8" in t for t in targets) == (not one), targets  # the tokens
     assert sum("cutedsl_gemm.silu_mul_quantize_fp8" in t for t in targets) == 1, targets  # the down GEMM's input
-    assert sum("cutedsl_gemm.sum_routed_pairs" in t for t in targets) == one, targets  # the combine
+    assert sum("cutedsl_gemm.sum_routed_pairs" in t for t in targets) == 1, targets  # the combine (both routings)
     torch._dynamo.reset()

@@ -275,13 +275,9 @@ def test_forward_matches_the_float64_reference(kind, recipe, layout, routing, mo
     y_ref = _check_gemm(calls[1], down, "down")
     # the combine: each token's k weighted rows added up (the glue's own function, then float64)
     y = calls[1][6]
-    if routing == "one kernel" and recipe != "tensor":  # (per tensor routes by the sort at every size)
-        pos = moe_route.route_pairs(ids, e, t if layout == "masked" else None)[0]
-        glue = moe_route.sum_routed_pairs(y, pos, backend="reference")
-    elif layout == "masked":
-        glue = moe.sum_pairs_masked(y, moe.to_masked(x, ids, e, t)[2], t, k)
-    else:
-        glue = moe.sum_pairs(y, moe.permute(x, ids, e)[2], t, k)
+    # (both routings place the pairs as the stable sort does and add them with the same kernel)
+    pos = moe_route.route_pairs(ids, e, t if layout == "masked" else None)[0]
+    glue = moe_route.sum_routed_pairs(y, pos, backend="reference")
     assert _same_bits(got, glue)
     by_pair = torch.empty(t * k, layer.hidden_dim, dtype=torch.float64, device="cuda")
     by_pair[torch.tensor(order, device="cuda")] = y_ref

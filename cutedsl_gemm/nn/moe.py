@@ -23,9 +23,9 @@ boolean-mask indexing; every shape follows from the inputs' shapes), so a forwar
 and it is deterministic: the pairs are ordered by a stable sort, the group boundaries found by ``searchsorted`` and
 the outputs summed over the top-k slots by one fp32 reduction (no atomics, no ``index_add_``). ``QuantizedExperts``
 applies each pair's routing weight before the down projection (in the gated activation: the projection is linear),
-so its combine only adds each token's k rows (``sum_pairs``, ``sum_pairs_masked``): two kernels where weighting
-after it takes k + 2. Expert ids must
-lie in ``[0, num_experts)`` (the routers' ``topk`` gives that; expert-parallel sentinels are not taken).
+so its combine only adds each token's k rows (``ops.moe_route.sum_routed_pairs`` at ``pair_rows`` or the masked
+``slot``: one kernel that gathers them, where weighting after the GEMM takes k + 2). Expert ids must lie in
+``[0, num_experts)`` (the routers' ``topk`` gives that; expert-parallel sentinels are not taken).
 """
 
 from __future__ import annotations
@@ -164,28 +164,18 @@ def _widest_word(t: torch.Tensor) -> Optional[torch.dtype]:
 
 def pair_weights(topk_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
     """(T*k,) fp32: the routing weight of each row of ``permute``'s layout (pair ``order[r]``), for weighting the
-    rows before the down projection (``sum_pairs`` then adds them up)."""
+    rows before the down projection (``sum_routed_pairs`` then adds them up)."""
     return topk_weights.reshape(-1).float().index_select(0, order)
 
 
-def sum_pairs(expert_out: torch.Tensor, order: torch.Tensor, num_tokens: int, k: int,
-              out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """(T, H): the sum of each token's k rows of ``expert_out`` (T*k, H, in ``permute``'s order, already weighted
-    by ``pair_weights``), accumulated in fp32 and rounded once to ``out_dtype`` (default: expert_out's); two
-    kernels whatever k (the token-major scatter, the reduction)."""
-    if expert_out.dim() != 2 or order.dim() != 1 or expert_out.shape[0] != order.shape[0] or \
-            order.shape[0] != num_tokens * k:
-        raise ValueError(f"expert_out (T*k, H) and order (T*k,) with T*k = {num_tokens} * {k}, got "
-                         f"{tuple(expert_out.shape)} and {tuple(order.shape)}")
-    h, dtype = expert_out.shape[1], out_dtype or expert_out.dtype
-    if num_tokens == 0 or k == 0:
-        return expert_out.new_zeros((num_tokens, h), dtype=dtype)
-    return _sum_slots(_token_major(expert_out, order).view(num_tokens, k, h), dtype)
-
-
-def _sum_slots(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(T, H): ``rows`` (T, k, H) summed over the k slots, accumulated in fp32 and rounded once to ``dtype``."""
-    return rows.sum(1) if dtype == rows.dtype else torch.sum(rows, 1, dtype=torch.float32).to(dtype)
+def pair_rows(order: torch.Tensor, num_tokens: int, k: int) -> torch.Tensor:
+    """(T, k) int32: the row of ``permute``'s layout that each (token, slot) pair took (the permutation ``order``
+    inverted), as ``ops.moe_route.sum_routed_pairs`` reads them."""
+    if order.dim() != 1 or order.shape[0] != num_tokens * k:
+        raise ValueError(f"order must be (T*k,) with T*k = {num_tokens} * {k}, got {tuple(order.shape)}")
+    rows = torch.empty(order.shape[0], dtype=torch.int32, device=order.device)
+    rows.scatter_(0, order, torch.arange(order.shape[0], dtype=torch.int32, device=order.device))
+    return rows.view(num_tokens, k)
 
 
 def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int) -> tuple:
@@ -250,25 +240,11 @@ def _masked_rows(expert_out: torch.Tensor, slot: torch.Tensor, num_tokens: int, 
 def masked_pair_weights(topk_weights: torch.Tensor, slot: torch.Tensor, num_experts: int,
                         capacity: int) -> torch.Tensor:
     """(E, C) fp32: the routing weight of each row of ``to_masked``'s layout, 0 where no pair is (and for a pair
-    dropped by overflow), for weighting the rows before the down projection (``sum_pairs_masked`` adds them)."""
+    dropped by overflow), for weighting the rows before the down projection (``sum_routed_pairs`` adds them)."""
     weights = torch.zeros(num_experts * capacity + 1, dtype=torch.float32, device=topk_weights.device)
     # dropped pairs (slot -1) all land in the extra first entry, cut off below
     weights.index_copy_(0, slot + 1, topk_weights.reshape(-1).float())
     return weights[1:].view(num_experts, capacity)
-
-
-def sum_pairs_masked(expert_out: torch.Tensor, slot: torch.Tensor, num_tokens: int, k: int,
-                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """(T, H) from the masked layout's output ``expert_out`` (E, C, H), its rows already weighted by
-    ``masked_pair_weights``: the sum of each token's k rows (``to_masked``'s ``slot``) accumulated in fp32, rounded
-    once to ``out_dtype`` (default: expert_out's). A token with a pair dropped by overflow (slot -1) gets NaN."""
-    if expert_out.dim() != 3 or slot.dim() != 1 or slot.shape[0] != num_tokens * k:
-        raise ValueError(f"expert_out must be (E, C, H) and slot (T*k,) with T*k = {num_tokens} * {k}, got "
-                         f"{tuple(expert_out.shape)} and {tuple(slot.shape)}")
-    dtype = out_dtype or expert_out.dtype
-    if num_tokens == 0 or k == 0:
-        return expert_out.new_zeros((num_tokens, expert_out.shape[2]), dtype=dtype)
-    return _sum_slots(_masked_rows(expert_out, slot, num_tokens, k), dtype)
 
 
 # --- the layer -------------------------------------------------------------------------------------------------
@@ -412,9 +388,9 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     (``quantize_fp8``: "row" per token, "tensor" one scale for all rows, "deepseek" per token and 128-deep K group), the
     grouped gate_up GEMM, ``SiLU(gate) * routing weight * up`` (fp32 products rounded once to hidden's dtype) quantized
     for the down GEMM in the same kernel (``silu_mul_quantize_fp8``; per tensor: torch, then ``quantize_fp8``), the
-    grouped down GEMM, the sum of each token's rows (``sum_pairs``). With ``capacity`` set, the masked layout instead
-    (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the capacity makes
-    its token's output NaN. For the row-wise and DeepSeek recipes at decode and small batches
+    grouped down GEMM, the sum of each token's rows (``sum_routed_pairs``). With ``capacity`` set, the masked
+    layout instead (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the
+    capacity makes its token's output NaN. For the row-wise and DeepSeek recipes at decode and small batches
     (``ops.moe_route.routes_in_one_kernel``: up to ``ROUTE_MAX_PAIRS`` pairs) one kernel does the permutation and
     the quantization (``route_quantize_fp8``) and one the sum (``sum_routed_pairs``): five kernels a call.
 
@@ -521,7 +497,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             # the routing weights go in before the (linear) down projection, so the combine only adds rows up
             qh, sh = self._quantize_gated(h, pair_weights(top_k_weights, order))
             y = grouped(qh, down, sh, self.down_proj_scale, offs, out_dtype=dtype)
-            return sum_pairs(y, order, t, k, out_dtype=dtype)
+            return sum_routed_pairs(y, pair_rows(order, t, k))
         c = min(self.capacity, t)  # an expert takes at most one pair per token
         x, counts, slot, _ = to_masked(hidden_states, top_k_index, self.num_experts, c)
         e = self.num_experts
@@ -533,7 +509,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         qh, sh = self._quantize_gated(h.view(e * c, -1), masked_pair_weights(top_k_weights, slot, e, c).view(-1), live)
         y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=counts,
                     out_dtype=dtype)
-        return sum_pairs_masked(y, slot, t, k, out_dtype=dtype)
+        return sum_routed_pairs(y, slot.view(t, k).to(torch.int32))
 
     def _forward_routed(self, grouped, gate_up, down, hidden_states, top_k_index, top_k_weights):
         """The forward with the routing in one kernel on each side of the GEMMs (``route_quantize_fp8``,
