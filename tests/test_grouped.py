@@ -215,33 +215,34 @@ def test_ptx_holds_wgmma_tma_and_group_reads(layout):
 
 
 @pytest.mark.filterwarnings("ignore:This static loop has .* iterations")  # trace-time checks, nothing compiled
-@pytest.mark.parametrize("bm", [64, 128])
-def test_fragment_pairs_are_adjacent_columns_of_one_row(bm):
+@pytest.mark.parametrize("bm, bn, groups_n", [(64, 128, 1), (128, 128, 1), (64, 256, 2)])
+def test_fragment_pairs_are_adjacent_columns_of_one_row(bm, bn, groups_n):
     """The epilogue stores fragment elements 2j and 2j + 1 as one 32-bit word: for every consumer thread they are
-    columns c and c + 1 of one row of the tile, c even."""
+    columns c and c + 1 of one row of the tile, c even; the threads' elements cover the tile once (64x256: two warp
+    groups side by side along N)."""
     import cutlass
     import cutlass.cute as cute
     import cutlass.utils.hopper_helpers as sm90_utils
     from cutlass.cute.nvgpu import OperandMajorMode
 
-    bn, bad, checked = 128, [], []
+    bad, seen = [], set()
 
     @cute.jit
     def check():
         tv = sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, OperandMajorMode.K,
-                                               OperandMajorMode.K, cutlass.Float32, (bm // 64, 1, 1),
-                                               tiler_mn=(64, bn)).tv_layout_C_tiled
+                                               OperandMajorMode.K, cutlass.Float32, (bm // 64, groups_n, 1),
+                                               tiler_mn=(64, bn // groups_n)).tv_layout_C_tiled
         values = cute.size(tv, mode=[1])
-        for t in cutlass.range_constexpr(bm // 64 * 128):
+        for t in cutlass.range_constexpr(bm // 64 * groups_n * 128):
             for j in cutlass.range_constexpr(values // 2):
                 r0, c0 = (int(x) for x in cute.idx2crd(tv((t, 2 * j)), (bm, bn)))
                 r1, c1 = (int(x) for x in cute.idx2crd(tv((t, 2 * j + 1)), (bm, bn)))
-                checked.append(1)
+                seen.update({(r0, c0), (r1, c1)})
                 if cutlass.const_expr((r1, c1) != (r0, c0 + 1) or c0 % 2):
                     bad.append((t, j, (r0, c0), (r1, c1)))
 
     cute.compile(check, options="--gpu-arch sm_90a")  # the checks run while it traces
-    assert len(checked) == bm * bn // 2 and not bad, bad[:4]
+    assert len(seen) == bm * bn and not bad, bad[:4]
 
 
 @pytest.mark.compile
@@ -269,6 +270,41 @@ def test_block_scaled_ptx_stages_scales_in_the_mainloop():
     assert rep.has(r"cp\.async\.mbarrier\.arrive\.noinc\.shared")
     assert len(re.findall(r"\bfma\.rn\.f32\b", rep.ptx)) >= 2 * 64  # both fragments' 64 elements a K tile
     assert rep.frame_bytes == 0, f"{rep.name} spills"
+
+
+@pytest.mark.parametrize("tile_m, tile_n, recipe, ok", [
+    (64, 256, "row", True), (64, 256, "tensor", True), (128, 256, "row", False), (64, 256, "1x128_128x128", False),
+    (64, 192, "row", False), (64, 128, "row", True)])
+def test_the_wide_tile_is_64_rows_of_the_epilogue_scaled_recipes(tile_m, tile_n, recipe, ok):
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
+
+    cfg = Sm90GroupedGemmConfig(recipe=recipe, tile_m=tile_m, tile_n=tile_n)
+    if ok:
+        cfg.check()
+    else:
+        with pytest.raises(ValueError, match="64x256|two warp groups"):
+            cfg.check()
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("early", [False, True])
+def test_the_wide_tile_runs_two_warp_groups_side_by_side(early):
+    """64x256: two consumer warp groups, each a 64x128 WGMMA over its half of the W tile (one 256-row TMA box), its
+    half's 64 elements a thread stored as 32 paired words, no spills."""
+    import dataclasses
+
+    from cutedsl_gemm.families import sm90_grouped as G
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=64)[0]
+    wide = dataclasses.replace(inst, tile_n=256, early_row_scales=early)
+    rep = inspect_instance(wide)
+    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
+    assert rep.has(r"\.reqntid 384\b") or rep.has(r"\.maxntid 384\b")
+    assert len(re.findall(r"st\.global\.b32", rep.ptx)) == 64 * 128 // 128 // 2
+    assert rep.frame_bytes == 0, f"{rep.name} spills"
+    smem, stages = G.resources(wide)
+    assert stages == 5 and smem == 1024 + 5 * (64 + 256) * 128
 
 
 def test_call_signature_tells_calls_apart():

@@ -26,7 +26,7 @@ main loop.
 | TMA producer | warp 0 of warp group 0 | 40 | per work unit, each K tile's A rows and W tile into a stage |
 | scale producer | warp 1 of warp group 0 (block scales) | 40 | the same walk: each K tile's A and W scales |
 | idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
-| MMA consumers | warp groups 1..tile_m/64 | 232 | 64 rows each of the tile: WGMMA, promotion, epilogue |
+| MMA consumers | warp groups 1..tile_m/64 (64x256: 1, 2) | 232 | 64 rows (64x256: 128 columns) each: WGMMA, epilogue |
 
 | pipeline | producer -> consumer | stages |
 |---|---|---|
@@ -70,6 +70,9 @@ GROUPED_RECIPES = ("tensor", "row", "1x128_128x128")
 # m tiles of a group walked before moving along N where its expert's W overflows L2 (the dense scheduler's band for
 # one-CTA clusters)
 RASTER_GROUP_M = 8
+# The wide tile: 64 rows by two warp groups of 128 columns side by side (a unit streams twice the W bytes of a
+# 64x128 one per fixed cost of the unit: its group lookup, epilogue and pipeline hand-offs)
+WIDE_TILE_N = 256
 
 
 @dataclass(frozen=True)
@@ -97,9 +100,13 @@ class Sm90GroupedGemmConfig:
             raise ValueError(f"grouped GEMM operands {self.a_dtype} x {self.b_dtype}: FP8 (e4m3, e5m2)")
         if self.out_dtype not in ("bf16", "fp16"):
             raise ValueError(f"grouped GEMM output {self.out_dtype}: bf16 or fp16")
-        if self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
+        if self.tile_n == WIDE_TILE_N:
+            if self.tile_m != 64 or self.recipe not in ("row", "tensor"):
+                raise ValueError(f"the {WIDE_TILE_N}-wide tile (two warp groups side by side along N) is 64 rows of "
+                                 f"the row-wise or per-tensor recipe, not {self.recipe} {self.tile_m}x{self.tile_n}")
+        elif self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
             raise ValueError(f"grouped GEMM tile {self.tile_m}x{self.tile_n}: tile_m 64 or 128, tile_n a multiple "
-                             "of 16 up to 128")
+                             f"of 16 up to 128, or 64x{WIDE_TILE_N}")
         if self.early_row_scales and (self.recipe != "row" or self.tile_m != 64):
             raise ValueError(f"early row scales are for the row-wise recipe's 64-row tile, not {self.recipe} "
                              f"{self.tile_m}x{self.tile_n}")
@@ -134,7 +141,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         self.a_dtype, self.b_dtype = cutlass_dtype(cfg.a_dtype), cutlass_dtype(cfg.b_dtype)
         self.d_dtype = cutlass_dtype(cfg.out_dtype)
         self.tile_shape_mnk = (cfg.tile_m, cfg.tile_n, 128)
-        self.num_mma_warp_groups = cfg.tile_m // 64
+        self.warp_groups_n = 2 if cfg.tile_n == WIDE_TILE_N else 1  # warp groups side by side along N
+        self.num_mma_warp_groups = cfg.tile_m // 64 * self.warp_groups_n
         self.threads_per_cta = (1 + self.num_mma_warp_groups) * self.threads_per_warp_group
         self.stages = cfg.stages or max_stages(cfg)
         self.masked = cfg.layout == "masked"
@@ -199,7 +207,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
     def _make_tiled_mma(self, a_layout, b_layout):
         return sm90_utils.make_trivial_tiled_mma(
             self.a_dtype, self.b_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(), Float32,
-            (self.num_mma_warp_groups, 1, 1), tiler_mn=(64, self.tile_shape_mnk[1]))
+            (self.tile_shape_mnk[0] // 64, self.warp_groups_n, 1),
+            tiler_mn=(64, self.tile_shape_mnk[1] // self.warp_groups_n))
 
     # ---- the group walk -----------------------------------------------------------------------
     @cute.jit
