@@ -249,7 +249,7 @@ class BlockVariant:
 
 class SortRouted(torch.nn.Module):
     """A converted block whose experts route their pairs by the sort, the gather and the quantizer at every size
-    (``ops.moe_route.ROUTE_MAX_PAIRS`` 0 while it runs, a CUDA graph's capture included): the other side of the
+    (``ops.moe_route.ROUTE_MAX_ID_READS`` 0 while it runs, a CUDA graph's capture included): the other side of the
     one-kernel routing's size rule."""
 
     def __init__(self, block: torch.nn.Module):
@@ -257,11 +257,11 @@ class SortRouted(torch.nn.Module):
         self.block = block
 
     def forward(self, *args, **kwargs):
-        saved, moe_route.ROUTE_MAX_PAIRS = moe_route.ROUTE_MAX_PAIRS, 0
+        saved, moe_route.ROUTE_MAX_ID_READS = moe_route.ROUTE_MAX_ID_READS, 0
         try:
             return self.block(*args, **kwargs)
         finally:
-            moe_route.ROUTE_MAX_PAIRS = saved
+            moe_route.ROUTE_MAX_ID_READS = saved
 
 
 def block_variants(run, name: str, block) -> list:

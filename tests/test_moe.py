@@ -702,9 +702,9 @@ def _routed(kind, t=48, seed=0):
 
 def _route_by(routing, monkeypatch):
     """Make the experts route their pairs by ``routing``: "one kernel" (route_quantize_fp8, the default at these
-    sizes) or "sort" (a sort, a gather and the quantizer, the form past ROUTE_MAX_PAIRS)."""
+    sizes) or "sort" (a sort, a gather and the quantizer, the form past ROUTE_MAX_ID_READS)."""
     if routing == "sort":
-        monkeypatch.setattr(moe_route, "ROUTE_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_route, "ROUTE_MAX_ID_READS", 0)
 
 
 @pytest.mark.parametrize("routing", ["one kernel", "sort"])

@@ -101,13 +101,13 @@ def _experts(kind, recipe, capacity=None):
 
 
 #: How QuantizedExperts routes its pairs: one kernel each side of the GEMMs (the default at these sizes) or a sort,
-#: a gather and the quantizer (past ops.moe_route.ROUTE_MAX_PAIRS, and for the per-tensor recipe).
+#: a gather and the quantizer (past ops.moe_route.ROUTE_MAX_ID_READS, and for the per-tensor recipe).
 ROUTINGS = ["one kernel", "sort"]
 
 
 def _route_by(routing, monkeypatch):
     if routing == "sort":
-        monkeypatch.setattr(moe_route, "ROUTE_MAX_PAIRS", 0)
+        monkeypatch.setattr(moe_route, "ROUTE_MAX_ID_READS", 0)
 
 
 def _same_bits(a, b):

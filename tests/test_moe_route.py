@@ -134,7 +134,8 @@ def test_sum_is_each_tokens_rows_in_fp32_rounded_once(dtype):
 
 def test_the_layer_takes_one_kernel_up_to_the_pair_limit():
     assert M.routes_in_one_kernel(1, 8, 128, 2048) and M.routes_in_one_kernel(512, 8, 256, 7168)
-    assert not M.routes_in_one_kernel(513, 8, 256, 7168)  # past ROUTE_MAX_PAIRS: the sort
+    assert not M.routes_in_one_kernel(513, 8, 256, 7168)  # past ROUTE_MAX_ID_READS: the sort
+    assert M.routes_in_one_kernel(1024, 2, 8, 4096) and not M.routes_in_one_kernel(1025, 2, 8, 4096)  # top-2
     assert not M.routes_in_one_kernel(4, 8, M.MAX_EXPERTS + 1, 2048)
     assert not M.routes_in_one_kernel(4, M.MAX_TOP_K + 1, 64, 2048)
     assert not M.routes_in_one_kernel(4, 2, 8, 2056)  # not a multiple of 16
@@ -239,6 +240,7 @@ def test_route_ptx_counts_in_shared_memory_after_issuing_the_row(route_ptx):
         t = route_ptx[name]
         atoms = _lines(t, "atom.shared.cta.add.u32")
         assert len(atoms) == 2 * 4, name  # total and before, for each of the 4 ids a thread loads at once
+        assert len(_lines(t, "match.any.sync.b32")) == 4, name  # one atomic per expert and warp
         row_loads = _lines(t, "ld.global.v4.b32")
         assert row_loads and max(row_loads) < min(atoms), name  # the row's loads are in flight while counting
         assert ".local" not in t and "atom.global" not in t and "red.global" not in t, name  # no spills, no globals

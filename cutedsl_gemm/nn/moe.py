@@ -391,7 +391,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     grouped down GEMM, the sum of each token's rows (``sum_routed_pairs``). With ``capacity`` set, the masked
     layout instead (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the
     capacity makes its token's output NaN. For the row-wise and DeepSeek recipes at decode and small batches
-    (``ops.moe_route.routes_in_one_kernel``: up to ``ROUTE_MAX_PAIRS`` pairs) one kernel does the permutation and
+    (``ops.moe_route.routes_in_one_kernel``: up to 512 tokens of top-8) one kernel does the permutation and
     the quantization (``route_quantize_fp8``) and one the sum (``sum_routed_pairs``): five kernels a call.
 
     Saved format (``state_dict``, loadable with ``safetensors``): ``gate_up_proj`` (E, 2I, H) and ``down_proj``
@@ -514,7 +514,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     def _forward_routed(self, grouped, gate_up, down, hidden_states, top_k_index, top_k_weights):
         """The forward with the routing in one kernel on each side of the GEMMs (``route_quantize_fp8``,
         ``sum_routed_pairs``): five kernels in all, for the row-wise and DeepSeek recipes up to
-        ``ROUTE_MAX_PAIRS`` pairs."""
+        ``routes_in_one_kernel``'s size."""
         gran, dtype, e = ACTIVATION_GRANULARITY[self.recipe], hidden_states.dtype, self.num_experts
         c = None if self.capacity is None else min(self.capacity, hidden_states.shape[0])
         qx, sx, groups, pos, weights = route_quantize_fp8(hidden_states, top_k_index.contiguous(),

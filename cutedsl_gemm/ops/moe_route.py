@@ -51,18 +51,19 @@ ROUTE_GRANULARITIES = (G.ROW, G.GROUP_1x128)
 # the kernel's limits (kernels/sm90/moe_route.py: MAX_TOP_K, MAX_EXPERTS, MAX_HIDDEN; its module is not imported
 # before a kernel is built)
 MAX_TOP_K, MAX_EXPERTS, MAX_HIDDEN = 32, 1024, 65536
-#: Up to this many (token, slot) pairs the MoE layer routes in one kernel (each of its T CTAs reads all T*k ids).
-ROUTE_MAX_PAIRS = 4096
+#: The MoE layer routes in one kernel while its T CTAs read at most this many expert ids in all (T * T*k: 512
+#: tokens of top-8, 1024 of top-2).
+ROUTE_MAX_ID_READS = 512 * 4096
 ID_DTYPES = (torch.int32, torch.int64)
 ROUTE, PAIR_SUM = "route_quantize", "sum_routed_pairs"  # the prepared-call cache's kinds
 
 
 def routes_in_one_kernel(tokens: int, top_k: int, num_experts: int, hidden: int) -> bool:
-    """Whether the MoE layer routes ``tokens`` x ``top_k`` pairs with ``route_quantize_fp8`` (and adds them up with
-    ``sum_routed_pairs``) rather than a sort, a gather and the quantizer: within the kernel's limits and
-    ``ROUTE_MAX_PAIRS``."""
-    return (0 < tokens * top_k <= ROUTE_MAX_PAIRS and top_k <= MAX_TOP_K and num_experts <= MAX_EXPERTS
-            and hidden <= MAX_HIDDEN and hidden % VEC == 0)
+    """Whether the MoE layer routes ``tokens`` x ``top_k`` pairs with ``route_quantize_fp8`` rather than a sort, a
+    gather and the quantizer: within the kernel's limits, and while its CTAs (one a token) read at most
+    ``ROUTE_MAX_ID_READS`` expert ids in all."""
+    return (0 < tokens * top_k and tokens * tokens * top_k <= ROUTE_MAX_ID_READS and top_k <= MAX_TOP_K
+            and num_experts <= MAX_EXPERTS and hidden <= MAX_HIDDEN and hidden % VEC == 0)
 
 
 # --- the order of the pairs (shared with nn.moe's sort-based routing) -----------------------------------------

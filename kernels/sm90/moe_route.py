@@ -10,7 +10,8 @@ phase      what the CTA of token t does
 =========  ===================================================================================================
 load       issues the loads of row t (16-element vectors, ``P`` per thread, held in registers)
 count      reads all T*k expert ids: per expert the pairs routed to it (``total``) and those of tokens before t
-           (``before``), shared-memory integer atomics (exact, so every CTA counts the same)
+           (``before``), shared-memory integer atomics (exact, so every CTA counts the same), one per expert and
+           warp (``match.any`` groups a warp's lanes by expert)
 scan       warp 0: the exclusive prefix sum of ``total`` over the experts, each expert's first row (contiguous);
            CTA 0 writes the groups (the cumulative end rows, or per expert the counts clamped to the capacity)
 place      thread j < k: pair (t, j)'s row, ``start[e] + before[e] + (slots j' < j with expert e)`` (contiguous:
@@ -126,18 +127,27 @@ class RouteQuant:
         cute.arch.barrier()
         mine = t * k
         pairs = mIds.shape[0]
-        for first in range(tidx, pairs, self.T * COUNT_LOADS):
+        lane = tidx % 32
+        below = cute.arch.lanemask_lt()
+        # warp-uniform trips (the match below takes every lane): a warp's lanes take consecutive pairs
+        for first in range(tidx - lane, pairs, self.T * COUNT_LOADS):
             ids = []  # COUNT_LOADS loads in flight before the first atomic (a slot past the pairs reads as id -1)
             for u in cutlass.range_constexpr(COUNT_LOADS):
-                p = first + u * self.T
+                p = first + u * self.T + lane
                 ids.append(cutlass.select_(p < pairs, mIds[cutlass.min(p, pairs - 1)], self.id_dtype(-1)))
             for u in cutlass.range_constexpr(COUNT_LOADS):
                 raw = ids[u]
-                if (raw >= 0) & (raw < E):
-                    e = Int32(raw)
-                    cute.arch.atomic_add(total.iterator + e, Int32(1), scope="cta")
-                    if first + u * self.T < mine:
-                        cute.arch.atomic_add(before.iterator + e, Int32(1), scope="cta")
+                valid = (raw >= 0) & (raw < E)
+                e = cutlass.select_(valid, Int32(raw), Int32(-1))
+                # one atomic per expert and warp (the lanes of one expert add up first: a hot expert's pairs do
+                # not serialise on its counter)
+                peers = cute.arch.match_sync(0xFFFFFFFF, e)
+                earlier = cute.arch.vote_ballot_sync(first + u * self.T + lane < mine)
+                if valid & ((peers & below) == 0):  # the lowest lane of its expert's peers
+                    cute.arch.atomic_add(total.iterator + e, Int32(cute.arch.popc(peers)), scope="cta")
+                    n_before = cute.arch.popc(peers & earlier)
+                    if n_before > 0:
+                        cute.arch.atomic_add(before.iterator + e, Int32(n_before), scope="cta")
         cute.arch.barrier()
 
         # scan (contiguous) / counts (masked)
