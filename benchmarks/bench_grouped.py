@@ -143,7 +143,7 @@ def main(argv=None):
     p.add_argument("--check", action="store_true", help="also the error against the float64 reference (slow)")
     p.add_argument("--tile-m", type=int, default=None, choices=(64, 128),
                    help="rows a tile of the table's pick (a kernel option; default: the table's)")
-    p.add_argument("--tile-n", type=int, default=None, choices=(32, 64, 128, 256),
+    p.add_argument("--tile-n", type=int, default=None, choices=(32, 64, 128, 192, 256),
                    help="columns a tile of the table's pick (a kernel option; default: the table's)")
     p.add_argument("--early-row-scales", choices=("on", "off"), default=None,
                    help="a 64-row tile's row-wise scales loaded as each unit starts, or after its main loop (a "

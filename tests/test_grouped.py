@@ -274,15 +274,16 @@ def test_block_scaled_ptx_stages_scales_in_the_mainloop():
 
 @pytest.mark.parametrize("tile_m, tile_n, recipe, ok", [
     (64, 256, "row", True), (64, 256, "tensor", True), (128, 256, "row", False), (64, 256, "1x128_128x128", False),
-    (64, 192, "row", False), (64, 128, "row", True)])
-def test_the_wide_tile_is_64_rows_of_the_epilogue_scaled_recipes(tile_m, tile_n, recipe, ok):
+    (64, 192, "row", False), (64, 128, "row", True), (128, 192, "row", True), (128, 192, "tensor", True),
+    (128, 192, "1x128_128x128", False)])
+def test_the_wide_tiles_are_the_epilogue_scaled_recipes(tile_m, tile_n, recipe, ok):
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
 
     cfg = Sm90GroupedGemmConfig(recipe=recipe, tile_m=tile_m, tile_n=tile_n)
     if ok:
         cfg.check()
     else:
-        with pytest.raises(ValueError, match="64x256|two warp groups"):
+        with pytest.raises(ValueError, match="64x256|128x192|two warp groups|serial promotion"):
             cfg.check()
 
 
@@ -305,6 +306,27 @@ def test_the_wide_tile_runs_two_warp_groups_side_by_side(early):
     assert rep.frame_bytes == 0, f"{rep.name} spills"
     smem, stages = G.resources(wide)
     assert stages == 5 and smem == 1024 + 5 * (64 + 256) * 128
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("recipe", ["row", "tensor"])
+def test_the_128x192_tile_promotes_serially_without_spills(recipe):
+    """128x192: two warp groups of 64x192 WGMMAs, each K tile retired (wait_group 0) before the next is issued,
+    the row-wise scales multiplied into the accumulator before the stores, no spills."""
+    import dataclasses
+
+    from cutedsl_gemm.families import sm90_grouped as G
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe=recipe, out_dtype="bf16", tile_m=128)[0]
+    wide = dataclasses.replace(inst, tile_n=192)
+    rep = inspect_instance(wide)
+    assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.f32\.e4m3\.e4m3")
+    assert rep.has(r"wgmma\.wait_group\.sync\.aligned\s+0\b")
+    assert not rep.has(r"wgmma\.wait_group\.sync\.aligned\s+1\b")  # no second fragment in flight
+    assert len(re.findall(r"st\.global\.b32", rep.ptx)) == 64 * 192 // 128 // 2
+    assert rep.frame_bytes == 0, f"{rep.name} spills"
+    assert G.resources(wide) == (1024 + 5 * (128 + 192) * 128, 5)
 
 
 def test_call_signature_tells_calls_apart():

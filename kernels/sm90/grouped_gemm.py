@@ -59,6 +59,7 @@ from cutlass import Float32, Int32
 from cutlass.memory import SmemAllocator
 from cutlass.tensor_utils import LayoutEnum
 
+from ..common.register_fence import fence_registers
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import banded_coords
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales
@@ -73,6 +74,11 @@ RASTER_GROUP_M = 8
 # The wide tile: 64 rows by two warp groups of 128 columns side by side (a unit streams twice the W bytes of a
 # 64x128 one per fixed cost of the unit: its group lookup, epilogue and pipeline hand-offs)
 WIDE_TILE_N = 256
+# The large-group tile: 128 rows by 192 columns, two warp groups of 64 rows, each promoting a K tile before issuing
+# the next (two 192-wide fragments and the accumulator would not fit; the other warp group's MMAs fill the gap),
+# as the dense kernel's 192-wide tiles
+SERIAL_TILE_N = 192
+SCALE_CHUNKS = 4  # the 192-wide tile's row-wise scales applied in this many chunks of its fragment
 
 
 @dataclass(frozen=True)
@@ -100,13 +106,17 @@ class Sm90GroupedGemmConfig:
             raise ValueError(f"grouped GEMM operands {self.a_dtype} x {self.b_dtype}: FP8 (e4m3, e5m2)")
         if self.out_dtype not in ("bf16", "fp16"):
             raise ValueError(f"grouped GEMM output {self.out_dtype}: bf16 or fp16")
-        if self.tile_n == WIDE_TILE_N:
+        if self.tile_n == SERIAL_TILE_N:
+            if self.tile_m != 128 or self.recipe not in ("row", "tensor") or self.early_row_scales:
+                raise ValueError(f"the {SERIAL_TILE_N}-wide tile (serial promotion) is 128 rows of the row-wise or "
+                                 f"per-tensor recipe, not {self.recipe} {self.tile_m}x{self.tile_n}")
+        elif self.tile_n == WIDE_TILE_N:
             if self.tile_m != 64 or self.recipe not in ("row", "tensor"):
                 raise ValueError(f"the {WIDE_TILE_N}-wide tile (two warp groups side by side along N) is 64 rows of "
                                  f"the row-wise or per-tensor recipe, not {self.recipe} {self.tile_m}x{self.tile_n}")
         elif self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
             raise ValueError(f"grouped GEMM tile {self.tile_m}x{self.tile_n}: tile_m 64 or 128, tile_n a multiple "
-                             f"of 16 up to 128, or 64x{WIDE_TILE_N}")
+                             f"of 16 up to 128, 64x{WIDE_TILE_N} or 128x{SERIAL_TILE_N}")
         if self.early_row_scales and (self.recipe != "row" or self.tile_m != 64):
             raise ValueError(f"early row scales are for the row-wise recipe's 64-row tile, not {self.recipe} "
                              f"{self.tile_m}x{self.tile_n}")
@@ -461,10 +471,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         alpha = Float32(1.0)
         if cutlass.const_expr(self.cfg.recipe == "tensor"):
             alpha = Float32(mSA[0]) * Float32(mSB[e])
-        scratch = row_scales[0]
-        if cutlass.const_expr(self.cfg.recipe == "row"):
-            for i in cutlass.range(cute.size(acc), unroll_full=True):
-                scratch[i] = scratch[i] * row_scales[1][i]
+        scratch = self._scale_products(acc, row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
         # Fragment elements 2j and 2j + 1 are columns c and c + 1 of one row (tests/test_grouped.py): one 32-bit
         # store for both where the row starts 4-byte aligned (N even) and both columns are below N.
         paired = n % 2 == 0
@@ -486,6 +493,16 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                         gD[row, col] = v0.to(self.d_dtype)
                     if col + 1 < n:
                         gD[row, col + 1] = v1.to(self.d_dtype)
+
+    @cute.jit
+    def _scale_products(self, acc, row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        """Row-wise: each element's row scale times its column scale, into ``row_scales[0]`` (returned: what
+        ``_scaled`` multiplies by)."""
+        scratch = row_scales[0]
+        if cutlass.const_expr(self.cfg.recipe == "row"):
+            for i in cutlass.range(cute.size(acc), unroll_full=True):
+                scratch[i] = scratch[i] * row_scales[1][i]
+        return scratch
 
     @cute.jit
     def _scaled(self, acc, scratch, alpha, i: cutlass.Constexpr):
@@ -530,6 +547,60 @@ class Sm90GroupedFp8GemmEarlyRowScales(Sm90GroupedFp8Gemm):
         """(loaded as the unit started)"""
 
 
+class Sm90GroupedFp8GemmSerial(Sm90GroupedFp8Gemm):
+    """The 128x192 tile (``SERIAL_TILE_N``) of groups of many rows: each consumer warp group promotes a K tile
+    before issuing the next (``_mainloop_promoted_serial``; the other warp group's MMAs run meanwhile), and the
+    row-wise recipe multiplies each accumulator element by its row and column scales before the first store (the
+    accumulator and two more 192-wide fragments would not fit in 232 registers).
+
+    | warp role | threads | registers | work |
+    |---|---|---|---|
+    | TMA producer | warp 0 of warp group 0 | 40 | as ``Sm90GroupedFp8Gemm`` |
+    | idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
+    | MMA consumers | warp groups 1, 2 | 232 | 64 rows each: WGMMA with serial promotion, epilogue |
+
+    | pipeline | producer -> consumer | stages |
+    |---|---|---|
+    | mainloop (PipelineTmaAsync) | TMA warp -> consumer warp groups | ``stages`` (A + W tile) |
+    """
+
+    def __init__(self, cfg: Sm90GroupedGemmConfig):
+        super().__init__(cfg)
+        self._consumer_mainloop = self._mainloop_promoted_serial
+
+    def _row_scale_regs(self, temps, shape):
+        return None  # (the scales go into the accumulator itself: _scale_products)
+
+    def _scales_after_mainloop(self, dst, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        """(folded into the accumulator before the stores)"""
+
+    @cute.jit
+    def _scale_products(self, acc, row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n):
+        """Row-wise: each element of the accumulator times its row scale times its column scale (the same
+        product and rounding as the base class's), every load before the first store."""
+        if cutlass.const_expr(self.cfg.recipe == "row"):
+            r0, valid_rows, c0 = unit_rows
+            size = cute.size(acc)
+            chunk = size // SCALE_CHUNKS
+            for h in cutlass.range_constexpr(SCALE_CHUNKS):
+                for i in cutlass.range_constexpr(h * chunk, (h + 1) * chunk):
+                    m, c = tile_coords[i]
+                    acc[i] = acc[i] * (Float32(mSA[r0 + cutlass.min(m, valid_rows - 1), g])
+                                       * Float32(mSB[cutlass.min(c0 + c, n - 1), e]))
+                # (a chunk's scale loads stay after the chunk before: all of them at once would not fit)
+                fence_registers(acc)
+        return None
+
+    @cute.jit
+    def _scaled(self, acc, scratch, alpha, i: cutlass.Constexpr):
+        v = acc[i]
+        if cutlass.const_expr(self.cfg.recipe == "tensor"):
+            v = v * alpha
+        return v
+
+
 def grouped_kernel(cfg: Sm90GroupedGemmConfig) -> Sm90GroupedFp8Gemm:
     """The kernel object that builds ``cfg``."""
+    if cfg.tile_n == SERIAL_TILE_N:
+        return Sm90GroupedFp8GemmSerial(cfg)
     return (Sm90GroupedFp8GemmEarlyRowScales if cfg.early_row_scales else Sm90GroupedFp8Gemm)(cfg)
