@@ -215,7 +215,7 @@ def test_ptx_holds_wgmma_tma_and_group_reads(layout):
 
 
 @pytest.mark.filterwarnings("ignore:This static loop has .* iterations")  # trace-time checks, nothing compiled
-@pytest.mark.parametrize("bm, bn, groups_n", [(64, 128, 1), (128, 128, 1), (64, 256, 2)])
+@pytest.mark.parametrize("bm, bn, groups_n", [(64, 128, 1), (128, 128, 1), (64, 256, 2), (128, 192, 1)])
 def test_fragment_pairs_are_adjacent_columns_of_one_row(bm, bn, groups_n):
     """The epilogue stores fragment elements 2j and 2j + 1 as one 32-bit word: for every consumer thread they are
     columns c and c + 1 of one row of the tile, c even; the threads' elements cover the tile once (64x256: two warp
