@@ -59,9 +59,9 @@ from typing import NamedTuple
 import torch
 
 from cutedsl_gemm import nn as cnn
+from cutedsl_gemm.nn import moe
 from cutedsl_gemm.nn.moe import EXPERT_RECIPES, is_experts
 from cutedsl_gemm.numerics import reference as R
-from cutedsl_gemm.ops import moe_route
 from cutedsl_gemm.tools import models as M
 from cutedsl_gemm.tools.cli import positive_int
 
@@ -248,20 +248,20 @@ class BlockVariant:
 
 
 class SortRouted(torch.nn.Module):
-    """A converted block whose experts route their pairs by the sort, the gather and the quantizer at every size
-    (``ops.moe_route.ROUTE_MAX_ID_READS`` 0 while it runs, a CUDA graph's capture included): the other side of the
-    one-kernel routing's size rule."""
+    """A converted block whose experts route their pairs by the sort, the gather and the quantizer
+    (``nn.moe.routes_by_kernel`` false while it runs, a CUDA graph's capture included): what the routing kernels
+    replace."""
 
     def __init__(self, block: torch.nn.Module):
         super().__init__()
         self.block = block
 
     def forward(self, *args, **kwargs):
-        saved, moe_route.ROUTE_MAX_ID_READS = moe_route.ROUTE_MAX_ID_READS, 0
+        saved, moe.routes_by_kernel = moe.routes_by_kernel, lambda *args: False
         try:
             return self.block(*args, **kwargs)
         finally:
-            moe_route.ROUTE_MAX_ID_READS = saved
+            moe.routes_by_kernel = saved
 
 
 def block_variants(run, name: str, block) -> list:

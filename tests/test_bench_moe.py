@@ -218,7 +218,7 @@ def test_a_conversion_that_keeps_the_experts_gives_no_ours_row(monkeypatch):
 def test_sort_routing_times_each_recipe_both_ways(tmp_path, monkeypatch, reference_ops):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     routed, sorted_ = [], []
-    real_route, real_permute = moe.route_quantize_fp8, moe.permute
+    real_route, real_permute, real_rule = moe.route_quantize_fp8, moe.permute, moe.routes_by_kernel
     monkeypatch.setattr(moe, "route_quantize_fp8", lambda *a, **k: routed.append(1) or real_route(*a, **k))
     monkeypatch.setattr(moe, "permute", lambda *a, **k: sorted_.append(1) or real_permute(*a, **k))
     argv = TINY_BLOCK + ["--batches", "2", "--prefill", "0", "--recipes", "row,tensor", "--sort-routing",
@@ -228,7 +228,7 @@ def test_sort_routing_times_each_recipe_both_ways(tmp_path, monkeypatch, referen
     assert [(c["recipe"], c["experts implementation"]) for c in cells] == [
         ("bf16", "grouped_mm"), ("row", B.OURS), ("row", B.SORT_ROUTED), ("tensor", B.OURS)]
     assert routed and sorted_  # each form ran (per tensor and the sort-routed row by permute)
-    assert B.moe_route.ROUTE_MAX_ID_READS > 0  # restored after each call
+    assert B.moe.routes_by_kernel is real_rule  # restored after each call
     ours, by_sort = cells[1], cells[2]
     assert ours["rel err"] == pytest.approx(by_sort["rel err"], rel=1e-3)  # the same numerics
 

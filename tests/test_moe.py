@@ -18,7 +18,6 @@ from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn import moe
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import RECIPES, ScaleGranularity
-from cutedsl_gemm.ops import moe_route
 from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.moe_route import route_quantize_fp8, sum_routed_pairs
 from cutedsl_gemm.ops.quantize import quantize_fp8
@@ -702,9 +701,9 @@ def _routed(kind, t=48, seed=0):
 
 def _route_by(routing, monkeypatch):
     """Make the experts route their pairs by ``routing``: "one kernel" (route_quantize_fp8, the default at these
-    sizes) or "sort" (a sort, a gather and the quantizer, the form past ROUTE_MAX_ID_READS)."""
+    sizes) or "sort" (a sort, a gather and the quantizer, the per-tensor recipe's form)."""
     if routing == "sort":
-        monkeypatch.setattr(moe_route, "ROUTE_MAX_ID_READS", 0)
+        monkeypatch.setattr(moe, "routes_by_kernel", lambda *args: False)
 
 
 @pytest.mark.parametrize("routing", ["one kernel", "sort"])

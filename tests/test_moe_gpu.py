@@ -100,13 +100,15 @@ def _experts(kind, recipe, capacity=None):
     return experts, cnn.QuantizedExperts.from_experts(experts, recipe, capacity=capacity), model.config
 
 
-#: How QuantizedExperts routes its pairs: one kernel each side of the GEMMs (the default at these sizes) or a sort,
-#: a gather and the quantizer (past ops.moe_route.ROUTE_MAX_ID_READS, and for the per-tensor recipe).
-ROUTINGS = ["one kernel", "sort"]
+#: How QuantizedExperts routes its pairs: by the routing kernels, one (the form at these sizes) or the blocked three
+#: (prefill's), or by a sort, a gather and the quantizer (the per-tensor recipe's form).
+ROUTINGS = ["one kernel", "blocked", "sort"]
 
 
 def _route_by(routing, monkeypatch):
     if routing == "sort":
+        monkeypatch.setattr(moe, "routes_by_kernel", lambda *args: False)
+    elif routing == "blocked":
         monkeypatch.setattr(moe_route, "ROUTE_MAX_ID_READS", 0)
 
 

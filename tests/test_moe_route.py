@@ -132,20 +132,25 @@ def test_sum_is_each_tokens_rows_in_fp32_rounded_once(dtype):
     assert torch.equal(M.sum_routed_pairs(y.view(4, 10, h), pos), got)
 
 
-def test_the_layer_takes_one_kernel_up_to_the_pair_limit():
-    assert M.routes_in_one_kernel(1, 8, 128, 2048) and M.routes_in_one_kernel(512, 8, 256, 7168)
-    assert not M.routes_in_one_kernel(513, 8, 256, 7168)  # past ROUTE_MAX_ID_READS: the sort
-    assert M.routes_in_one_kernel(1024, 2, 8, 4096) and not M.routes_in_one_kernel(1025, 2, 8, 4096)  # top-2
-    assert not M.routes_in_one_kernel(4, 8, M.MAX_EXPERTS + 1, 2048)
-    assert not M.routes_in_one_kernel(4, M.MAX_TOP_K + 1, 64, 2048)
-    assert not M.routes_in_one_kernel(4, 2, 8, 2056)  # not a multiple of 16
-    assert not M.routes_in_one_kernel(0, 8, 8, 2048)
+def test_the_layer_routes_by_kernel_within_the_kernels_limits():
+    assert M.routes_by_kernel(1, 8, 128, 2048) and M.routes_by_kernel(16384, 8, 256, 7168)
+    assert not M.routes_by_kernel(4, 8, M.MAX_EXPERTS + 1, 2048)
+    assert not M.routes_by_kernel(4, M.MAX_TOP_K + 1, 64, 2048)
+    assert not M.routes_by_kernel(4, 2, 8, 2056)  # not a multiple of 16
+    assert not M.routes_by_kernel(0, 8, 8, 2048)
+
+
+def test_one_kernel_routes_up_to_the_id_reads_then_the_blocked_form():
+    assert M.routes_in_one_kernel(1, 8) and M.routes_in_one_kernel(512, 8)
+    assert not M.routes_in_one_kernel(513, 8)  # past ROUTE_MAX_ID_READS
+    assert M.routes_in_one_kernel(1024, 2) and not M.routes_in_one_kernel(1025, 2)  # top-2
 
 
 def test_the_limits_are_the_kernels():
     from cutedsl_gemm.kernels.sm90 import moe_route as K
 
     assert (M.MAX_TOP_K, M.MAX_EXPERTS, M.MAX_HIDDEN) == (K.MAX_TOP_K, K.MAX_EXPERTS, K.MAX_HIDDEN)
+    assert M.ROUTE_BLOCK_TOKENS == K.ROUTE_BLOCK_TOKENS
 
 
 _X, _IDS, _W = torch.randn(4, 64).to(torch.bfloat16), torch.zeros(4, 2, dtype=torch.int64), torch.rand(4, 2)
@@ -210,6 +215,35 @@ def test_opcheck_on_cpu():
 # ------------------------------------------------------------------------------------------------------------------
 # compile: the kernels' PTX
 # ------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blocked_ptx():
+    import cutlass
+
+    from cutedsl_gemm.kernels.sm90 import moe_route as K
+    from cutedsl_gemm.runtime.compile import compile_entry
+
+    out = {}
+    entries = {"route": K.route_entry(cutlass.BFloat16, cutlass.Float8E4M3FN, 448.0, "row", hidden=2048, top_k=8,
+                                      experts=128, masked=False, id_dtype=cutlass.Int64,
+                                      weight_dtype=cutlass.BFloat16, blocked=True),
+               "count": K.count_entry(8, 128, cutlass.Int64), "totals": K.totals_entry(128, False)}
+    for name, entry in entries.items():
+        with tempfile.TemporaryDirectory() as d:
+            out[name] = compile_entry(*entry, "sm_90a", ptx_dump_dir=d).__ptx__
+    return out
+
+
+@pytest.mark.compile
+def test_blocked_form_counts_by_block_and_reads_no_other_ids(blocked_ptx):
+    route, count, totals = blocked_ptx["route"], blocked_ptx["count"], blocked_ptx["totals"]
+    assert len(_lines(count, "match.any.sync.b32")) == 4 and len(_lines(count, "atom.shared.cta.add.u32")) == 4
+    assert "match.any" not in route  # the blocked routing kernel does not count every id
+    assert len(_lines(route, "shfl.sync.bfly")) >= 5 * 8  # a warp reduction per slot
+    assert len(_lines(totals, "shfl.sync.up")) == 5 * 128 // 32  # the scan over the experts
+    for t in blocked_ptx.values():
+        assert ".local" not in t and "atom.global" not in t
 
 
 @pytest.fixture(scope="module")
@@ -295,11 +329,21 @@ def _run_poisoned(x, ids, w, e, gran, capacity):
     return M.route_quantize_fp8(x, ids, w, e, gran, capacity=capacity)
 
 
+FORMS = ["one kernel", "blocked"]
+
+
+def _form(form, monkeypatch):
+    """Route in one kernel at any size, or always in the blocked form (count, totals, routing kernel)."""
+    monkeypatch.setattr(M, "ROUTE_MAX_ID_READS", 1 << 62 if form == "one kernel" else 0)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("capacity", [None, "tokens", 2])
 @pytest.mark.parametrize("gran", ["row", "1x128"])
-@pytest.mark.parametrize("t, k, e, h", SHAPES + [(512, 8, 256, 7168), (300, 1, 4, 16)])
-def test_route_kernel_matches_the_reference(t, k, e, h, gran, capacity):
+@pytest.mark.parametrize("t, k, e, h", SHAPES + [(512, 8, 256, 7168), (300, 1, 4, 16), (1000, 2, 8, 4096)])
+def test_route_kernel_matches_the_reference(t, k, e, h, gran, capacity, form, monkeypatch):
+    _form(form, monkeypatch)
     cap = min(t, 128) if capacity == "tokens" else capacity  # (past 128 tokens: some pairs dropped)
     ids, w = _routing(t, k, e, seed=3 * t + k, device="cuda", skew=cap == 2 and k < e)
     x = _hidden(t, h, seed=t + h, device="cuda")
@@ -309,18 +353,22 @@ def test_route_kernel_matches_the_reference(t, k, e, h, gran, capacity):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("wdtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_route_kernel_takes_every_dtype(id_dtype, wdtype, xdtype):
-    ids, w = _routing(24, 4, 32, seed=9, device="cuda", dtype=id_dtype, wdtype=wdtype)
-    x = _hidden(24, 512, seed=9, device="cuda", dtype=xdtype)
+def test_route_kernel_takes_every_dtype(id_dtype, wdtype, xdtype, form, monkeypatch):
+    _form(form, monkeypatch)
+    ids, w = _routing(150, 4, 32, seed=9, device="cuda", dtype=id_dtype, wdtype=wdtype)
+    x = _hidden(150, 512, seed=9, device="cuda", dtype=xdtype)
     got = _run_poisoned(x, ids, w, 32, "1x128", None)
     _assert_same_routing(got, M.route_quantize_fp8(x, ids, w, 32, "1x128", backend="reference"), None)
 
 
 @pytest.mark.gpu
-def test_route_kernel_special_values_and_bad_ids():
+@pytest.mark.parametrize("form", FORMS)
+def test_route_kernel_special_values_and_bad_ids(form, monkeypatch):
+    _form(form, monkeypatch)
     ids, w = _routing(8, 2, 8, seed=2, device="cuda")
     ids[3, 1], ids[6, 0] = -1, 8  # outside the experts: no row
     x = _hidden(8, 256, seed=2, device="cuda")
@@ -352,9 +400,11 @@ def test_sum_kernel_matches_the_reference(t, k, rows, h, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("capacity", [None, 64])
-def test_graph_replay_follows_new_routings(capacity):
-    t, k, e, h = 64, 8, 128, 2048
+def test_graph_replay_follows_new_routings(capacity, form, monkeypatch):
+    _form(form, monkeypatch)
+    t, k, e, h = 200, 8, 128, 2048
     ids, w = _routing(t, k, e, seed=1, device="cuda")
     x = _hidden(t, h, seed=1, device="cuda")
     M.route_quantize_fp8(x, ids, w, e, "row", capacity=capacity)  # compile outside the capture

@@ -39,7 +39,7 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ceil_div
 from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.library import EAGER
-from cutedsl_gemm.ops.moe_route import route_quantize_fp8, routes_in_one_kernel, sort_pairs, sum_routed_pairs
+from cutedsl_gemm.ops.moe_route import route_quantize_fp8, routes_by_kernel, sort_pairs, sum_routed_pairs
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.runtime.device import device_info
 
@@ -390,9 +390,9 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     for the down GEMM in the same kernel (``silu_mul_quantize_fp8``; per tensor: torch, then ``quantize_fp8``), the
     grouped down GEMM, the sum of each token's rows (``sum_routed_pairs``). With ``capacity`` set, the masked
     layout instead (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the
-    capacity makes its token's output NaN. For the row-wise and DeepSeek recipes at decode and small batches
-    (``ops.moe_route.routes_in_one_kernel``: up to 512 tokens of top-8) one kernel does the permutation and
-    the quantization (``route_quantize_fp8``) and one the sum (``sum_routed_pairs``): five kernels a call.
+    capacity makes its token's output NaN. For the row-wise and DeepSeek recipes (``ops.moe_route.routes_by_kernel``)
+    the routing kernels place the pairs and quantize each token's row into its pairs' rows instead
+    (``route_quantize_fp8``: one kernel at decode and small batches, three past them) and the sort is not run.
 
     Saved format (``state_dict``, loadable with ``safetensors``): ``gate_up_proj`` (E, 2I, H) and ``down_proj``
     (E, H, I) float8_e4m3fn, each expert's row-major weight quantized as ``QuantizedLinear`` quantizes a weight
@@ -488,7 +488,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             return hidden_states.new_zeros((t, self.hidden_dim))
         grouped = _grouped_scaled_mm()
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # (E, K, N) views
-        if self.recipe != "tensor" and routes_in_one_kernel(t, k, self.num_experts, self.hidden_dim):
+        if self.recipe != "tensor" and routes_by_kernel(t, k, self.num_experts, self.hidden_dim):
             return self._forward_routed(grouped, gate_up, down, hidden_states, top_k_index, top_k_weights)
         if self.capacity is None:
             x, offs, order = permute(hidden_states, top_k_index, self.num_experts)
@@ -512,9 +512,8 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         return sum_routed_pairs(y, slot.view(t, k).to(torch.int32))
 
     def _forward_routed(self, grouped, gate_up, down, hidden_states, top_k_index, top_k_weights):
-        """The forward with the routing in one kernel on each side of the GEMMs (``route_quantize_fp8``,
-        ``sum_routed_pairs``): five kernels in all, for the row-wise and DeepSeek recipes up to
-        ``routes_in_one_kernel``'s size."""
+        """The forward with the routing by its kernels (``route_quantize_fp8``, then ``sum_routed_pairs``): five
+        kernels in all at decode, seven past ``ROUTE_MAX_ID_READS``; the row-wise and DeepSeek recipes."""
         gran, dtype, e = ACTIVATION_GRANULARITY[self.recipe], hidden_states.dtype, self.num_experts
         c = None if self.capacity is None else min(self.capacity, hidden_states.shape[0])
         qx, sx, groups, pos, weights = route_quantize_fp8(hidden_states, top_k_index.contiguous(),

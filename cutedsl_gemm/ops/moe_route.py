@@ -19,11 +19,12 @@ the layouts ``grouped_scaled_mm`` takes (masked: their (E, C, ...) views).
 (R, H) or (E, C, H) added in fp32 in slot order and rounded once; NaN for a token with a pair at -1, so that a
 dropped pair shows rather than vanishes.
 
-Both run their kernel (``kernels/sm90/moe_route.py``) on CUDA tensors and their torch reference elsewhere (the same
-bits; ``backend`` as in ``quantize_fp8``). Every CTA of the routing kernel reads all T*k expert ids, which suits
-decode and small batches: ``routes_in_one_kernel`` is the rule for when the MoE layer takes it (past it, a sort
-and the quantizer cost less). Their torch operators (``torch.ops.cutedsl_gemm.route_quantize_fp8``,
-``sum_routed_pairs``) and fakes are defined here.
+Both run their kernels (``kernels/sm90/moe_route.py``) on CUDA tensors and their torch reference elsewhere (the same
+bits; ``backend`` as in ``quantize_fp8``). Up to ``ROUTE_MAX_ID_READS`` expert ids read in all, one kernel routes
+(each of its T CTAs reads all T*k ids: decode, small batches); past it three (prefill): per block of 64 tokens a
+count of its pairs per expert, the experts' totals and first rows, then the routing kernel from those counts.
+``routes_by_kernel`` is the rule for when the MoE layer routes by these kernels rather than by a sort. Their torch
+operators (``torch.ops.cutedsl_gemm.route_quantize_fp8``, ``sum_routed_pairs``) and fakes are defined here.
 """
 
 from __future__ import annotations
@@ -51,19 +52,24 @@ ROUTE_GRANULARITIES = (G.ROW, G.GROUP_1x128)
 # the kernel's limits (kernels/sm90/moe_route.py: MAX_TOP_K, MAX_EXPERTS, MAX_HIDDEN; its module is not imported
 # before a kernel is built)
 MAX_TOP_K, MAX_EXPERTS, MAX_HIDDEN = 32, 1024, 65536
-#: The MoE layer routes in one kernel while its T CTAs read at most this many expert ids in all (T * T*k: 512
-#: tokens of top-8, 1024 of top-2).
+#: One kernel routes while its T CTAs read at most this many expert ids in all (T * T*k: 512 tokens of top-8, 1024 of
+#: top-2); past it, the blocked form (three kernels).
 ROUTE_MAX_ID_READS = 512 * 4096
+ROUTE_BLOCK_TOKENS = 64  # (kernels/sm90/moe_route.py) tokens per block of the blocked form's count
 ID_DTYPES = (torch.int32, torch.int64)
 ROUTE, PAIR_SUM = "route_quantize", "sum_routed_pairs"  # the prepared-call cache's kinds
 
 
-def routes_in_one_kernel(tokens: int, top_k: int, num_experts: int, hidden: int) -> bool:
+def routes_by_kernel(tokens: int, top_k: int, num_experts: int, hidden: int) -> bool:
     """Whether the MoE layer routes ``tokens`` x ``top_k`` pairs with ``route_quantize_fp8`` rather than a sort, a
-    gather and the quantizer: within the kernel's limits, and while its CTAs (one a token) read at most
-    ``ROUTE_MAX_ID_READS`` expert ids in all."""
-    return (0 < tokens * top_k and tokens * tokens * top_k <= ROUTE_MAX_ID_READS and top_k <= MAX_TOP_K
-            and num_experts <= MAX_EXPERTS and hidden <= MAX_HIDDEN and hidden % VEC == 0)
+    gather and the quantizer: within the kernels' limits."""
+    return (0 < tokens * top_k and top_k <= MAX_TOP_K and num_experts <= MAX_EXPERTS and hidden <= MAX_HIDDEN
+            and hidden % VEC == 0)
+
+
+def routes_in_one_kernel(tokens: int, top_k: int) -> bool:
+    """Whether ``route_quantize_fp8`` routes ``tokens`` x ``top_k`` pairs in one kernel (else the blocked form)."""
+    return tokens * tokens * top_k <= ROUTE_MAX_ID_READS
 
 
 # --- the order of the pairs (shared with nn.moe's sort-based routing) -----------------------------------------
@@ -192,34 +198,61 @@ def _route_reference(hidden, topk_ids, topk_weights, num_experts, gran, capacity
     return q, s, groups, pos, weights
 
 
-def _route_kernel(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity):
-    """The compiled routing kernel for this call's shapes and dtypes (compiled once per signature)."""
-    src, k = float_format(hidden.dtype), topk_ids.shape[1]
-    key = ("moe_route", src.cutlass_name, fmt.name, gran.label, hidden.shape[1], k, num_experts, capacity is not None,
-           str(topk_ids.dtype), str(topk_weights.dtype))
+def _id_dtype(topk_ids):
+    import cutlass
 
-    def build():
-        import cutlass
+    return cutlass.Int64 if topk_ids.dtype == torch.int64 else cutlass.Int32
 
+
+def _route_kernels(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity, blocked: bool):
+    """The compiled routing kernels for this call's shapes and dtypes (compiled once per signature): the routing
+    quantizer, and for the blocked form its count and totals kernels before it."""
+    from cutedsl_gemm.runtime.compile import compile_entry  # (imports the DSL: only when compiling)
+
+    src, k, masked = float_format(hidden.dtype), topk_ids.shape[1], capacity is not None
+    key = ("moe_route", src.cutlass_name, fmt.name, gran.label, hidden.shape[1], k, num_experts, masked,
+           str(topk_ids.dtype), str(topk_weights.dtype), blocked)
+
+    def route():
         from cutedsl_gemm.kernels.sm90 import moe_route as K
-        from cutedsl_gemm.runtime.compile import compile_entry
 
-        ids = cutlass.Int64 if topk_ids.dtype == torch.int64 else cutlass.Int32
         w = float_format(topk_weights.dtype).cutlass_dtype()
         return compile_entry(*K.route_entry(src.cutlass_dtype(), fmt.cutlass_dtype(), fmt.max_finite, gran.label,
-                                            hidden=hidden.shape[1], top_k=k, experts=num_experts,
-                                            masked=capacity is not None, id_dtype=ids, weight_dtype=w))
+                                            hidden=hidden.shape[1], top_k=k, experts=num_experts, masked=masked,
+                                            id_dtype=_id_dtype(topk_ids), weight_dtype=w, blocked=blocked))
 
-    return KERNEL_CACHE.get(key, build)
+    fns = [KERNEL_CACHE.get(key, route)]
+    if blocked:
+        from cutedsl_gemm.kernels.sm90 import moe_route as K
+
+        fns.append(KERNEL_CACHE.get(("moe_route_count", k, num_experts, str(topk_ids.dtype)),
+                                    lambda: compile_entry(*K.count_entry(k, num_experts, _id_dtype(topk_ids)))))
+        fns.append(KERNEL_CACHE.get(("moe_route_totals", num_experts, masked),
+                                    lambda: compile_entry(*K.totals_entry(num_experts, masked))))
+    return fns
 
 
 def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity, rows):
-    fn = _route_kernel(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity)
-    k = topk_ids.shape[1]
+    t, k = topk_ids.shape
+    blocked = not routes_in_one_kernel(t, k)
+    fns = _route_kernels(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity, blocked)
+    cap, dev = capacity or 1, hidden.device
+    blocks = ceil_div(t, ROUTE_BLOCK_TOKENS) if blocked else 1
+    # (one kernel: the block counts and first rows are not read; one tensor of each for the call's arguments)
+    unread = None if blocked else (torch.empty((1, num_experts), dtype=torch.int32, device=dev),
+                                   torch.empty(num_experts, dtype=torch.int32, device=dev))
 
     def run(hidden, topk_ids, topk_weights):
         q, s, groups, pos, weights = _route_outputs(hidden, gran, fmt, rows, num_experts, k)
-        fn(hidden, topk_ids.view(-1), topk_weights.view(-1), q, s, weights, pos.view(-1), groups, capacity or 1)
+        ids = topk_ids.view(-1)
+        if blocked:
+            hist = torch.empty((blocks, num_experts), dtype=torch.int32, device=hidden.device)
+            start = torch.empty(num_experts, dtype=torch.int32, device=hidden.device)
+            fns[1](ids, hist)
+            fns[2](hist, start, groups, cap)
+        else:
+            hist, start = unread
+        fns[0](hidden, ids, topk_weights.view(-1), q, s, weights, pos.view(-1), groups, cap, hist, start)
         return q, s, groups, pos, weights
     return run
 
@@ -236,7 +269,8 @@ def route_quantize_fp8(hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weight
     sig = None
     if all(type(x) is torch.Tensor for x in (hidden, topk_ids, topk_weights)):
         sig = (hidden.shape, hidden.dtype, hidden.get_device(), topk_ids.shape, topk_ids.dtype, topk_weights.dtype,
-               topk_weights.get_device(), topk_ids.get_device(), num_experts, granularity, capacity, fmt, backend)
+               topk_weights.get_device(), topk_ids.get_device(), num_experts, granularity, capacity, fmt, backend,
+               routes_in_one_kernel(*topk_ids.shape))
         try:
             run = PREPARED.get(ROUTE, sig)
         except TypeError:

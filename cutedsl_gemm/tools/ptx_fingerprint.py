@@ -74,8 +74,8 @@ SAMPLE = (
 #: The quantizer kernels, name -> (arch, kind, arguments): "fp8" kinds are ``ops.quantize``'s FP8 / INT8 kernels
 #: (``fp8_quantizer_entry``'s kind, input, output and configuration), "block" the MX / NVFP4
 #: quantizer (recipe, element format, input dtype, whether it computes the global scale), "moe_route" the MoE
-#: routing quantizer (granularity, hidden, top-k, experts, masked; bf16 rows and weights, int64 ids, E4M3 codes) and
-#: "pair_sum" its sum (dtype, top-k).
+#: routing quantizer (granularity, hidden, top-k, experts, masked, blocked; bf16 rows and weights, int64 ids, E4M3
+#: codes), "moe_route_count" the blocked form's count (top-k, experts) and "pair_sum" the sum (dtype, top-k).
 QUANTIZERS = {
     "sm_90a_quantize_group_bf16_e4m3_mn_major": (SM90, "fp8", ("group", "bf16", "e4m3", 128, "mn_major")),
     "sm_90a_quantize_group_fp32_e4m3_row_major": (SM90, "fp8", ("group", "fp32", "e4m3", 128, "row_major")),
@@ -89,8 +89,11 @@ QUANTIZERS = {
     "sm_90a_quantize_tensor_cast_fp16_int8": (SM90, "fp8", ("tensor_cast", "fp16", "int8")),
     "sm_90a_quantize_gated_row_bf16_e4m3_weighted": (SM90, "fp8", ("gated", "bf16", "e4m3", "row", 2048, True)),
     "sm_90a_quantize_gated_1x128_bf16_e4m3": (SM90, "fp8", ("gated", "bf16", "e4m3", "1x128", 128, False)),
-    "sm_90a_moe_route_row_bf16_e4m3_h2048_k8_e128": (SM90, "moe_route", ("row", 2048, 8, 128, False)),
-    "sm_90a_moe_route_1x128_masked_bf16_e4m3_h7168_k8_e256": (SM90, "moe_route", ("1x128", 7168, 8, 256, True)),
+    "sm_90a_moe_route_row_bf16_e4m3_h2048_k8_e128": (SM90, "moe_route", ("row", 2048, 8, 128, False, False)),
+    "sm_90a_moe_route_1x128_masked_bf16_e4m3_h7168_k8_e256": (SM90, "moe_route",
+                                                               ("1x128", 7168, 8, 256, True, False)),
+    "sm_90a_moe_route_blocked_row_bf16_e4m3_h2048_k8_e128": (SM90, "moe_route", ("row", 2048, 8, 128, False, True)),
+    "sm_90a_moe_route_count_k8_e128": (SM90, "moe_route_count", (8, 128)),
     "sm_90a_moe_pair_sum_bf16_k8": (SM90, "pair_sum", ("bf16", 8)),
     "sm_100a_quantize_mx_bf16_e4m3": (SM100, "block", ("mx", "e4m3", "bf16", False)),
     "sm_100a_quantize_mx_fp32_e2m1": (SM100, "block", ("mx", "e2m1", "fp32", False)),
@@ -137,7 +140,7 @@ def _quantizer_ptx(arch: str, kind: str, args: tuple) -> str:
     from cutedsl_gemm.runtime.compile import compile_entry, targeting
 
     with targeting(arch), tempfile.TemporaryDirectory(prefix="cutedsl_gemm_ptx_") as tmp:
-        if kind in ("moe_route", "pair_sum"):
+        if kind in ("moe_route", "moe_route_count", "pair_sum"):
             entry = _moe_route_entry(kind, args)
         else:
             fp8_kind, src, dst, *cfg = args
@@ -153,9 +156,12 @@ def _moe_route_entry(kind: str, args: tuple):
 
     if kind == "pair_sum":
         return K.pair_sum_entry({"bf16": cutlass.BFloat16}[args[0]], args[1])
-    gran, hidden, top_k, experts, masked = args
+    if kind == "moe_route_count":
+        return K.count_entry(*args, cutlass.Int64)
+    gran, hidden, top_k, experts, masked, blocked = args
     return K.route_entry(cutlass.BFloat16, E4M3.cutlass_dtype(), E4M3.max_finite, gran, hidden=hidden, top_k=top_k,
-                         experts=experts, masked=masked, id_dtype=cutlass.Int64, weight_dtype=cutlass.BFloat16)
+                         experts=experts, masked=masked, id_dtype=cutlass.Int64, weight_dtype=cutlass.BFloat16,
+                         blocked=blocked)
 
 
 def kernel_ptx(name: str) -> str:

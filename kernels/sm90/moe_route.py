@@ -53,6 +53,7 @@ MAX_TOP_K = 32  # the place phase gives a pair a thread of warp 0
 MAX_EXPERTS = 1024  # three int32 counters per expert in shared memory
 MAX_HIDDEN = 65536  # at most 4 vectors of the row per thread at 1024 threads
 COUNT_LOADS = 4  # expert ids each thread loads at once in the count phase
+ROUTE_BLOCK_TOKENS = 64  # tokens per block of the blocked routing's count (RouteCount)
 
 
 def route_threads(hidden: int) -> tuple:
@@ -91,17 +92,19 @@ class RouteQuant:
 
     @cute.jit
     def launch(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
-               mPW: cute.Tensor, mPos: cute.Tensor, mGroups: cute.Tensor, capacity: Int32, stream):
-        self.kernel(mX, mIds, mW, mQ, mS, mPW, mPos, mGroups, capacity).launch(
+               mPW: cute.Tensor, mPos: cute.Tensor, mGroups: cute.Tensor, capacity: Int32, mHist: cute.Tensor,
+               mStart: cute.Tensor, stream):
+        self.kernel(mX, mIds, mW, mQ, mS, mPW, mPos, mGroups, capacity, mHist, mStart).launch(
             grid=[mX.shape[0], 1, 1], block=[self.T, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
-               mPW: cute.Tensor, mPos: cute.Tensor, mGroups: cute.Tensor, capacity: Int32):
+               mPW: cute.Tensor, mPos: cute.Tensor, mGroups: cute.Tensor, capacity: Int32, mHist: cute.Tensor,
+               mStart: cute.Tensor):
         launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
-        E, k = self.E, self.k
+        k = self.k
         gX = cute.zipped_divide(mX, (1, VEC))
         gQ = cute.zipped_divide(mQ, (1, VEC))
 
@@ -114,80 +117,28 @@ class RouteQuant:
             frags.append(f)
 
         smem = cutlass.memory.SmemAllocator()
-        total = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
-        before = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
-        start = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        earlier = smem.allocate_tensor(Int32, cute.make_layout(k), 16)  # pairs of slot j's expert before token t
+        first = smem.allocate_tensor(Int32, cute.make_layout(k), 16)  # slot j's expert's first row (contiguous)
         rows = smem.allocate_tensor(Int32, cute.make_layout(k), 16)
         red = smem.allocate_tensor(Float32, cute.make_layout(self.NW), 16)
-
-        # count
-        for e in range(tidx, E, self.T):
-            total[e] = Int32(0)
-            before[e] = Int32(0)
-        cute.arch.barrier()
-        mine = t * k
-        pairs = mIds.shape[0]
-        lane = tidx % 32
-        below = cute.arch.lanemask_lt()
-        # warp-uniform trips (the match below takes every lane): a warp's lanes take consecutive pairs
-        for first in range(tidx - lane, pairs, self.T * COUNT_LOADS):
-            ids = []  # COUNT_LOADS loads in flight before the first atomic (a slot past the pairs reads as id -1)
-            for u in cutlass.range_constexpr(COUNT_LOADS):
-                p = first + u * self.T + lane
-                ids.append(cutlass.select_(p < pairs, mIds[cutlass.min(p, pairs - 1)], self.id_dtype(-1)))
-            for u in cutlass.range_constexpr(COUNT_LOADS):
-                raw = ids[u]
-                valid = (raw >= 0) & (raw < E)
-                e = cutlass.select_(valid, Int32(raw), Int32(-1))
-                # one atomic per expert and warp (the lanes of one expert add up first: a hot expert's pairs do
-                # not serialise on its counter)
-                peers = cute.arch.match_sync(0xFFFFFFFF, e)
-                earlier = cute.arch.vote_ballot_sync(first + u * self.T + lane < mine)
-                if valid & ((peers & below) == 0):  # the lowest lane of its expert's peers
-                    cute.arch.atomic_add(total.iterator + e, Int32(cute.arch.popc(peers)), scope="cta")
-                    n_before = cute.arch.popc(peers & earlier)
-                    if n_before > 0:
-                        cute.arch.atomic_add(before.iterator + e, Int32(n_before), scope="cta")
-        cute.arch.barrier()
-
-        # scan (contiguous) / counts (masked)
-        if cutlass.const_expr(self.masked):
-            if t == 0:
-                for e in range(tidx, E, self.T):
-                    mGroups[e] = cutlass.min(total[e], capacity)
-        else:
-            if tidx < 32:
-                lane = tidx
-                run = Int32(0)
-                for base in cutlass.range_constexpr(0, E, 32):
-                    e = base + lane
-                    c = cutlass.select_(e < E, total[cutlass.min(e, E - 1)], Int32(0))
-                    incl = c
-                    for d in cutlass.range_constexpr(5):  # inclusive prefix sum over the lanes
-                        up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
-                        incl = incl + cutlass.select_(lane >= (1 << d), up, Int32(0))
-                    if e < E:
-                        start[e] = run + incl - c
-                        if t == 0:
-                            mGroups[e] = run + incl
-                    run = run + cute.arch.shuffle_sync(incl, 31)
+        self._count(smem, mIds, mGroups, capacity, mHist, mStart, t, tidx, earlier, first)
         cute.arch.barrier()
 
         # place
         if tidx < k:
-            p = mine + tidx
+            p = t * k + tidx
             raw = mIds[p]
-            valid = (raw >= 0) & (raw < E)
+            valid = (raw >= 0) & (raw < self.E)
             e = cutlass.select_(valid, Int32(raw), Int32(0))
             dup = Int32(0)
             for j in cutlass.range_constexpr(k):  # earlier slots of this token with the same expert
-                dup = dup + cutlass.select_((tidx > j) & (mIds[mine + j] == raw), Int32(1), Int32(0))
-            rank = before[e] + dup
+                dup = dup + cutlass.select_((tidx > j) & (mIds[t * k + j] == raw), Int32(1), Int32(0))
+            rank = earlier[tidx] + dup
             row = Int32(-1)
             if cutlass.const_expr(self.masked):
                 row = cutlass.select_(valid & (rank < capacity), e * capacity + rank, Int32(-1))
             else:
-                row = cutlass.select_(valid, start[e] + rank, Int32(-1))
+                row = cutlass.select_(valid, first[tidx] + rank, Int32(-1))
             rows[tidx] = row
             mPos[p] = row
             if row >= 0:
@@ -230,6 +181,208 @@ class RouteQuant:
                 if cutlass.const_expr(not self.group):
                     if tidx == 0:
                         mS[row, 0] = scales[0]
+
+    # ---- the count: every CTA over all T*k ids (BlockedRouteQuant: from the block counts) ----
+    @cute.jit
+    def _count(self, smem, mIds, mGroups, capacity, mHist, mStart, t, tidx, earlier, first):
+        """Fill ``earlier[j]`` (the pairs of slot j's expert in tokens before t) and ``first[j]`` (that expert's
+        first row, contiguous) for the token's k slots; CTA 0 writes the groups. (Every thread; the caller
+        syncs.)"""
+        E, k = self.E, self.k
+        total = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        before = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        start = smem.allocate_tensor(Int32, cute.make_layout(E), 16)
+        for e in range(tidx, E, self.T):
+            total[e] = Int32(0)
+            before[e] = Int32(0)
+        cute.arch.barrier()
+        count_by_expert(mIds, Int32(0), mIds.shape[0], t * k, total, before, tidx, self.T, E, self.id_dtype)
+        cute.arch.barrier()
+        if cutlass.const_expr(self.masked):
+            if t == 0:
+                for e in range(tidx, E, self.T):
+                    mGroups[e] = cutlass.min(total[e], capacity)
+        else:
+            if tidx < 32:
+                scan_experts(total, start, mGroups, t == 0, E)
+        cute.arch.barrier()
+        if tidx < k:
+            raw = mIds[t * k + tidx]
+            e = cutlass.select_((raw >= 0) & (raw < E), Int32(raw), Int32(0))
+            earlier[tidx] = before[e]
+            first[tidx] = start[e]
+
+
+@cute.jit
+def count_by_expert(mIds, lo, hi, mine, total, before, tidx, threads: cutlass.Constexpr, E: cutlass.Constexpr,
+                    id_dtype: cutlass.Constexpr):
+    """Pairs ``lo`` .. ``hi`` - 1 of ``mIds`` counted per expert into ``total`` (and those below ``mine`` into
+    ``before``, unless None) with shared-memory atomics, one per expert and warp: ``match.any`` groups a warp's
+    lanes by expert and the lowest lane of each adds the group's count (a hot expert's pairs do not serialise on
+    its counter). The loop's trips are warp-uniform (the match takes every lane)."""
+    lane = tidx % 32
+    below = cute.arch.lanemask_lt()
+    for first in range(lo + tidx - lane, hi, threads * COUNT_LOADS):
+        ids = []  # COUNT_LOADS loads in flight before the first atomic (a slot past the range reads as id -1)
+        for u in cutlass.range_constexpr(COUNT_LOADS):
+            p = first + u * threads + lane
+            ids.append(cutlass.select_(p < hi, mIds[cutlass.min(p, hi - 1)], id_dtype(-1)))
+        for u in cutlass.range_constexpr(COUNT_LOADS):
+            raw = ids[u]
+            valid = (raw >= 0) & (raw < E)
+            e = cutlass.select_(valid, Int32(raw), Int32(-1))
+            peers = cute.arch.match_sync(0xFFFFFFFF, e)
+            if cutlass.const_expr(before is None):
+                if valid & ((peers & below) == 0):  # the lowest lane of its expert's peers
+                    cute.arch.atomic_add(total.iterator + e, Int32(cute.arch.popc(peers)), scope="cta")
+            else:
+                earlier = cute.arch.vote_ballot_sync(first + u * threads + lane < mine)
+                if valid & ((peers & below) == 0):
+                    cute.arch.atomic_add(total.iterator + e, Int32(cute.arch.popc(peers)), scope="cta")
+                    n_before = cute.arch.popc(peers & earlier)
+                    if n_before > 0:
+                        cute.arch.atomic_add(before.iterator + e, Int32(n_before), scope="cta")
+
+
+@cute.jit
+def scan_experts(total, start, mGroups, write_groups, E: cutlass.Constexpr):
+    """(Warp 0.) ``start[e]``: the exclusive prefix sum of ``total`` over the experts (each expert's first row);
+    with ``write_groups``, the inclusive one (the cumulative end rows) into ``mGroups``."""
+    lane = cute.arch.lane_idx()
+    run = Int32(0)
+    for base in cutlass.range_constexpr(0, E, 32):
+        e = base + lane
+        c = cutlass.select_(e < E, total[cutlass.min(e, E - 1)], Int32(0))
+        incl = c
+        for d in cutlass.range_constexpr(5):  # inclusive prefix sum over the lanes
+            up = cute.arch.shuffle_sync_up(incl, 1 << d, mask_and_clamp=0)
+            incl = incl + cutlass.select_(lane >= (1 << d), up, Int32(0))
+        if e < E:
+            start[e] = run + incl - c
+            if write_groups:
+                mGroups[e] = run + incl
+        run = run + cute.arch.shuffle_sync(incl, 31)
+
+
+class BlockedRouteQuant(RouteQuant):
+    """The routing quantizer past one kernel's size (prefill): ``RouteCount`` counts each block of
+    ``ROUTE_BLOCK_TOKENS`` tokens' pairs per expert into ``hist`` (B, E), ``RouteTotals`` the experts' totals,
+    first rows (``start``) and groups, and this kernel's CTA of token t adds, for each of its k slots, the counts of
+    the blocks before its own and those of its own block's tokens before t (a warp reduction per slot, then one
+    shared-memory atomic per warp), instead of reading every id. The place and quantize phases are
+    ``RouteQuant``'s.
+
+    | phase | what the CTA of token t does |
+    |---|---|
+    | load | issues the loads of row t |
+    | count | per slot j: the pairs of its expert in blocks before t's (``hist``) and in t's block before t |
+    | place, quantize | as ``RouteQuant`` |
+    """
+
+    @cute.jit
+    def _count(self, smem, mIds, mGroups, capacity, mHist, mStart, t, tidx, earlier, first):
+        E, k = self.E, self.k
+        block = t // ROUTE_BLOCK_TOKENS
+        mine = smem.allocate_tensor(Int32, cute.make_layout(k), 16)  # the slots' experts (-1: outside [0, E))
+        if tidx < k:
+            raw = mIds[t * k + tidx]
+            e = cutlass.select_((raw >= 0) & (raw < E), Int32(raw), Int32(-1))
+            mine[tidx] = e
+            earlier[tidx] = Int32(0)
+            first[tidx] = cutlass.select_(e >= 0, mStart[cutlass.max(e, Int32(0))], Int32(0))
+        cute.arch.barrier()
+        lane = tidx % 32
+        lo = block * ROUTE_BLOCK_TOKENS * k
+        for j in cutlass.range_constexpr(k):
+            e = mine[j]
+            n = Int32(0)
+            if e >= 0:
+                for b in range(tidx, block, self.T):  # the blocks before t's
+                    n = n + mHist[b, e]
+                for p in range(lo + tidx, t * k, self.T):  # t's block's pairs before t's
+                    n = n + cutlass.select_(mIds[p] == mIds[t * k + j], Int32(1), Int32(0))
+            for d in cutlass.range_constexpr(5):
+                n = n + cute.arch.shuffle_sync_bfly(n, offset=1 << d)
+            if (lane == 0) & (n > 0):
+                cute.arch.atomic_add(earlier.iterator + j, n, scope="cta")
+
+
+class RouteCount:
+    """The blocked routing's count: CTA b counts the pairs of tokens [b * ROUTE_BLOCK_TOKENS, (b + 1) *
+    ROUTE_BLOCK_TOKENS) per expert into ``hist[b, :]`` (shared-memory atomics, one per expert and warp).
+
+    | phase | what CTA b does |
+    |---|---|
+    | count | its block's pairs into a shared-memory histogram |
+    | store | the histogram into ``hist[b, :]`` |
+    """
+
+    def __init__(self, *, top_k: int, experts: int, id_dtype=cutlass.Int64, threads: int = 256):
+        self.k, self.E, self.id_dtype, self.T = top_k, experts, id_dtype, int(threads)
+
+    @cute.jit
+    def launch(self, mIds: cute.Tensor, mHist: cute.Tensor, stream):
+        self.kernel(mIds, mHist).launch(grid=[mHist.shape[0], 1, 1], block=[self.T, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mIds: cute.Tensor, mHist: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        b, _, _ = cute.arch.block_idx()
+        hist = cutlass.memory.SmemAllocator().allocate_tensor(Int32, cute.make_layout(self.E), 16)
+        for e in range(tidx, self.E, self.T):
+            hist[e] = Int32(0)
+        cute.arch.barrier()
+        lo = b * ROUTE_BLOCK_TOKENS * self.k
+        hi = cutlass.min(lo + ROUTE_BLOCK_TOKENS * self.k, mIds.shape[0])
+        count_by_expert(mIds, lo, hi, Int32(0), hist, None, tidx, self.T, self.E, self.id_dtype)
+        cute.arch.barrier()
+        for e in range(tidx, self.E, self.T):
+            mHist[b, e] = hist[e]
+
+
+class RouteTotals:
+    """The blocked routing's totals (one CTA): each expert's pairs summed over the blocks (a warp per expert, its
+    lanes striding over the blocks), then their exclusive prefix sum (each expert's first row, ``start``) and the
+    groups (contiguous: the cumulative end rows; masked: the counts clamped to the capacity).
+
+    | warps | what they do |
+    |---|---|
+    | all | per expert, the sum of ``hist[:, e]`` into shared memory |
+    | warp 0 | the scan over the experts; the groups |
+    """
+
+    def __init__(self, *, experts: int, masked: bool, threads: int = 1024):
+        self.E, self.masked, self.T = experts, bool(masked), int(threads)
+
+    @cute.jit
+    def launch(self, mHist: cute.Tensor, mStart: cute.Tensor, mGroups: cute.Tensor, capacity: Int32, stream):
+        self.kernel(mHist, mStart, mGroups, capacity).launch(grid=[1, 1, 1], block=[self.T, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mHist: cute.Tensor, mStart: cute.Tensor, mGroups: cute.Tensor, capacity: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        smem = cutlass.memory.SmemAllocator()
+        total = smem.allocate_tensor(Int32, cute.make_layout(self.E), 16)
+        start = smem.allocate_tensor(Int32, cute.make_layout(self.E), 16)
+        lane, warp = tidx % 32, tidx // 32
+        for e in range(warp, self.E, self.T // 32):
+            n = Int32(0)
+            for b in range(lane, mHist.shape[0], 32):
+                n = n + mHist[b, e]
+            for d in cutlass.range_constexpr(5):
+                n = n + cute.arch.shuffle_sync_bfly(n, offset=1 << d)
+            if lane == 0:
+                total[e] = n
+        cute.arch.barrier()
+        if cutlass.const_expr(self.masked):
+            for e in range(tidx, self.E, self.T):
+                mGroups[e] = cutlass.min(total[e], capacity)
+        else:
+            if tidx < 32:
+                scan_experts(total, start, mGroups, True, self.E)
+            cute.arch.barrier()
+            for e in range(tidx, self.E, self.T):
+                mStart[e] = start[e]
 
 
 class PairSum:
@@ -281,14 +434,17 @@ class PairSum:
 
 
 def route_entry(in_dtype, out_dtype, fmax, granularity: str, *, hidden: int, top_k: int, experts: int, masked: bool,
-                id_dtype, weight_dtype):
+                id_dtype, weight_dtype, blocked: bool = False):
     """Call as f(x (T, H), ids (T*k,), weights (T*k,), q (R, H), s, pair_weights (R,) fp32, pos (T*k,) int32,
-    groups (E,) int32, capacity), s (R, 1) for rows or (R, ceil(H / 128)) M-major for 1x128 groups; R = T * k
-    (contiguous) or E * capacity (masked; capacity is ignored otherwise)."""
+    groups (E,) int32, capacity, hist (B, E) int32, start (E,) int32), s (R, 1) for rows or (R, ceil(H / 128))
+    M-major for 1x128 groups; R = T * k (contiguous) or E * capacity (masked; capacity is ignored otherwise).
+    ``blocked``: ``BlockedRouteQuant``, after ``RouteCount`` and ``RouteTotals`` (which write hist, start and the
+    groups); otherwise hist and start are not read."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-    kern = RouteQuant(in_dtype, out_dtype, fmax, granularity, hidden=hidden, top_k=top_k, experts=experts,
-                      masked=masked, id_dtype=id_dtype, weight_dtype=weight_dtype)
+    cls = BlockedRouteQuant if blocked else RouteQuant
+    kern = cls(in_dtype, out_dtype, fmax, granularity, hidden=hidden, top_k=top_k, experts=experts, masked=masked,
+               id_dtype=id_dtype, weight_dtype=weight_dtype)
     tokens, pairs, rows = cute.sym_int(), cute.sym_int(), cute.sym_int()
 
     def vec(dtype, n, align=4):
@@ -301,8 +457,30 @@ def route_entry(in_dtype, out_dtype, fmax, granularity: str, *, hidden: int, top
     else:
         s = make_fake_compact_tensor(Float32, (rows, -(-hidden // 128)), stride_order=(0, 1), assumed_align=4)
     ids, w = vec(id_dtype, pairs, id_dtype.width // 8), vec(weight_dtype, pairs, weight_dtype.width // 8)
-    return kern.launch, (x, ids, w, q, s, vec(Float32, rows), vec(Int32, pairs), vec(Int32, experts), Int32(1),
-                         make_fake_stream(use_tvm_ffi_env_stream=True))
+    hist = make_fake_compact_tensor(Int32, (cute.sym_int(), experts), stride_order=(1, 0), assumed_align=4)
+    return kern.launch, (x, ids, w, q, s, vec(Float32, rows), vec(Int32, pairs), vec(Int32, experts), Int32(1), hist,
+                         vec(Int32, experts), make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def count_entry(top_k: int, experts: int, id_dtype):
+    """Call as f(ids (T*k,), hist (B, E) int32), B = ceil(T / ROUTE_BLOCK_TOKENS)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    ids = make_fake_compact_tensor(id_dtype, (cute.sym_int(),), assumed_align=id_dtype.width // 8)
+    hist = make_fake_compact_tensor(Int32, (cute.sym_int(), experts), stride_order=(1, 0), assumed_align=4)
+    kern = RouteCount(top_k=top_k, experts=experts, id_dtype=id_dtype)
+    return kern.launch, (ids, hist, make_fake_stream(use_tvm_ffi_env_stream=True))
+
+
+def totals_entry(experts: int, masked: bool):
+    """Call as f(hist (B, E) int32, start (E,) int32, groups (E,) int32, capacity)."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    hist = make_fake_compact_tensor(Int32, (cute.sym_int(), experts), stride_order=(1, 0), assumed_align=4)
+    start = make_fake_compact_tensor(Int32, (experts,), assumed_align=4)
+    groups = make_fake_compact_tensor(Int32, (experts,), assumed_align=4)
+    kern = RouteTotals(experts=experts, masked=masked)
+    return kern.launch, (hist, start, groups, Int32(1), make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def pair_sum_entry(dtype, top_k: int):
