@@ -225,7 +225,17 @@ def test_demo_moe_without_a_gpu_compiles_the_grouped_gemm_and_converts_a_tiny_mi
     assert " x TMA load: cp.async.bulk.tensor.2d.shared::cta.global.tile." in out and "MISSING" not in out
     assert ("tiny Mixtral (2 layers, 4 experts, top-2): recipe 'row': 8 linear layers and 2 experts modules "
             "converted, 1 skipped\n") in out
-    assert out.rstrip().splitlines()[-1] == "PASS: grouped GEMM PTX (WGMMA e4m3, TMA loads) and the MoE conversion"
+    assert " x lanes grouped by expert: match.any.sync.b32" in out and " x e4m3 conversion: cvt.rn.satfinite" in out
+    assert out.rstrip().splitlines()[-1] == ("PASS: grouped GEMM PTX (WGMMA e4m3, TMA loads), routing PTX and the MoE "
+                                             "conversion")
+
+
+def _two_experts_converted():
+    from cutedsl_gemm import nn as cnn
+
+    report = cnn.ConversionReport("row")
+    report.converted_experts.extend(["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"])
+    return report
 
 
 def test_demo_moe_fails_without_tma_loads_or_converted_experts(monkeypatch, capsys):
@@ -250,6 +260,13 @@ def test_demo_moe_fails_without_tma_loads_or_converted_experts(monkeypatch, caps
     out = capsys.readouterr().out
     assert "MISSING" not in out and "recipe 'row': 0 linear layers converted, 0 skipped" in out
     assert "    experts kept: no reason given\n" in out
+    assert out.rstrip().splitlines()[-1].startswith("FAIL")
+    # the routing kernel without its per-expert counts: a failure too
+    monkeypatch.setattr(cli, "_tiny_mixtral", lambda device: (None, None, _two_experts_converted()))
+    monkeypatch.setattr(cli, "_route_ptx", lambda: "cvt.rn.satfinite.e4m3x2.f32 %rs1, %f1, %f2;\n")
+    assert cli._demo_moe() is False
+    out = capsys.readouterr().out
+    assert "    MISSING lanes grouped by expert\n" in out and "    MISSING per-expert count\n" in out
     assert out.rstrip().splitlines()[-1].startswith("FAIL")
 
 

@@ -263,6 +263,10 @@ def _demo_model() -> bool:
 #: What the grouped GEMM's PTX must hold: its tensor-core MMA on e4m3 operands, and TMA loads (global -> shared).
 GROUPED_PTX = {"WGMMA e4m3 x e4m3": r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k32\.f32\.e4m3\.e4m3",
                "TMA load": r"cp\.async\.bulk\.tensor\.\dd\.shared::c(?:ta|luster)\.global"}
+#: What the MoE routing kernel's PTX must hold: the pairs counted per expert (a warp's lanes grouped by expert, one
+#: shared-memory atomic each) and each token's row converted to FP8.
+ROUTE_PTX = {"lanes grouped by expert": r"match\.any\.sync\.b32", "per-expert count": r"atom\.shared\.cta\.add\.u32",
+             "e4m3 conversion": r"cvt\.rn\.satfinite\.e4m3x2\.f32"}
 #: Rows per expert of the grouped GEMM check (N = 512, K = 256): an empty group and a one-row group among them.
 MOE_GROUPS = (37, 0, 1, 90)
 MOE_N, MOE_K = 512, 256
@@ -307,14 +311,12 @@ def _demo_moe_cpu() -> bool:
     t0 = time.time()
     rep = inspect_instance(G.select(problem))
     print("\n".join(rep.summary_lines()) + f"\n    (compiled in {time.time() - t0:.1f} s)")
-    ok = True
-    for what, pattern in GROUPED_PTX.items():
-        found = re.search(rf"(?:{pattern})\S*", rep.ptx)  # the instruction without its operands (WGMMA's: 64)
-        if found is None:
-            print(f"    MISSING {what}")
-            ok = False
-        else:
-            print(f"    {len(re.findall(pattern, rep.ptx)):4d} x {what}: {found.group(0)}")
+    ok = _ptx_holds(rep.ptx, GROUPED_PTX)
+    t0 = time.time()
+    route = _route_ptx()
+    print(f"    routing kernel (route_quantize_fp8: 4 experts, top-2, rows of {MOE_K}), compiled in "
+          f"{time.time() - t0:.1f} s")
+    ok &= _ptx_holds(route, ROUTE_PTX)
     if not _no_transformers():
         _, _, report = _tiny_mixtral("cpu")
         print(f"    tiny Mixtral (2 layers, 4 experts, top-2): {str(report).splitlines()[0]}")
@@ -322,8 +324,36 @@ def _demo_moe_cpu() -> bool:
             print(f"    experts kept: {'; '.join(report.skipped.values()) or 'no reason given'}")
             # a GPU here that is no Hopper: convert keeps the experts it could not run there, as it must
             ok &= torch.cuda.is_available()
-    print(f"{'PASS' if ok else 'FAIL'}: grouped GEMM PTX (WGMMA e4m3, TMA loads) and the MoE conversion")
+    print(f"{'PASS' if ok else 'FAIL'}: grouped GEMM PTX (WGMMA e4m3, TMA loads), routing PTX and the MoE conversion")
     return ok
+
+
+def _ptx_holds(ptx: str, patterns: dict) -> bool:
+    """Print how often each instruction occurs in ``ptx`` (MISSING for none); whether all do."""
+    ok = True
+    for what, pattern in patterns.items():
+        found = re.search(rf"(?:{pattern})\S*", ptx)  # the instruction without its operands (WGMMA's: 64)
+        if found is None:
+            print(f"    MISSING {what}")
+            ok = False
+        else:
+            print(f"    {len(re.findall(pattern, ptx)):4d} x {what}: {found.group(0)}")
+    return ok
+
+
+def _route_ptx() -> str:
+    """The PTX of the MoE routing kernel (row-wise, bf16 rows of MOE_K, 4 experts, top-2) compiled for sm_90a."""
+    import tempfile
+
+    import cutlass
+
+    from cutedsl_gemm.kernels.sm90 import moe_route as K
+    from cutedsl_gemm.runtime.compile import compile_entry
+
+    entry = K.route_entry(cutlass.BFloat16, cutlass.Float8E4M3FN, 448.0, "row", hidden=MOE_K, top_k=2, experts=4,
+                          masked=False, id_dtype=cutlass.Int64, weight_dtype=cutlass.BFloat16)
+    with tempfile.TemporaryDirectory() as d:
+        return compile_entry(*entry, "sm_90a", ptx_dump_dir=d).__ptx__
 
 
 def _grouped_operands():
