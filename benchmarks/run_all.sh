@@ -11,6 +11,10 @@
 #     bench-decode   decode GEMMs back to back (and over the sweep's layers), the linear stack          ~5 min
 #     bench-models   the 32-layer Llama-3-8B-shaped model, checkpoint load times (needs .[models])       ~9 min
 #     bench-moe      mixture of experts: grouped GEMMs over MoE shapes, the MoE blocks, a Qwen3-30B-A3B model  ~9 min
+#   bash benchmarks/run_all.sh OPTION...      runs that decide kernel options, both ways in one run (no result file):
+#     options-routing  the MoE routing kernels against the sort path, the MoE block at decode and prefill ~3 min
+#     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode and 128x192 against 128x128 at
+#                      prefill, each timed twice in turns                                             ~6 min
 #   bash benchmarks/run_all.sh                tests, then bench
 # Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
 # each piece's output also goes to $LOG_DIR/<piece>.log. The times assume compiled kernels in the disk cache: a
@@ -20,6 +24,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
 PIECES="floor bench-gemm bench-ops bench-sweep bench-decode bench-models bench-moe"
+OPTIONS="options-routing options-tiles"
 
 run_tests() {
   "$py" -m pytest -m gpu -q -rs -p no:cacheprovider tests  # -rs: every skip with its reason
@@ -82,6 +87,26 @@ bench_moe() {
   "$py" -m benchmarks.bench_moe --what block,model --split
 }
 
+options_routing() {
+  need_floor
+  "$py" -m benchmarks.bench_moe --what block --recipes row,deepseek --sort-routing --bf16-experts grouped_mm \
+    --batches 1,16,64,256,512 --prefill 4096 --no-save
+}
+
+options_tiles() {
+  need_floor
+  local decode="--models qwen3_30b,dsv3,qwen3_235b --tokens 1,16,64,128 --routing uniform --layouts contiguous,masked"
+  local prefill="--models mixtral,dsv3,qwen3_235b --tokens 4096,16384 --routing uniform --layouts contiguous"
+  for round in 1 2; do
+    "$py" -m benchmarks.bench_grouped $decode --tile-m 64 --no-save
+    "$py" -m benchmarks.bench_grouped $decode --tile-m 64 --tile-n 256 --no-save
+  done
+  for round in 1 2; do
+    "$py" -m benchmarks.bench_grouped $prefill --tile-m 128 --no-save
+    "$py" -m benchmarks.bench_grouped $prefill --tile-m 128 --tile-n 192 --no-save
+  done
+}
+
 piece() {  # one piece: bench-gemm runs the function bench_gemm, after a line naming the GPU and its clocks
   echo "== $1: $(nvidia-smi --query-gpu=name,power.limit,clocks.sm,clocks.max.sm,temperature.gpu --format=csv,noheader)"
   "${1//-/_}"
@@ -97,13 +122,13 @@ run_piece() {  # a piece, its output also in $LOG_DIR/<piece>.log when LOG_DIR i
 }
 
 usage() {
-  echo "usage: bash benchmarks/run_all.sh [tests|bench|all|PIECE...]; pieces: $PIECES" >&2
+  echo "usage: bash benchmarks/run_all.sh [tests|bench|all|PIECE...|OPTION...]; pieces: $PIECES; options: $OPTIONS" >&2
   exit 2
 }
 
 [ $# -gt 0 ] || set -- all
 for what in "$@"; do
-  case " $PIECES " in *" $what "*) continue ;; esac
+  case " $PIECES $OPTIONS " in *" $what "*) continue ;; esac
   case "$what" in tests|bench|all) ;; *) usage ;; esac
 done
 for what in "$@"; do

@@ -380,3 +380,17 @@ def test_run_all_runs_pieces_and_logs_each(tmp_path):
     rc, commands, out = _run_all(tmp_path, "nosuch")
     assert rc == 2 and commands == []
     assert "pieces: floor bench-gemm bench-ops bench-sweep bench-decode bench-models bench-moe" in out
+
+
+def test_run_all_option_runs_time_both_ways_and_save_nothing(tmp_path):
+    rc, commands, out = _run_all(tmp_path, "options-routing", "options-tiles")
+    assert rc == 0, out
+    commands = [c for c in commands if c != "benchmarks.measure_floor"]  # (no floors recorded: each measures them)
+    assert all("--no-save" in c for c in commands)
+    assert sum("--sort-routing" in c for c in commands) == 1
+    grouped = [c for c in commands if c.startswith("benchmarks.bench_grouped")]
+    # each tile against the table's, twice in turns
+    assert [("--tile-n 256" in c, "--tile-n 192" in c) for c in grouped] == [
+        (False, False), (True, False)] * 2 + [(False, False), (False, True)] * 2
+    _, commands, out = _run_all(tmp_path, "bench")
+    assert not any("--no-save" in c for c in commands)  # options are no part of bench
