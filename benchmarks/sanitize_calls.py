@@ -5,7 +5,7 @@ split-N loop, the 64x192 pairs, split-K, the swapped small-M tiles) with partial
 
     export PYTORCH_NO_CUDA_MEMORY_CACHING=1
     compute-sanitizer --tool memcheck|racecheck|synccheck --report-api-errors no \\
-        python3 -m benchmarks.sanitize_calls [--recipes tensor,...] [--max-shapes N]
+        python3 -m benchmarks.sanitize_calls [--recipes tensor,...] [--max-shapes N] [--moe-only]
 
 (Without the caching allocator memcheck sees each tensor's own bounds; racecheck is slow: use --max-shapes.)
 """
@@ -41,8 +41,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--max-shapes", type=int, default=len(SHAPES), help="the first N shapes only (racecheck is slow)")
+    p.add_argument("--moe-only", action="store_true", help="only the MoE routing kernels and the pair sum")
     args = p.parse_args(argv)
     require_gpu("sanitize_calls")
+    if args.moe_only:
+        bad = _moe_routing_calls()
+        print(f"{bad} wrong")
+        sys.exit(1 if bad else 0)
     recipes = args.recipes.split(",")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bad = 0
@@ -69,8 +74,46 @@ def main(argv=None):
         print(f"quantize_fp8 {recipe} 1000x7056: data {tuple(q.shape)}, scales {tuple(s.shape)}, finite "
               f"{bool(torch.isfinite(s).all())}")
         bad += not bool(torch.isfinite(s).all())
+    bad += _moe_routing_calls()
     print(f"{bad} wrong")
     sys.exit(1 if bad else 0)
+
+
+def _moe_routing_calls() -> int:
+    """The MoE routing kernels (one kernel and the blocked form, contiguous and masked) and the pair sum against
+    their torch references, on a skewed routing with an id outside the experts; the number wrong."""
+    from cutedsl_gemm.ops import moe_route as M
+
+    gen = torch.Generator().manual_seed(0)
+    t, k, e, h = 300, 8, 64, 1040  # 5 blocks of the blocked form, a row past a 128 multiple
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    ids[::2, 0] = 3  # a hot expert (where 3 was elsewhere in the row, a repeat: placed after, by slot)
+    ids[7, 5] = e  # outside the experts: no row
+    ids, w = ids.cuda(), torch.rand(t, k, generator=gen).cuda()
+    x = torch.randn(t, h, generator=gen).to(torch.bfloat16).cuda()
+    bad, saved = 0, M.ROUTE_MAX_ID_READS
+    try:
+        for form, reads in (("one kernel", 1 << 62), ("blocked", 0)):
+            M.ROUTE_MAX_ID_READS = reads
+            for gran in ("row", "1x128"):
+                for capacity in (None, 40):
+                    got = M.route_quantize_fp8(x, ids, w, e, gran, capacity=capacity)
+                    want = M.route_quantize_fp8(x, ids, w, e, gran, capacity=capacity, backend="reference")
+                    torch.cuda.synchronize()
+                    rows = got[3][got[3] >= 0].long()
+                    ok = (torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
+                          and torch.equal(got[0].view(torch.uint8)[rows], want[0].view(torch.uint8)[rows])
+                          and torch.equal(got[1][rows], want[1][rows]) and torch.equal(got[4][rows], want[4][rows]))
+                    bad += not ok
+                    print(f"route_quantize_fp8 {form}, {gran}, capacity {capacity}: {'ok' if ok else 'WRONG'}")
+    finally:
+        M.ROUTE_MAX_ID_READS = saved
+    y = torch.randn(t * k, h, generator=gen).to(torch.bfloat16).cuda()
+    pos = M.route_pairs(ids, e)[0]
+    got = M.sum_routed_pairs(y, pos)
+    ok = torch.equal(got.nan_to_num(), M.sum_routed_pairs(y, pos, backend="reference").nan_to_num())
+    print(f"sum_routed_pairs {t}x{k} rows of {h}: {'ok' if ok else 'WRONG'}")
+    return bad + (not ok)
 
 
 if __name__ == "__main__":
