@@ -1,14 +1,17 @@
 """Hopper: a mixture-of-experts layer on the grouped FP8 GEMM.
 
 ``grouped_scaled_mm`` multiplies every expert's tokens by that expert's weights in one launch, with the group
-boundaries (``offs``) on the GPU; ``cnn.QuantizedExperts`` (what ``cnn.convert`` puts in place of a transformers
-experts module) routes, quantizes, runs the gate/up and down GEMMs and combines.
+boundaries (``offs``) on the GPU; ``route_quantize_fp8`` places the (token, expert) pairs by expert and writes
+each token's FP8 row into its pairs' rows, ``sum_routed_pairs`` adds each token's rows back up;
+``cnn.QuantizedExperts`` (what ``cnn.convert`` puts in place of a transformers experts module) runs them around
+the gate/up and down GEMMs.
 
     python examples/sm90_moe_grouped.py [--experts 128 --topk 8 --hidden 2048 --inter 768 --tokens 4096]
 
 On a Hopper GPU it runs one Qwen3-30B-A3B-sized experts layer (random weights) against the same layer in bf16 and
 times the grouped GEMM against torch's FP8 and bf16 grouped GEMMs. Without one it compiles the grouped GEMM for
-sm_90a and prints the instructions that make it grouped; nothing is executed then.
+sm_90a, and the routing kernel, and prints the instructions that make them what they are; nothing is executed
+then.
 """
 
 import argparse
@@ -20,6 +23,7 @@ import cutedsl_gemm
 from cutedsl_gemm import nn as cnn
 from cutedsl_gemm.nn.moe import permute
 from cutedsl_gemm.numerics.reference import rel_error
+from cutedsl_gemm.ops.moe_route import route_quantize_fp8
 
 
 def timed(fn) -> float:
@@ -63,9 +67,15 @@ def run(experts, topk, hidden, inter, tokens):
           f"rel error {err:.4f}")
     t_q = timed(lambda: quantized(x, ids, weights))
     print(f"  QuantizedExperts forward (route, quantize, gate/up, SiLU * up, down, combine): {t_q:8.1f} us")
+    # the routing: the kernels against a sort, a gather and the quantizer (the same codes)
+    qx, sx, offs, _, _ = route_quantize_fp8(x, ids, weights, experts, "row")
+    rows, sort_offs, _ = permute(x, ids, experts)
+    assert torch.equal(offs, sort_offs) and torch.equal(qx.view(torch.uint8), cutedsl_gemm.quantize_fp8(
+        rows, "row")[0].view(torch.uint8))
+    t_route = timed(lambda: route_quantize_fp8(x, ids, weights, experts, "row"))
+    t_sort = timed(lambda: cutedsl_gemm.quantize_fp8(permute(x, ids, experts)[0], "row"))
+    print(f"  routing: route_quantize_fp8 {t_route:7.1f} us, permute + quantize_fp8 {t_sort:7.1f} us")
     # the gate/up GEMM alone, against torch's grouped GEMMs on the same routed rows
-    rows, offs, _ = permute(x, ids, experts)
-    qx, sx = cutedsl_gemm.quantize_fp8(rows, "row")
     b, sb = quantized.gate_up_proj.transpose(1, 2), quantized.gate_up_proj_scale
     ours = timed(lambda: cutedsl_gemm.grouped_scaled_mm(qx, b, sx, sb, offs))
     fp8 = timed(lambda: torch._scaled_grouped_mm(qx, b, sx.view(-1), sb.view(experts, -1), offs=offs,
@@ -97,7 +107,29 @@ def compile_only():
             first = re.search(rf"(?:{pattern})[^\n]*", rep.ptx)
             example = f", e.g. {' '.join(first.group(0).split())[:96]}" if first else ""
             print(f"    {len(re.findall(pattern, rep.ptx)):4d} x {what}{example}")
+    _compile_routing()
     print("\nRunning it against bf16 and torch's grouped GEMMs needs a Hopper GPU (H100, H200 or H800).")
+
+
+def _compile_routing():
+    """The routing kernel (row-wise, 128 experts, top-8, rows of 2048) compiled for sm_90a, and what its PTX holds."""
+    import tempfile
+
+    import cutlass
+
+    from cutedsl_gemm.kernels.sm90 import moe_route as K
+    from cutedsl_gemm.runtime.compile import compile_entry
+
+    entry = K.route_entry(cutlass.BFloat16, cutlass.Float8E4M3FN, 448.0, "row", hidden=2048, top_k=8, experts=128,
+                          masked=False, id_dtype=cutlass.Int64, weight_dtype=cutlass.BFloat16)
+    with tempfile.TemporaryDirectory() as d:
+        ptx = compile_entry(*entry, "sm_90a", ptx_dump_dir=d).__ptx__
+    print("\nrouting (route_quantize_fp8: one CTA a token, 128 experts, top-8):")
+    facts = {"lanes grouped by expert": r"match\.any\.sync\.b32", "per-expert counts": r"atom\.shared\.cta\.add",
+             "e4m3 conversions": r"cvt\.rn\.satfinite\.e4m3x2\.f32",
+             "16-byte stores of a row's codes": r"st\.global\.v4"}
+    for what, pattern in facts.items():
+        print(f"    {len(re.findall(pattern, ptx)):4d} x {what}")
 
 
 def main():

@@ -19,7 +19,8 @@ WITHOUT_A_GPU = {
     "sm100_f8f6f4_gemm.py": ("compiled sm_100a_gemm_1sm_tensor_f8f6f4xf8f6f4_bf16", "tcgen05.mma"),
     "sm100_blockscaled_gemm.py": ("mxf4nvf4", "tcgen05.mma"),
     "sm90_moe_grouped.py": ("sm_90a_grouped_gemm_contiguous_row_e4m3xe4m3_bf16", "x WGMMA e4m3 x e4m3",
-                            "x 32-bit global loads (group sizes, row scales)"),
+                            "x 32-bit global loads (group sizes, row scales)", "x lanes grouped by expert",
+                            "x per-expert counts"),
     "llama_fp8.py": ("14 linear layers converted", "weight (256, 256) float8_e4m3fn"),
 }
 
