@@ -282,7 +282,7 @@ def block_variants(run, name: str, block) -> list:
                     f"{n}: {why}" for n, why in report.skipped.items()))
             run.notes += [f"{name} {recipe}: not converted: {n} ({why})" for n, why in report.skipped.items()]
             variants.append(BlockVariant(recipe, OURS, module))
-            if args.sort_routing and recipe != "tensor":  # (per tensor routes by the sort at every size)
+            if args.sort_routing:
                 variants.append(BlockVariant(recipe, SORT_ROUTED, SortRouted(module)))
         except Exception as e:
             run.failed[f"{name}: conversion, {recipe}"] = BM.one_line(e)

@@ -95,15 +95,17 @@ def _moe_routing_calls() -> int:
     try:
         for form, reads in (("one kernel", 1 << 62), ("blocked", 0)):
             M.ROUTE_MAX_ID_READS = reads
-            for gran in ("row", "1x128"):
+            for gran in ("row", "1x128", "tensor"):
                 for capacity in (None, 40):
                     got = M.route_quantize_fp8(x, ids, w, e, gran, capacity=capacity)
                     want = M.route_quantize_fp8(x, ids, w, e, gran, capacity=capacity, backend="reference")
                     torch.cuda.synchronize()
                     rows = got[3][got[3] >= 0].long()
+                    scale_rows = slice(None) if gran == "tensor" else rows  # (per tensor: the one scale)
                     ok = (torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
                           and torch.equal(got[0].view(torch.uint8)[rows], want[0].view(torch.uint8)[rows])
-                          and torch.equal(got[1][rows], want[1][rows]) and torch.equal(got[4][rows], want[4][rows]))
+                          and torch.equal(got[1][scale_rows], want[1][scale_rows])
+                          and torch.equal(got[4][rows], want[4][rows]))
                     bad += not ok
                     print(f"route_quantize_fp8 {form}, {gran}, capacity {capacity}: {'ok' if ok else 'WRONG'}")
     finally:

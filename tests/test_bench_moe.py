@@ -226,8 +226,8 @@ def test_sort_routing_times_each_recipe_both_ways(tmp_path, monkeypatch, referen
     rows = B.main(argv, floors=FLOORS)["block"]
     cells = [dict(zip(B.BLOCK_COLUMNS, row)) for row in rows]
     assert [(c["recipe"], c["experts implementation"]) for c in cells] == [
-        ("bf16", "grouped_mm"), ("row", B.OURS), ("row", B.SORT_ROUTED), ("tensor", B.OURS)]
-    assert routed and sorted_  # each form ran (per tensor and the sort-routed row by permute)
+        ("bf16", "grouped_mm"), ("row", B.OURS), ("row", B.SORT_ROUTED), ("tensor", B.OURS), ("tensor", B.SORT_ROUTED)]
+    assert routed and sorted_  # each form ran
     assert B.moe.routes_by_kernel is real_rule  # restored after each call
     ours, by_sort = cells[1], cells[2]
     assert ours["rel err"] == pytest.approx(by_sort["rel err"], rel=1e-3)  # the same numerics

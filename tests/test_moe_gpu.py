@@ -101,7 +101,7 @@ def _experts(kind, recipe, capacity=None):
 
 
 #: How QuantizedExperts routes its pairs: by the routing kernels, one (the form at these sizes) or the blocked three
-#: (prefill's), or by a sort, a gather and the quantizer (the per-tensor recipe's form).
+#: (prefill's), or by a sort, a gather and the quantizer (past the routing kernels' limits).
 ROUTINGS = ["one kernel", "blocked", "sort"]
 
 

@@ -390,9 +390,9 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
     for the down GEMM in the same kernel (``silu_mul_quantize_fp8``; per tensor: torch, then ``quantize_fp8``), the
     grouped down GEMM, the sum of each token's rows (``sum_routed_pairs``). With ``capacity`` set, the masked
     layout instead (``to_masked``, C = min(capacity, T); decode): every shape is then fixed by T, and a pair past the
-    capacity makes its token's output NaN. For the row-wise and DeepSeek recipes (``ops.moe_route.routes_by_kernel``)
-    the routing kernels place the pairs and quantize each token's row into its pairs' rows instead
-    (``route_quantize_fp8``: one kernel at decode and small batches, three past them) and the sort is not run.
+    capacity makes its token's output NaN. Within the routing kernels' limits (``ops.moe_route.routes_by_kernel``)
+    they place the pairs and quantize each token's row into its pairs' rows instead (``route_quantize_fp8``: one
+    kernel at decode and small batches, three past them; per tensor after the amax kernel) and the sort is not run.
 
     Saved format (``state_dict``, loadable with ``safetensors``): ``gate_up_proj`` (E, 2I, H) and ``down_proj``
     (E, H, I) float8_e4m3fn, each expert's row-major weight quantized as ``QuantizedLinear`` quantizes a weight
@@ -488,7 +488,7 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             return hidden_states.new_zeros((t, self.hidden_dim))
         grouped = _grouped_scaled_mm()
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # (E, K, N) views
-        if self.recipe != "tensor" and routes_by_kernel(t, k, self.num_experts, self.hidden_dim):
+        if routes_by_kernel(t, k, self.num_experts, self.hidden_dim):
             return self._forward_routed(grouped, gate_up, down, hidden_states, top_k_index, top_k_weights)
         if self.capacity is None:
             x, offs, order = permute(hidden_states, top_k_index, self.num_experts)
@@ -513,20 +513,23 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
 
     def _forward_routed(self, grouped, gate_up, down, hidden_states, top_k_index, top_k_weights):
         """The forward with the routing by its kernels (``route_quantize_fp8``, then ``sum_routed_pairs``): five
-        kernels in all at decode, seven past ``ROUTE_MAX_ID_READS``; the row-wise and DeepSeek recipes."""
+        kernels in all at decode for the row-wise and DeepSeek recipes, seven past ``ROUTE_MAX_ID_READS``; per tensor
+        the amax kernel first, and the SiLU in torch before its quantizer."""
         gran, dtype, e = ACTIVATION_GRANULARITY[self.recipe], hidden_states.dtype, self.num_experts
         c = None if self.capacity is None else min(self.capacity, hidden_states.shape[0])
         qx, sx, groups, pos, weights = route_quantize_fp8(hidden_states, top_k_index.contiguous(),
                                                           top_k_weights.contiguous(), e, gran, capacity=c)
         if c is None:
             h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, groups, out_dtype=dtype)
-            qh, sh = silu_mul_quantize_fp8(h, gran, weights)
+            qh, sh = self._quantize_gated(h, weights)
             y = grouped(qh, down, sh, self.down_proj_scale, groups, out_dtype=dtype)
         else:
-            h = grouped(qx.view(e, c, -1), gate_up, sx.view(e, c, -1), self.gate_up_proj_scale, counts=groups,
-                        out_dtype=dtype)
-            qh, sh = silu_mul_quantize_fp8(h.view(e * c, -1), gran, weights)
-            y = grouped(qh.view(e, c, -1), down, sh.view(e, c, -1), self.down_proj_scale, counts=groups,
+            h = grouped(qx.view(e, c, -1), gate_up, self._masked_scales(sx, e, c), self.gate_up_proj_scale,
+                        counts=groups, out_dtype=dtype)
+            # (per tensor: the rows past each count, never written, zeroed before the one scale's amax)
+            live = torch.arange(c, device=groups.device) < groups[:, None] if self.recipe == "tensor" else None
+            qh, sh = self._quantize_gated(h.view(e * c, -1), weights, live)
+            y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=groups,
                         out_dtype=dtype)
         return sum_routed_pairs(y, pos)
 

@@ -1,8 +1,9 @@
 """A mixture-of-experts layer's routing in one kernel on each side of its grouped GEMMs.
 
 ``route_quantize_fp8(hidden (T, H), topk_ids (T, k), topk_weights (T, k), E, granularity)`` places the (token,
-slot) pairs by expert and writes each token's row, quantized to FP8 (``quantize_fp8``'s codes and scales of the
-row, bit for bit: per token for "row", per 1x128 group for "1x128"), into every row its pairs take:
+slot) pairs by expert and writes each token's row, quantized to FP8 (``quantize_fp8``'s codes and scales, bit for
+bit: per token for "row", per 1x128 group for "1x128", one scale over all of hidden for "tensor"), into every row
+its pairs take:
 
 - contiguous (``capacity`` None): R = T*k rows in the stable sort's order by expert (pairs of one expert in token
   order, as ``nn.moe.permute`` orders them); ``groups`` (E,) int32 the cumulative end rows (``offs``);
@@ -12,8 +13,9 @@ row, bit for bit: per token for "row", per 1x128 group for "1x128"), into every 
 It also returns ``pos`` (T, k) int32, the row of each pair (-1: dropped, or an id outside [0, E)), and
 ``pair_weights`` (R,) fp32, each row's routing weight (for ``silu_mul_quantize_fp8``, so that the linear down
 projection weights its rows). Rows no pair takes are not written: the grouped GEMM reads none of them (contiguous:
-past ``groups[-1]``; masked: past each count). Scales (R, 1) for "row", (R, ceil(H / 128)) M-major for "1x128":
-the layouts ``grouped_scaled_mm`` takes (masked: their (E, C, ...) views).
+past ``groups[-1]``; masked: past each count). Scales (R, 1) for "row", (R, ceil(H / 128)) M-major for "1x128",
+(1,) for "tensor": the layouts ``grouped_scaled_mm`` takes (masked: their (E, C, ...) views). (The per-tensor scale
+is hidden's: the sort path's over the routed rows is the same where every token routes to at least one expert.)
 
 ``sum_routed_pairs(y, pos)``: (T, H) in y's dtype, each token's k rows ``y[pos[t, j]]`` of the experts' output
 (R, H) or (E, C, H) added in fp32 in slot order and rounded once; NaN for a token with a pair at -1, so that a
@@ -43,12 +45,13 @@ from cutedsl_gemm.numerics.formats import (
     float_format,
 )
 from cutedsl_gemm.ops.library import EAGER, OPS, define, op_name
-from cutedsl_gemm.ops.quantize import BACKENDS, VEC, quantize_fp8
+from cutedsl_gemm.ops.quantize import AMAX_CTAS_PER_SM, BACKENDS, VEC, _get, quantize_fp8
+from cutedsl_gemm.runtime.device import device_info
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 from cutedsl_gemm.runtime.plans import PREPARED
 
 G = ScaleGranularity
-ROUTE_GRANULARITIES = (G.ROW, G.GROUP_1x128)
+ROUTE_GRANULARITIES = (G.ROW, G.GROUP_1x128, G.TENSOR)
 # the kernel's limits (kernels/sm90/moe_route.py: MAX_TOP_K, MAX_EXPERTS, MAX_HIDDEN; its module is not imported
 # before a kernel is built)
 MAX_TOP_K, MAX_EXPERTS, MAX_HIDDEN = 32, 1024, 65536
@@ -138,8 +141,8 @@ def _route_arguments(hidden, topk_ids, topk_weights, num_experts, granularity, c
     except ValueError:
         gran = None
     if gran not in ROUTE_GRANULARITIES:
-        raise ValueError(f"route_quantize_fp8 takes granularity 'row' or '1x128' (the activations of the row-wise "
-                         f"and DeepSeek recipes), got {granularity!r}")
+        raise ValueError(f"route_quantize_fp8 takes granularity 'row', '1x128' or 'tensor' (the activations of the "
+                         f"row-wise, DeepSeek and per-tensor recipes), got {granularity!r}")
     fmt = element_format(fmt)
     if fmt not in FP8_FORMATS:
         raise ValueError(f"fmt must be 'e4m3' or 'e5m2', got {fmt.name!r}")
@@ -170,7 +173,9 @@ def _route_arguments(hidden, topk_ids, topk_weights, num_experts, granularity, c
 def _route_outputs(hidden, gran, fmt, rows: int, num_experts: int, k: int):
     """Empty (q, scales, groups, pos, pair_weights) of a call with R = ``rows``."""
     h, dev = hidden.shape[1], hidden.device
-    if gran is G.ROW:
+    if gran is G.TENSOR:
+        s = torch.empty(1, dtype=torch.float32, device=dev)
+    elif gran is G.ROW:
         s = torch.empty((rows, 1), dtype=torch.float32, device=dev)
     else:
         s = torch.empty((ceil_div(h, 128), rows), dtype=torch.float32, device=dev).t()
@@ -191,7 +196,10 @@ def _route_reference(hidden, topk_ids, topk_weights, num_experts, gran, capacity
     dst = pos_.view(-1)[taken].long()
     token = torch.arange(t, device=hidden.device).repeat_interleave(k)[taken]
     q.view(torch.uint8).zero_().index_copy_(0, dst, qt.view(torch.uint8).index_select(0, token))
-    s.zero_().index_copy_(0, dst, st.index_select(0, token))
+    if gran is G.TENSOR:
+        s.copy_(st.reshape(1))
+    else:
+        s.zero_().index_copy_(0, dst, st.index_select(0, token))
     weights.zero_().index_copy_(0, dst, topk_weights.reshape(-1).float()[taken])
     groups.copy_(groups_)
     pos.copy_(pos_)
@@ -238,9 +246,15 @@ def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity
     fns = _route_kernels(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity, blocked)
     cap, dev = capacity or 1, hidden.device
     blocks = ceil_div(t, ROUTE_BLOCK_TOKENS) if blocked else 1
-    # (one kernel: the block counts and first rows are not read; one tensor of each for the call's arguments)
-    unread = None if blocked else (torch.empty((1, num_experts), dtype=torch.int32, device=dev),
-                                   torch.empty(num_experts, dtype=torch.int32, device=dev))
+    # (one kernel: the block counts and first rows are not read; per-token scales: the partial maxima; one tensor of
+    # each for the call's arguments)
+    unread = (None if blocked else (torch.empty((1, num_experts), dtype=torch.int32, device=dev),
+                                    torch.empty(num_experts, dtype=torch.int32, device=dev)),
+              None if gran is G.TENSOR else torch.empty(1, dtype=torch.float32, device=dev))
+    if gran is G.TENSOR:  # the one scale: quantize_fp8's amax kernel over hidden first (partial maxima, no atomics)
+        parts = max(1, min(ceil_div(t, 128) * ceil_div(hidden.shape[1], 128),
+                           AMAX_CTAS_PER_SM * device_info(dev.index)[1]))
+        amax = _get("tensor_amax", hidden, fmt)
 
     def run(hidden, topk_ids, topk_weights):
         q, s, groups, pos, weights = _route_outputs(hidden, gran, fmt, rows, num_experts, k)
@@ -251,8 +265,12 @@ def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity
             fns[1](ids, hist)
             fns[2](hist, start, groups, cap)
         else:
-            hist, start = unread
-        fns[0](hidden, ids, topk_weights.view(-1), q, s, weights, pos.view(-1), groups, cap, hist, start)
+            hist, start = unread[0]
+        part = unread[1]
+        if part is None:
+            part = torch.empty(parts, dtype=torch.float32, device=hidden.device)
+            amax(hidden, part)
+        fns[0](hidden, ids, topk_weights.view(-1), q, s, weights, pos.view(-1), groups, cap, hist, start, part)
         return q, s, groups, pos, weights
     return run
 

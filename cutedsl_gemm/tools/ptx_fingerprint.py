@@ -93,6 +93,7 @@ QUANTIZERS = {
     "sm_90a_moe_route_1x128_masked_bf16_e4m3_h7168_k8_e256": (SM90, "moe_route",
                                                                ("1x128", 7168, 8, 256, True, False)),
     "sm_90a_moe_route_blocked_row_bf16_e4m3_h2048_k8_e128": (SM90, "moe_route", ("row", 2048, 8, 128, False, True)),
+    "sm_90a_moe_route_tensor_bf16_e4m3_h4096_k2_e8": (SM90, "moe_route", ("tensor", 4096, 2, 8, False, False)),
     "sm_90a_moe_route_count_k8_e128": (SM90, "moe_route_count", (8, 128)),
     "sm_90a_moe_pair_sum_bf16_k8": (SM90, "pair_sum", ("bf16", 8)),
     "sm_100a_quantize_mx_bf16_e4m3": (SM100, "block", ("mx", "e4m3", "bf16", False)),

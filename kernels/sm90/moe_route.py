@@ -49,6 +49,7 @@ from .quantize_fp8 import (
 
 GRAN_ROW = "row"
 GRAN_1x128 = "1x128"
+GRAN_TENSOR = "tensor"  # one scale: the amax kernel's partial maxima over all of hidden, folded by every CTA
 MAX_TOP_K = 32  # the place phase gives a pair a thread of warp 0
 MAX_EXPERTS = 1024  # three int32 counters per expert in shared memory
 MAX_HIDDEN = 65536  # at most 4 vectors of the row per thread at 1024 threads
@@ -73,8 +74,8 @@ class RouteQuant:
 
     def __init__(self, in_dtype, out_dtype, fmax: float, granularity: str, *, hidden: int, top_k: int, experts: int,
                  masked: bool, id_dtype=cutlass.Int64, weight_dtype=Float32):
-        if granularity not in (GRAN_ROW, GRAN_1x128):
-            raise ValueError(f"granularity must be 'row' or '1x128', got {granularity!r}")
+        if granularity not in (GRAN_ROW, GRAN_1x128, GRAN_TENSOR):
+            raise ValueError(f"granularity must be 'row', '1x128' or 'tensor', got {granularity!r}")
         if hidden % VEC or not 0 < hidden <= MAX_HIDDEN:
             raise ValueError(f"hidden must be a multiple of {VEC} in [{VEC}, {MAX_HIDDEN}], got {hidden}")
         if not 1 <= top_k <= MAX_TOP_K:
@@ -84,6 +85,7 @@ class RouteQuant:
         self.in_dtype, self.out_dtype, self.fmax = in_dtype, out_dtype, float(fmax)
         self.id_dtype, self.weight_dtype = id_dtype, weight_dtype
         self.group = granularity == GRAN_1x128
+        self.tensor = granularity == GRAN_TENSOR
         self.H, self.k, self.E, self.masked = hidden, top_k, experts, bool(masked)
         self.T, self.P = route_threads(hidden)
         self.NW = self.T // 32
@@ -93,14 +95,14 @@ class RouteQuant:
     @cute.jit
     def launch(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
                mPW: cute.Tensor, mPos: cute.Tensor, mGroups: cute.Tensor, capacity: Int32, mHist: cute.Tensor,
-               mStart: cute.Tensor, stream):
-        self.kernel(mX, mIds, mW, mQ, mS, mPW, mPos, mGroups, capacity, mHist, mStart).launch(
+               mStart: cute.Tensor, mPart: cute.Tensor, stream):
+        self.kernel(mX, mIds, mW, mQ, mS, mPW, mPos, mGroups, capacity, mHist, mStart, mPart).launch(
             grid=[mX.shape[0], 1, 1], block=[self.T, 1, 1], stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mIds: cute.Tensor, mW: cute.Tensor, mQ: cute.Tensor, mS: cute.Tensor,
                mPW: cute.Tensor, mPos: cute.Tensor, mGroups: cute.Tensor, capacity: Int32, mHist: cute.Tensor,
-               mStart: cute.Tensor):
+               mStart: cute.Tensor, mPart: cute.Tensor):
         launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         t, _, _ = cute.arch.block_idx()
@@ -157,8 +159,12 @@ class RouteQuant:
                 scales.append(scale)
         else:
             amax = Float32(0.0)
-            for p in cutlass.range_constexpr(self.P):
-                amax = finite_amax(frags[p], amax)
+            if cutlass.const_expr(self.tensor):  # the partial maxima of the amax kernel, over every row
+                for i in range(tidx, mPart.shape[0], self.T):
+                    amax = cute.arch.fmax(amax, mPart[i])
+            else:
+                for p in cutlass.range_constexpr(self.P):
+                    amax = finite_amax(frags[p], amax)
             amax = _block_allreduce_max(amax, red, tidx, self.NW)
             scale = scale_of(amax, self.fmax)
             rcp = reciprocal(scale)
@@ -178,9 +184,12 @@ class RouteQuant:
                         if cutlass.const_expr(self.group):
                             if v % 8 == 0:
                                 mS[row, v // 8] = scales[p]
-                if cutlass.const_expr(not self.group):
+                if cutlass.const_expr(not self.group and not self.tensor):
                     if tidx == 0:
                         mS[row, 0] = scales[0]
+        if cutlass.const_expr(self.tensor):
+            if (t == 0) & (tidx == 0):
+                mS[0] = scales[0]
 
     # ---- the count: every CTA over all T*k ids (BlockedRouteQuant: from the block counts) ----
     @cute.jit
@@ -436,8 +445,9 @@ class PairSum:
 def route_entry(in_dtype, out_dtype, fmax, granularity: str, *, hidden: int, top_k: int, experts: int, masked: bool,
                 id_dtype, weight_dtype, blocked: bool = False):
     """Call as f(x (T, H), ids (T*k,), weights (T*k,), q (R, H), s, pair_weights (R,) fp32, pos (T*k,) int32,
-    groups (E,) int32, capacity, hist (B, E) int32, start (E,) int32), s (R, 1) for rows or (R, ceil(H / 128))
-    M-major for 1x128 groups; R = T * k (contiguous) or E * capacity (masked; capacity is ignored otherwise).
+    groups (E,) int32, capacity, hist (B, E) int32, start (E,) int32, part (G,) fp32), s (R, 1) for rows, (R,
+    ceil(H / 128)) M-major for 1x128 groups or (1,) for the tensor; R = T * k (contiguous) or E * capacity (masked;
+    capacity is ignored otherwise); part: the tensor amax kernel's partial maxima over x (read for "tensor" only).
     ``blocked``: ``BlockedRouteQuant``, after ``RouteCount`` and ``RouteTotals`` (which write hist, start and the
     groups); otherwise hist and start are not read."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
@@ -454,12 +464,15 @@ def route_entry(in_dtype, out_dtype, fmax, granularity: str, *, hidden: int, top
     q = make_fake_compact_tensor(out_dtype, (rows, hidden), stride_order=(1, 0), assumed_align=16)
     if granularity == GRAN_ROW:
         s = make_fake_compact_tensor(Float32, (rows, 1), stride_order=(1, 0), assumed_align=4)
+    elif granularity == GRAN_TENSOR:
+        s = make_fake_compact_tensor(Float32, (1,), assumed_align=4)
     else:
         s = make_fake_compact_tensor(Float32, (rows, -(-hidden // 128)), stride_order=(0, 1), assumed_align=4)
     ids, w = vec(id_dtype, pairs, id_dtype.width // 8), vec(weight_dtype, pairs, weight_dtype.width // 8)
     hist = make_fake_compact_tensor(Int32, (cute.sym_int(), experts), stride_order=(1, 0), assumed_align=4)
+    part = vec(Float32, cute.sym_int())
     return kern.launch, (x, ids, w, q, s, vec(Float32, rows), vec(Int32, pairs), vec(Int32, experts), Int32(1), hist,
-                         vec(Int32, experts), make_fake_stream(use_tvm_ffi_env_stream=True))
+                         vec(Int32, experts), part, make_fake_stream(use_tvm_ffi_env_stream=True))
 
 
 def count_entry(top_k: int, experts: int, id_dtype):
