@@ -17,7 +17,7 @@ from benchmarks import bench_gemm, common, plot_decode
 BENCHMARKS = Path(common.__file__).resolve().parent
 TOOLS = ["audit_picks", "audit_sweep", "bench_decode_chain", "bench_decode_options", "bench_gemm",
          "bench_linear_stack", "bench_quantize", "bench_quantize_scaled_mm", "bench_sweep", "bench_weight_only",
-         "host_cost", "measure_floor", "plot_decode", "sanitize_calls", "tune_tiles"]
+         "host_cost", "measure_floor", "plot_decode", "profile_kernels", "sanitize_calls", "tune_tiles"]
 RESULT_WRITERS = ["bench_decode_chain", "bench_decode_options", "bench_gemm", "bench_linear_stack", "bench_quantize",
                   "bench_quantize_scaled_mm", "bench_sweep", "bench_weight_only", "host_cost", "measure_floor"]
 #: an H200's floors, as benchmarks.measure_floor records them
@@ -327,7 +327,7 @@ def test_gpu_facts_from_nvidia_smi(monkeypatch):
     ("measure_floor", []), ("bench_quantize", []), ("bench_linear_stack", []), ("bench_weight_only", []),
     ("bench_quantize_scaled_mm", []), ("bench_decode_chain", []), ("bench_decode_options", ["--what", "splits"]),
     ("bench_gemm", ["--e2e"]), ("bench_gemm", ["--shapes", "16x256x256"]), ("bench_sweep", ["--ms", "1"]),
-    ("host_cost", []), ("tune_tiles", []), ("sanitize_calls", []),
+    ("host_cost", []), ("tune_tiles", []), ("sanitize_calls", []), ("profile_kernels", ["--what", "grouped"]),
 ])
 def test_without_a_gpu_a_benchmark_stops_with_one_line(tool, argv, capsys):
     if common.torch.cuda.is_available():

@@ -1,0 +1,114 @@
+"""Kernel-level views of where time goes on a Hopper GPU, for torch.profiler and Nsight Compute.
+
+    python -m benchmarks.profile_kernels --what moe-rest       the Qwen3-30B-A3B decode step with every experts
+                                                               module a no-op (what bounds the MoE model besides
+                                                               the experts): its kernels by GPU time, per batch
+    ncu --nvtx --nvtx-include "grouped-down-16/" --launch-count 1 --set full \\
+        python -m benchmarks.profile_kernels --what grouped     the grouped row-wise GEMMs of Qwen3-30B-A3B at decode
+    ncu --nvtx --nvtx-include "weight-only-1/" --launch-count 1 --set full \\
+        python -m benchmarks.profile_kernels --what weight-only  the int4 weight-only GEMM at M = 1 and 16
+
+Each profiled call runs warm, alone in an NVTX range named after it (``grouped-<gemm>-<tokens>``,
+``weight-only-<M>``), so that ncu takes exactly it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import sys
+
+import torch
+
+from .common import require_gpu
+
+WHATS = ("moe-rest", "grouped", "weight-only")
+#: Qwen3-30B-A3B's experts: (experts, top-k, hidden, intermediate)
+QWEN3_30B_EXPERTS = (128, 8, 2048, 768)
+
+
+def _ranged(name: str, fn) -> None:
+    """``fn`` three times warm, then once alone in the NVTX range ``name``."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_push(name)
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
+def grouped(tokens=(16, 128)) -> None:
+    """The gate_up and down GEMMs of Qwen3-30B-A3B's experts at ``tokens`` decode tokens (uniform routing)."""
+    import cutedsl_gemm
+
+    from .bench_grouped import _weights, route, sizes_of
+
+    gen, cpu = torch.Generator(device="cuda").manual_seed(0), torch.Generator().manual_seed(0)
+    e, k, h, i = QWEN3_30B_EXPERTS
+    for t in tokens:
+        sizes = sizes_of(route(t, e, k, "uniform", cpu), e)
+        offs = sizes.cumsum(0).to(torch.int32).cuda()
+        for gemm, n, depth in (("gate_up", 2 * i, h), ("down", h, i)):
+            _, qw, sw = _weights(e, n, depth, gen)
+            x = torch.randn(int(sizes.sum()), depth, device="cuda", generator=gen, dtype=torch.bfloat16)
+            qa, sa = cutedsl_gemm.quantize_fp8(x, "row")
+            b = qw.transpose(1, 2)
+            _ranged(f"grouped-{gemm.replace('_', '')}-{t}",
+                    functools.partial(cutedsl_gemm.grouped_scaled_mm, qa, b, sa, sw, offs))
+
+
+def weight_only(ms=(1, 16), n=8192, k=8192) -> None:
+    """The int4 (group 128) weight-only GEMM at each M of ``ms`` on an N x K weight."""
+    from cutedsl_gemm.ops.weight_only import mm_weight_only
+
+    from .bench_weight_only import our_weights
+
+    packed, scales, zeros, *_ = our_weights(n, k, 4, 128, False, torch.Generator(device="cuda").manual_seed(0))
+    for m in ms:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        _ranged(f"weight-only-{m}", functools.partial(mm_weight_only, x, packed, scales, zeros, group=128, bits=4))
+
+
+def moe_rest(batches=(1, 16, 64), layers=4, context=512, top=25) -> None:
+    """The kernels of a decode step of the Qwen3-30B-A3B-shaped bf16 model (``layers`` layers) with every experts
+    module a no-op, at each batch: GPU time per step by kernel, the top ``top``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from cutedsl_gemm.tools import models as M
+
+    from .bench_moe import noop_experts_model
+
+    model = M.random_causal_lm(M.moe_config("qwen3_moe", layers, M.QWEN3_30B_A3B), device="cuda")
+    noop = noop_experts_model(model)
+    print(f"attention: {model.config._attn_implementation}; {layers} layers, {context} tokens of context")
+    for batch in batches:
+        step = M.DecodeStep(noop, batch, context + 1)
+        with torch.no_grad():
+            step.prefill(M.random_tokens(model.config, batch, context))
+            for _ in range(3):
+                step.forward()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    step.forward()
+                torch.cuda.synchronize()
+        events = sorted((e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA),
+                        key=lambda e: -e.device_time_total)
+        total = sum(e.device_time_total for e in events) / 5
+        print(f"batch {batch}: {total:.0f} us of kernels a step, {sum(e.count for e in events) // 5} kernels")
+        for e in events[:top]:
+            print(f"  {e.device_time_total / 5:9.1f} us  x{e.count // 5:4d}  {e.key[:110]}")
+        sys.stdout.flush()
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--what", choices=WHATS, required=True)
+    args = p.parse_args(argv)
+    require_gpu("profile_kernels")
+    {"moe-rest": moe_rest, "grouped": grouped, "weight-only": weight_only}[args.what]()
+
+
+if __name__ == "__main__":
+    main()
