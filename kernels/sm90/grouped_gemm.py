@@ -506,12 +506,12 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
 
     @cute.jit
     def _scaled(self, acc, scratch, alpha, i: cutlass.Constexpr):
-        """Element ``i`` of the tile in fp32 with its scales: per tensor ``alpha``, row-wise ``scratch[i]``
-        (block scales were applied in the promotion)."""
+        """Element ``i`` of the tile in fp32 with its scales: per tensor ``alpha``, row-wise ``scratch[i]`` (None:
+        already in the accumulator; block scales were applied in the promotion)."""
         v = acc[i]
         if cutlass.const_expr(self.cfg.recipe == "tensor"):
             v = v * alpha
-        elif cutlass.const_expr(self.cfg.recipe == "row"):
+        elif cutlass.const_expr(self.cfg.recipe == "row" and scratch is not None):
             v = v * scratch[i]
         return v
 
@@ -589,14 +589,7 @@ class Sm90GroupedFp8GemmSerial(Sm90GroupedFp8Gemm):
                                        * Float32(mSB[cutlass.min(c0 + c, n - 1), e]))
                 # (a chunk's scale loads stay after the chunk before: all of them at once would not fit)
                 fence_registers(acc)
-        return None
-
-    @cute.jit
-    def _scaled(self, acc, scratch, alpha, i: cutlass.Constexpr):
-        v = acc[i]
-        if cutlass.const_expr(self.cfg.recipe == "tensor"):
-            v = v * alpha
-        return v
+        return None  # (_scaled multiplies by nothing more)
 
 
 def grouped_kernel(cfg: Sm90GroupedGemmConfig) -> Sm90GroupedFp8Gemm:
