@@ -147,17 +147,9 @@ class RouteQuant:
                 mPW[row] = Float32(mW[p])
         cute.arch.barrier()
 
-        # quantize, and store into the k rows
-        codes = []
-        scales = []
-        if cutlass.const_expr(self.group):
-            for p in cutlass.range_constexpr(self.P):
-                scale, rcp, fast = group_scale(frags[p], 8, self.fmax)
-                q = cute.make_rmem_tensor((1, VEC), self.out_dtype)
-                emit_quantized(frags[p], scale, rcp, fast, q, cutlass.Boolean(True), self.out_dtype, self.div)
-                codes.append(q)
-                scales.append(scale)
-        else:
+        # quantize, and store into the k rows: each vector's (scale, reciprocal, fast path), then its codes
+        row_scaling = None  # (the row's or the tensor's, shared by its vectors; 1x128: each vector's group's)
+        if cutlass.const_expr(not self.group):
             amax = Float32(0.0)
             if cutlass.const_expr(self.tensor):  # the partial maxima of the amax kernel, over every row
                 for i in range(tidx, mPart.shape[0], self.T):
@@ -165,15 +157,16 @@ class RouteQuant:
             else:
                 for p in cutlass.range_constexpr(self.P):
                     amax = finite_amax(frags[p], amax)
-            amax = _block_allreduce_max(amax, red, tidx, self.NW)
-            scale = scale_of(amax, self.fmax)
-            rcp = reciprocal(scale)
-            fast = scale >= Float32(FAST_MIN_SCALE)
-            for p in cutlass.range_constexpr(self.P):
-                q = cute.make_rmem_tensor((1, VEC), self.out_dtype)
-                emit_quantized(frags[p], scale, rcp, fast, q, cutlass.Boolean(True), self.out_dtype, self.div)
-                codes.append(q)
-                scales.append(scale)
+            scale = scale_of(_block_allreduce_max(amax, red, tidx, self.NW), self.fmax)
+            row_scaling = (scale, reciprocal(scale), scale >= Float32(FAST_MIN_SCALE))
+        codes = []
+        scales = []
+        for p in cutlass.range_constexpr(self.P):
+            scaling = group_scale(frags[p], 8, self.fmax) if cutlass.const_expr(self.group) else row_scaling
+            q = cute.make_rmem_tensor((1, VEC), self.out_dtype)
+            emit_quantized(frags[p], *scaling, q, cutlass.Boolean(True), self.out_dtype, self.div)
+            codes.append(q)
+            scales.append(scaling[0])
         for j in cutlass.range_constexpr(k):
             row = rows[j]
             if row >= 0:
