@@ -177,7 +177,7 @@ _X, _IDS, _W = torch.randn(4, 64).to(torch.bfloat16), torch.zeros(4, 2, dtype=to
     ((_X, _IDS, _W, 4, "128x128"), {}, ValueError, "'row', '1x128' or 'tensor'"),
     ((_X, _IDS, _W, 4), {"capacity": 0}, ValueError, "capacity must be None"),
     ((_X, _IDS, _W, 4), {"fmt": "int8"}, ValueError, "'e4m3' or 'e5m2'"),
-    ((_X, _IDS, _W, 4), {"backend": "kernel"}, ValueError, "needs CUDA tensors"),
+    ((_X, _IDS, _W, 4), {"backend": "kernel"}, ValueError, "needs a CUDA tensor"),
     ((_X, _IDS, _W, 4), {"backend": "gpu"}, ValueError, "backend must be"),
 ])
 def test_route_errors_say_what_was_expected(args, kwargs, exc, text):
@@ -189,7 +189,7 @@ def test_route_errors_say_what_was_expected(args, kwargs, exc, text):
     ((torch.randn(4),  torch.zeros(2, 2, dtype=torch.int32)), {}, "(R, H) or (E, C, H)"),
     ((torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int64)), {}, "(tokens, k) int32"),
     ((torch.randn(4, 8), torch.zeros(2, 0, dtype=torch.int32)), {}, "at least one slot"),
-    ((torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32)), {"backend": "kernel"}, "needs CUDA tensors"),
+    ((torch.randn(4, 8), torch.zeros(2, 2, dtype=torch.int32)), {"backend": "kernel"}, "needs a CUDA tensor"),
 ])
 def test_sum_errors_say_what_was_expected(args, kwargs, text):
     with pytest.raises(ValueError, match=re.escape(text)):

@@ -28,7 +28,7 @@ import torch
 from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import DTYPE_FORMATS, FLOAT_FORMATS, FP8_FORMATS, ScaleGranularity, element_format
 from cutedsl_gemm.ops.library import EAGER, OPS, define, op_name
-from cutedsl_gemm.ops.quantize import BACKENDS, VEC, _allocator, _get, quantize_fp8
+from cutedsl_gemm.ops.quantize import VEC, _allocator, _get, kernel_backend, quantize_fp8
 from cutedsl_gemm.runtime.plans import PREPARED
 
 G = ScaleGranularity
@@ -63,12 +63,8 @@ def _arguments(h, granularity, weights, fmt, backend, pointers=True):
                              f"{tuple(getattr(weights, 'shape', ()))}")
         if weights.device != h.device:
             raise ValueError(f"weights is on {weights.device}, h on {h.device}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
-    use_kernel = backend == "kernel" or (backend == "auto" and h.is_cuda)
+    use_kernel = kernel_backend(h, backend)
     if use_kernel:
-        if not h.is_cuda:
-            raise ValueError(f"backend='kernel' needs a CUDA tensor, got device {h.device}")
         if i % VEC:
             raise ValueError(f"I (h.shape[1] / 2) must be a multiple of {VEC} for the kernel, got {i}")
         if gran is G.ROW and i > ROW_MAX_I:

@@ -45,8 +45,7 @@ from cutedsl_gemm.numerics.formats import (
     float_format,
 )
 from cutedsl_gemm.ops.library import EAGER, OPS, define, op_name
-from cutedsl_gemm.ops.quantize import AMAX_CTAS_PER_SM, BACKENDS, VEC, _get, quantize_fp8
-from cutedsl_gemm.runtime.device import device_info
+from cutedsl_gemm.ops.quantize import VEC, amax_partials_plan, kernel_backend, quantize_fp8
 from cutedsl_gemm.runtime.jit import KERNEL_CACHE
 from cutedsl_gemm.runtime.plans import PREPARED
 
@@ -149,12 +148,8 @@ def _route_arguments(hidden, topk_ids, topk_weights, num_experts, granularity, c
     for name, x in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
         if x.device != hidden.device:
             raise ValueError(f"{name} is on {x.device}, hidden on {hidden.device}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
-    use_kernel = backend == "kernel" or (backend == "auto" and hidden.is_cuda)
+    use_kernel = kernel_backend(hidden, backend)
     if use_kernel:
-        if not hidden.is_cuda:
-            raise ValueError(f"backend='kernel' needs CUDA tensors, got device {hidden.device}")
         if h % VEC or h > MAX_HIDDEN:
             raise ValueError(f"the routing kernel takes a hidden size that is a multiple of {VEC} up to "
                              f"{MAX_HIDDEN}, got {h}")
@@ -251,10 +246,7 @@ def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity
     unread = (None if blocked else (torch.empty((1, num_experts), dtype=torch.int32, device=dev),
                                     torch.empty(num_experts, dtype=torch.int32, device=dev)),
               None if gran is G.TENSOR else torch.empty(1, dtype=torch.float32, device=dev))
-    if gran is G.TENSOR:  # the one scale: quantize_fp8's amax kernel over hidden first (partial maxima, no atomics)
-        parts = max(1, min(ceil_div(t, 128) * ceil_div(hidden.shape[1], 128),
-                           AMAX_CTAS_PER_SM * device_info(dev.index)[1]))
-        amax = _get("tensor_amax", hidden, fmt)
+    amax = amax_partials_plan(hidden, fmt) if gran is G.TENSOR else None  # (the one scale: quantize_fp8's pass 1)
 
     def run(hidden, topk_ids, topk_weights):
         q, s, groups, pos, weights = _route_outputs(hidden, gran, fmt, rows, num_experts, k)
@@ -266,10 +258,7 @@ def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity
             fns[2](hist, start, groups, cap)
         else:
             hist, start = unread[0]
-        part = unread[1]
-        if part is None:
-            part = torch.empty(parts, dtype=torch.float32, device=hidden.device)
-            amax(hidden, part)
+        part = unread[1] if amax is None else amax(hidden)
         fns[0](hidden, ids, topk_weights.view(-1), q, s, weights, pos.view(-1), groups, cap, hist, start, part)
         return q, s, groups, pos, weights
     return run
@@ -337,13 +326,9 @@ def _sum_arguments(y, pos, backend, pointers=True):
         raise ValueError(f"pos is on {pos.device}, y on {y.device}")
     if pos.shape[1] < 1:
         raise ValueError("pos must have at least one slot per token (k >= 1)")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
     rows = y.reshape(-1, y.shape[-1]) if y.is_contiguous() else None
-    use_kernel = backend == "kernel" or (backend == "auto" and y.is_cuda)
+    use_kernel = kernel_backend(y, backend)
     if use_kernel:
-        if not y.is_cuda:
-            raise ValueError(f"backend='kernel' needs CUDA tensors, got device {y.device}")
         vec = 16 // y.element_size()
         if rows is None or not pos.is_contiguous():
             raise ValueError("y and pos must be contiguous for the kernel")

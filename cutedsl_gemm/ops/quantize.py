@@ -82,6 +82,17 @@ from cutedsl_gemm.runtime.plans import PREPARED
 G = ScaleGranularity
 VEC = 16  # the FP8 kernels' vector width in elements: K must be a multiple of it
 BACKENDS = ("auto", "kernel", "reference")
+
+
+def kernel_backend(x: torch.Tensor, backend: str) -> bool:
+    """Whether ``backend`` runs the kernels on ``x`` ("auto": where it is on CUDA); a bad name, or "kernel" off
+    CUDA, is refused."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
+    use_kernel = backend == "kernel" or (backend == "auto" and x.is_cuda)
+    if use_kernel and not x.is_cuda:
+        raise ValueError(f"backend='kernel' needs a CUDA tensor, got device {x.device}")
+    return use_kernel
 _LAYOUTS = {G.GROUP_1x128: ("mn_major", "row_major"), G.BLOCK_128x128: ("row_major", "padded")}
 BLOCK_QUANTIZER_INPUTS = (BF16, FP32)  # what the MX / NVFP4 kernels read
 
@@ -405,6 +416,20 @@ def _get(kind, x, fmt, *cfg):
     return KERNEL_CACHE.get(key, build)
 
 
+def amax_partials_plan(x, fmt):
+    """The per-tensor scale's first pass for ``x``'s shape, dtype and device: a function x -> the partial maxima
+    (G,) fp32 of its amax kernel (grid-stride CTAs, no atomics), which the kernel after it folds."""
+    rows, k = x.shape
+    parts = max(1, min(ceil_div(rows, 128) * ceil_div(k, 128), AMAX_CTAS_PER_SM * device_info(x.device.index)[1]))
+    amax = _get("tensor_amax", x, fmt)
+
+    def run(x):
+        part = x.new_empty((parts,), dtype=torch.float32)
+        amax(x, part)
+        return part
+    return run
+
+
 def _allocator(gran, fmt, block, scale_layout, rows, k):
     """x -> (q, the scales the kernel writes, the scales returned) for a (rows, K) input: the layouts of the
     module docstring (per tensor the kernel writes a (1,) tensor, returned as its 0-d view)."""
@@ -440,14 +465,11 @@ def _plan(x, gran, fmt, block, scale_layout):
     alloc = _allocator(gran, fmt, block, scale_layout, rows, k)
     if gran is G.TENSOR:
         # partial maxima (grid-stride CTAs, no atomics), then the cast kernel folds them
-        ntiles = ceil_div(rows, 128) * ceil_div(k, 128)
-        parts = max(1, min(ntiles, AMAX_CTAS_PER_SM * device_info(x.device.index)[1]))
-        amax, cast = _get("tensor_amax", x, fmt), _get("tensor_cast", x, fmt)
+        amax, cast = amax_partials_plan(x, fmt), _get("tensor_cast", x, fmt)
 
         def run(x):
             q, s, out = alloc(x)
-            part = x.new_empty((parts,), dtype=torch.float32)
-            amax(x, part)
+            part = amax(x)
             cast(x, q, s, part)
             return q, out
         return run
