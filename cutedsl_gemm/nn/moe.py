@@ -39,7 +39,13 @@ from cutedsl_gemm.numerics import reference as R
 from cutedsl_gemm.numerics.formats import ceil_div
 from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.library import EAGER
-from cutedsl_gemm.ops.moe_route import route_quantize_fp8, routes_by_kernel, sort_pairs, sum_routed_pairs
+from cutedsl_gemm.ops.moe_route import (
+    pair_rows,
+    route_quantize_fp8,
+    routes_by_kernel,
+    sort_pairs,
+    sum_routed_pairs,
+)
 from cutedsl_gemm.ops.quantize import quantize_fp8
 from cutedsl_gemm.runtime.device import device_info
 
@@ -166,16 +172,6 @@ def pair_weights(topk_weights: torch.Tensor, order: torch.Tensor) -> torch.Tenso
     """(T*k,) fp32: the routing weight of each row of ``permute``'s layout (pair ``order[r]``), for weighting the
     rows before the down projection (``sum_routed_pairs`` then adds them up)."""
     return topk_weights.reshape(-1).float().index_select(0, order)
-
-
-def pair_rows(order: torch.Tensor, num_tokens: int, k: int) -> torch.Tensor:
-    """(T, k) int32: the row of ``permute``'s layout that each (token, slot) pair took (the permutation ``order``
-    inverted), as ``ops.moe_route.sum_routed_pairs`` reads them."""
-    if order.dim() != 1 or order.shape[0] != num_tokens * k:
-        raise ValueError(f"order must be (T*k,) with T*k = {num_tokens} * {k}, got {tuple(order.shape)}")
-    rows = torch.empty(order.shape[0], dtype=torch.int32, device=order.device)
-    rows.scatter_(0, order, torch.arange(order.shape[0], dtype=torch.int32, device=order.device))
-    return rows.view(num_tokens, k)
 
 
 def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, capacity: int) -> tuple:
@@ -486,52 +482,42 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
         dtype = hidden_states.dtype
         if t * k == 0:
             return hidden_states.new_zeros((t, self.hidden_dim))
-        grouped = _grouped_scaled_mm()
-        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # (E, K, N) views
-        if routes_by_kernel(t, k, self.num_experts, self.hidden_dim):
-            return self._forward_routed(grouped, gate_up, down, hidden_states, top_k_index, top_k_weights)
-        if self.capacity is None:
-            x, offs, order = permute(hidden_states, top_k_index, self.num_experts)
-            qx, sx = self._quantize(x)
-            h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, offs, out_dtype=dtype)
-            # the routing weights go in before the (linear) down projection, so the combine only adds rows up
-            qh, sh = self._quantize_gated(h, pair_weights(top_k_weights, order))
-            y = grouped(qh, down, sh, self.down_proj_scale, offs, out_dtype=dtype)
-            return sum_routed_pairs(y, pair_rows(order, t, k))
-        c = min(self.capacity, t)  # an expert takes at most one pair per token
-        x, counts, slot, _ = to_masked(hidden_states, top_k_index, self.num_experts, c)
         e = self.num_experts
-        qx, sx = self._quantize(x.view(e * c, self.hidden_dim))
-        h = grouped(qx.view(e, c, -1), gate_up, self._masked_scales(sx, e, c), self.gate_up_proj_scale,
-                    counts=counts, out_dtype=dtype)
-        # rows past each count are not written (nor read by the down GEMM, whose rows past the counts are not computed)
-        live = torch.arange(c, device=counts.device) < counts[:, None] if self.recipe == "tensor" else None
-        qh, sh = self._quantize_gated(h.view(e * c, -1), masked_pair_weights(top_k_weights, slot, e, c).view(-1), live)
-        y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=counts,
-                    out_dtype=dtype)
-        return sum_routed_pairs(y, slot.view(t, k).to(torch.int32))
+        c = None if self.capacity is None else min(self.capacity, t)  # an expert takes at most one pair per token
+        if routes_by_kernel(t, k, e, self.hidden_dim):
+            # the routing kernels (five kernels a call at decode for the row-wise and DeepSeek recipes, seven past
+            # ROUTE_MAX_ID_READS; per tensor the amax kernel first)
+            qx, sx, groups, pos, weights = route_quantize_fp8(hidden_states, top_k_index.contiguous(),
+                                                              top_k_weights.contiguous(), e,
+                                                              ACTIVATION_GRANULARITY[self.recipe], capacity=c)
+        elif c is None:
+            x, groups, order = permute(hidden_states, top_k_index, e)
+            qx, sx = self._quantize(x)
+            weights, pos = pair_weights(top_k_weights, order), pair_rows(order, t, k)
+        else:
+            x, groups, slot, _ = to_masked(hidden_states, top_k_index, e, c)
+            qx, sx = self._quantize(x.view(e * c, self.hidden_dim))
+            weights, pos = masked_pair_weights(top_k_weights, slot, e, c).view(-1), slot.view(t, k).to(torch.int32)
+        return sum_routed_pairs(self._experts(qx, sx, groups, weights, c, dtype), pos)
 
-    def _forward_routed(self, grouped, gate_up, down, hidden_states, top_k_index, top_k_weights):
-        """The forward with the routing by its kernels (``route_quantize_fp8``, then ``sum_routed_pairs``): five
-        kernels in all at decode for the row-wise and DeepSeek recipes, seven past ``ROUTE_MAX_ID_READS``; per tensor
-        the amax kernel first, and the SiLU in torch before its quantizer."""
-        gran, dtype, e = ACTIVATION_GRANULARITY[self.recipe], hidden_states.dtype, self.num_experts
-        c = None if self.capacity is None else min(self.capacity, hidden_states.shape[0])
-        qx, sx, groups, pos, weights = route_quantize_fp8(hidden_states, top_k_index.contiguous(),
-                                                          top_k_weights.contiguous(), e, gran, capacity=c)
+    def _experts(self, qx, sx, groups, weights, c: Optional[int], dtype) -> torch.Tensor:
+        """The grouped gate_up GEMM, the gated activation with each row's routing weight folded in (the down
+        projection is linear, so the combine only adds rows up), the grouped down GEMM: the experts' output rows,
+        (R, H) contiguous (``c`` None; ``groups`` the end rows) or (E, C, H) masked (``groups`` the counts)."""
+        grouped, e = _grouped_scaled_mm(), self.num_experts
+        gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # (E, K, N) views
         if c is None:
             h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, groups, out_dtype=dtype)
             qh, sh = self._quantize_gated(h, weights)
-            y = grouped(qh, down, sh, self.down_proj_scale, groups, out_dtype=dtype)
-        else:
-            h = grouped(qx.view(e, c, -1), gate_up, self._masked_scales(sx, e, c), self.gate_up_proj_scale,
-                        counts=groups, out_dtype=dtype)
-            # (per tensor: the rows past each count, never written, zeroed before the one scale's amax)
-            live = torch.arange(c, device=groups.device) < groups[:, None] if self.recipe == "tensor" else None
-            qh, sh = self._quantize_gated(h.view(e * c, -1), weights, live)
-            y = grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=groups,
-                        out_dtype=dtype)
-        return sum_routed_pairs(y, pos)
+            return grouped(qh, down, sh, self.down_proj_scale, groups, out_dtype=dtype)
+        h = grouped(qx.view(e, c, -1), gate_up, self._masked_scales(sx, e, c), self.gate_up_proj_scale,
+                    counts=groups, out_dtype=dtype)
+        # rows past each count are not written (nor read by the down GEMM, whose rows past the counts are not
+        # computed); per tensor they are zeroed before the one scale's amax
+        live = torch.arange(c, device=groups.device) < groups[:, None] if self.recipe == "tensor" else None
+        qh, sh = self._quantize_gated(h.view(e * c, -1), weights, live)
+        return grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=groups,
+                       out_dtype=dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple:
         """(gate_up (E, 2I, H), down (E, H, I)) in ``dtype``: the weights the grouped GEMM multiplies (codes times

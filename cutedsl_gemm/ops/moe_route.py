@@ -89,6 +89,16 @@ def sort_pairs(topk_ids: torch.Tensor, num_experts: int) -> tuple:
     return sorted_ids, order, torch.arange(num_experts, device=flat.device, dtype=flat.dtype)
 
 
+def pair_rows(order: torch.Tensor, num_tokens: int, k: int) -> torch.Tensor:
+    """(T, k) int32: the row of the sorted layout (``sort_pairs``' ``order``, ``nn.moe.permute``'s) that each
+    (token, slot) pair took -- the permutation inverted -- as ``sum_routed_pairs`` reads them."""
+    if order.dim() != 1 or order.shape[0] != num_tokens * k:
+        raise ValueError(f"order must be (T*k,) with T*k = {num_tokens} * {k}, got {tuple(order.shape)}")
+    rows = torch.empty(order.shape[0], dtype=torch.int32, device=order.device)
+    rows.scatter_(0, order, torch.arange(order.shape[0], dtype=torch.int32, device=order.device))
+    return rows.view(num_tokens, k)
+
+
 def route_pairs(topk_ids: torch.Tensor, num_experts: int, capacity: Optional[int] = None) -> tuple:
     """(pos (T, k) int32, groups (E,) int32) by torch: the rows ``route_quantize_fp8`` gives the pairs and its
     groups. An id outside [0, E) sorts past every expert (its pair takes no row: -1)."""
@@ -97,11 +107,9 @@ def route_pairs(topk_ids: torch.Tensor, num_experts: int, capacity: Optional[int
     ids = torch.where(valid, topk_ids, num_experts)  # (sorted last, in no group)
     sorted_ids, order, experts = sort_pairs(ids, num_experts)
     ends = torch.searchsorted(sorted_ids, experts, right=True, out_int32=True)
-    rows = torch.empty(t * k, dtype=torch.int64, device=topk_ids.device)
-    rows.scatter_(0, order, torch.arange(t * k, device=topk_ids.device))
-    rows = rows.view(t, k)
+    rows = pair_rows(order, t, k)
     if capacity is None:
-        return torch.where(valid, rows, -1).to(torch.int32), ends
+        return torch.where(valid, rows, -1), ends
     starts = torch.cat([ends.new_zeros(1), ends[:-1]]).long()
     rank = rows - starts[ids.clamp(max=num_experts - 1)]
     pos = torch.where(valid & (rank < capacity), ids * capacity + rank, -1)
