@@ -113,17 +113,9 @@ def compile_only():
 
 def _compile_routing():
     """The routing kernel (row-wise, 128 experts, top-8, rows of 2048) compiled for sm_90a, and what its PTX holds."""
-    import tempfile
+    from cutedsl_gemm.tools.ptx_fingerprint import kernel_ptx
 
-    import cutlass
-
-    from cutedsl_gemm.kernels.sm90 import moe_route as K
-    from cutedsl_gemm.runtime.compile import compile_entry
-
-    entry = K.route_entry(cutlass.BFloat16, cutlass.Float8E4M3FN, 448.0, "row", hidden=2048, top_k=8, experts=128,
-                          masked=False, id_dtype=cutlass.Int64, weight_dtype=cutlass.BFloat16)
-    with tempfile.TemporaryDirectory() as d:
-        ptx = compile_entry(*entry, "sm_90a", ptx_dump_dir=d).__ptx__
+    ptx = kernel_ptx("sm_90a_moe_route_row_bf16_e4m3_h2048_k8_e128")
     print("\nrouting (route_quantize_fp8: one CTA a token, 128 experts, top-8):")
     facts = {"lanes grouped by expert": r"match\.any\.sync\.b32", "per-expert counts": r"atom\.shared\.cta\.add",
              "e4m3 conversions": r"cvt\.rn\.satfinite\.e4m3x2\.f32",

@@ -314,7 +314,7 @@ def _demo_moe_cpu() -> bool:
     ok = _ptx_holds(rep.ptx, GROUPED_PTX)
     t0 = time.time()
     route = _route_ptx()
-    print(f"    routing kernel (route_quantize_fp8: 4 experts, top-2, rows of {MOE_K}), compiled in "
+    print(f"    routing kernel (route_quantize_fp8: 128 experts, top-8, rows of 2048), compiled in "
           f"{time.time() - t0:.1f} s")
     ok &= _ptx_holds(route, ROUTE_PTX)
     if not _no_transformers():
@@ -341,19 +341,16 @@ def _ptx_holds(ptx: str, patterns: dict) -> bool:
     return ok
 
 
+#: The routing kernel the demo compiles: the PTX fingerprint sample's (row-wise, bf16 rows of 2048, 128 experts,
+#: top-8).
+ROUTE_SAMPLE = "sm_90a_moe_route_row_bf16_e4m3_h2048_k8_e128"
+
+
 def _route_ptx() -> str:
-    """The PTX of the MoE routing kernel (row-wise, bf16 rows of MOE_K, 4 experts, top-2) compiled for sm_90a."""
-    import tempfile
+    """The PTX of the MoE routing kernel ``ROUTE_SAMPLE``, compiled for sm_90a."""
+    from cutedsl_gemm.tools.ptx_fingerprint import kernel_ptx
 
-    import cutlass
-
-    from cutedsl_gemm.kernels.sm90 import moe_route as K
-    from cutedsl_gemm.runtime.compile import compile_entry
-
-    entry = K.route_entry(cutlass.BFloat16, cutlass.Float8E4M3FN, 448.0, "row", hidden=MOE_K, top_k=2, experts=4,
-                          masked=False, id_dtype=cutlass.Int64, weight_dtype=cutlass.BFloat16)
-    with tempfile.TemporaryDirectory() as d:
-        return compile_entry(*entry, "sm_90a", ptx_dump_dir=d).__ptx__
+    return kernel_ptx(ROUTE_SAMPLE)
 
 
 def _grouped_operands():
