@@ -249,12 +249,12 @@ def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity
     fns = _route_kernels(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity, blocked)
     cap, dev = capacity or 1, hidden.device
     blocks = ceil_div(t, ROUTE_BLOCK_TOKENS) if blocked else 1
-    # (one kernel: the block counts and first rows are not read; per-token scales: the partial maxima; one tensor of
-    # each for the call's arguments)
-    unread = (None if blocked else (torch.empty((1, num_experts), dtype=torch.int32, device=dev),
-                                    torch.empty(num_experts, dtype=torch.int32, device=dev)),
-              None if gran is G.TENSOR else torch.empty(1, dtype=torch.float32, device=dev))
     amax = amax_partials_plan(hidden, fmt) if gran is G.TENSOR else None  # (the one scale: quantize_fp8's pass 1)
+    # arguments the kernel does not read, one tensor each: the block counts and first rows (one kernel), the partial
+    # maxima (but per tensor)
+    unread_counts = None if blocked else (torch.empty((1, num_experts), dtype=torch.int32, device=dev),
+                                          torch.empty(num_experts, dtype=torch.int32, device=dev))
+    unread_part = None if amax else torch.empty(1, dtype=torch.float32, device=dev)
 
     def run(hidden, topk_ids, topk_weights):
         q, s, groups, pos, weights = _route_outputs(hidden, gran, fmt, rows, num_experts, k)
@@ -265,8 +265,8 @@ def _route_plan(hidden, topk_ids, topk_weights, num_experts, gran, fmt, capacity
             fns[1](ids, hist)
             fns[2](hist, start, groups, cap)
         else:
-            hist, start = unread[0]
-        part = unread[1] if amax is None else amax(hidden)
+            hist, start = unread_counts
+        part = unread_part if amax is None else amax(hidden)
         fns[0](hidden, ids, topk_weights.view(-1), q, s, weights, pos.view(-1), groups, cap, hist, start, part)
         return q, s, groups, pos, weights
     return run
