@@ -74,7 +74,7 @@ def our_call(a, b, sa, sb, offs=None, counts=None, tile=None):
     if not tile:
         return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
     problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
-    plan = G.plan(dataclasses.replace(G.select(problem), **tile), a.device.index)
+    plan = G.plan(dataclasses.replace(G.select(problem, G.device_sms(a.device.index)), **tile), a.device.index)
     out = torch.empty(problem.out_shape, dtype=torch.bfloat16, device=a.device)
     groups = offs if counts is None else counts
     return lambda: G.launch(problem, a, b, sa, sb, groups, out, prepared=plan)

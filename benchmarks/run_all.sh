@@ -84,7 +84,8 @@ bench_moe() {
   need_floor
   # needs .[models]; the grouped GEMMs against torch's, then the MoE blocks and the full-depth Qwen3-30B-A3B model
   "$py" -m benchmarks.bench_grouped --tokens 128,4096,16384 --routing uniform,skewed --layouts contiguous,masked
-  "$py" -m benchmarks.bench_moe --what block,model --split
+  "$py" -m benchmarks.bench_moe --what block
+  "$py" -m benchmarks.bench_moe --what model --split --fuse
 }
 
 options_routing() {

@@ -183,6 +183,12 @@ def _expected_mma(inst) -> str:
     if inst.op == M.WEIGHT_ONLY:  # the converted weights (register-sourced A) x the activations, both in their dtype
         act = {"bf16": "bf16", "fp16": "f16"}[inst.a_dtype]
         return rf"wgmma\.mma_async\.sync\.aligned\.m64n{inst.tile_n}k16\.f32\.{act}\.{act}"
+    if inst.op == M.GROUPED_GEMM:  # each consumer warp group's share of the tile's columns
+        from cutedsl_gemm.families import sm90_grouped
+        from cutedsl_gemm.kernels.sm90.grouped_gemm import grouped_kernel
+
+        n = inst.tile_n // grouped_kernel(sm90_grouped.config(inst)).warp_groups_n
+        return rf"wgmma\.mma_async\.sync\.aligned\.m64n{n}k32\.f32\.{inst.a_dtype}\.{inst.b_dtype}"
     if inst.arch == "sm_90a":  # the swapped kernels run W on WGMMA's A side; the operands are the kernel's (a kernel
         # that quantizes its activations multiplies them in its a_dtype)
         cfg = inst.sm90_config()

@@ -13,6 +13,7 @@ from cutedsl_gemm.ops.grouped import grouped_scaled_mm
 from cutedsl_gemm.selection import instances as M
 
 FP8 = torch.float8_e4m3fn
+SMS = 132  # an H100 / H200 SXM
 
 
 def _call(layout="contiguous", recipe="row", e=4, rows=300, n=256, k=512, device="meta", **change):
@@ -48,7 +49,7 @@ def test_describe_reads_layout_and_recipe(layout, recipe):
     p = _describe(_call(layout, recipe))
     assert (p.layout, p.recipe, p.experts, p.rows, p.n, p.k) == (layout, recipe, 4, 300, 256, 512)
     assert p.out_shape == ((300, 256) if layout == "contiguous" else (4, 300, 256))
-    inst = G.select(p)
+    inst = G.select(p, SMS)
     assert (inst.op, inst.schedule, inst.recipe) == (M.GROUPED_GEMM, layout, recipe)
     args = _call(layout, recipe)
     sa, sb = G.kernel_scales(p, args["scale_a"], args["scale_b"])
@@ -68,7 +69,7 @@ def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
     e = 8
     for rows, k in ((1, 768), (16, 2048), (64, 7168), (65, 768), (300, 7168)):
         shape_rows = rows * e if layout == "contiguous" else rows
-        inst = G.select(_describe(_call(layout, recipe, e=e, rows=shape_rows, k=k)))
+        inst = G.select(_describe(_call(layout, recipe, e=e, rows=shape_rows, k=k)), SMS)
         assert inst.tile_m == (64 if rows <= 64 else 128), (rows, k)
         assert inst.early_row_scales == (rows <= 64 and recipe == "row"), (rows, k, inst.name)
         assert G.config(inst).early_row_scales == inst.early_row_scales
@@ -166,7 +167,41 @@ def test_tile_rows_follow_the_rows_per_group(layout, rows, e, tile_m):
     """64-row tiles up to 64 rows per group (contiguous: the mean T / E; masked: the capacity C), 128 above."""
     masked_rows = -(-rows // e) if layout == "masked" else rows  # the same rows per group in both layouts
     p = _describe(_call(layout, "row", e=e, rows=masked_rows, n=256, k=256))
-    assert p.rows_per_group == -(-rows // e) and G.select(p).tile_m == tile_m
+    assert p.rows_per_group == -(-rows // e) and G.select(p, SMS).tile_m == tile_m
+
+
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
+@pytest.mark.parametrize("layout, e, rows, n, wide", [
+    ("contiguous", 128, 8, 1536, False),    # 8 groups x 12 tiles of 128: one wave
+    ("contiguous", 128, 8, 2048, False),    # 8 x 16 = 128 <= 132
+    ("contiguous", 128, 8, 3072, True),     # 8 x 24 = 192: more than one wave
+    ("contiguous", 128, 128, 1536, True),   # 128 groups hold rows
+    ("contiguous", 256, 8, 4096, True),
+    ("masked", 128, 1, 4096, False),        # C = 1: how many groups are hit is unknown
+    ("masked", 128, 4, 1536, True),         # C > 1: every group
+    ("masked", 8, 4, 1024, False),          # 8 x 8 = 64
+])
+def test_wide_decode_tiles_where_the_narrow_ones_fill_more_than_a_wave(layout, e, rows, n, wide, recipe):
+    """Up to 64 rows per group, per tensor and row-wise: 64x256 tiles where the 64x128 tiles of the groups expected
+    to hold rows fill more than a wave of SMs, 64x128 otherwise; the DeepSeek recipe keeps 64x128."""
+    p = _describe(_call(layout, recipe, e=e, rows=rows, n=n, k=512))
+    inst = G.select(p, SMS)
+    assert G.wide_tiles_pay(p, SMS) == wide
+    assert (inst.tile_m, inst.tile_n) == ((64, 256) if wide and recipe != "1x128_128x128" else (64, 128))
+    assert inst.early_row_scales == (recipe == "row")
+    assert G.select(p, 10_000).tile_n == 128  # a GPU this wide takes each of them in one wave
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
+def test_many_rows_per_group_take_the_128x192_tile_where_measured(layout, recipe):
+    """From 65 rows per group: 128x192 for contiguous groups of the per-tensor and row-wise recipes, 128x128 for
+    the masked layout and the DeepSeek recipe."""
+    p = _describe(_call(layout, recipe, e=8, rows=4096 if layout == "contiguous" else 512, n=2048, k=512))
+    inst = G.select(p, SMS)
+    serial = layout == "contiguous" and recipe != "1x128_128x128"
+    assert (inst.tile_m, inst.tile_n) == ((128, 192) if serial else (128, 128))
+    M.validate(inst)
 
 
 @pytest.mark.parametrize("band", [1, 8])
@@ -200,7 +235,7 @@ def test_bands_only_where_an_experts_weight_overflows_l2():
 def test_ptx_holds_wgmma_tma_and_group_reads(layout):
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16", tile_m=128)[0]
+    inst = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16", tile_m=128, tile_n=128)[0]
     rep = inspect_instance(inst)
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
     tma = set(re.findall(r"cp\.async\.bulk\.tensor\.(\dd)\.shared::cta\.global\.tile", rep.ptx))
@@ -250,7 +285,7 @@ def test_grouped_epilogue_pairs_its_stores():
     """Two bf16 columns per 32-bit store where N is even (half the store instructions), 16-bit ones otherwise."""
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=128)[0]
+    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=128, tile_n=128)[0]
     rep = inspect_instance(inst)
     # a thread's 64 elements of the 128 x 128 tile: 32 pairs
     assert len(re.findall(r"st\.global\.b32", rep.ptx)) == 128 * 128 // 256 // 2

@@ -208,7 +208,7 @@ def test_kernel_options_match_reference(layout, recipe, option, n, band):
         kw = {"counts": groups}
     offs = groups if layout == "contiguous" else None
     problem = G.describe(a, b, sa, sb, offs, kw.get("counts"), torch.bfloat16, None)
-    plan = G.plan(dataclasses.replace(G.select(problem), **OPTIONS[option]), 0)
+    plan = G.plan(dataclasses.replace(G.select(problem, G.device_sms(0)), **OPTIONS[option]), 0)
     out = torch.full(problem.out_shape, float("nan"), dtype=torch.bfloat16, device="cuda")
     plan.run(a, b, out, *G.kernel_scales(problem, sa, sb), groups, band)
     torch.cuda.synchronize()

@@ -445,4 +445,6 @@ def test_graph_replay_follows_new_routings(capacity, form, monkeypatch):
         torch.cuda.synchronize()
         want = M.route_quantize_fp8(x, ids, w, e, "row", capacity=capacity, backend="reference")
         _assert_same_routing(outs, want, capacity)
-        assert torch.equal(total, M.sum_routed_pairs(want[0].float(), want[3], backend="reference"))
+        want_total = M.sum_routed_pairs(want[0].float(), want[3], backend="reference")
+        # (a token with a pair over capacity sums to NaN in both: compared as equal)
+        torch.testing.assert_close(total, want_total, rtol=0, atol=0, equal_nan=True)

@@ -149,15 +149,29 @@ def kernel_scales(problem: GroupedProblem, scale_a, scale_b):
     return sa, scale_b.reshape(e, n).t()
 
 
-def select(problem: GroupedProblem) -> M.KernelInstance:
-    """The table's instance for the call (op GROUPED_GEMM, schedule = layout): the first whose M range holds the
-    problem's rows per group."""
+def select(problem: GroupedProblem, sms: int) -> M.KernelInstance:
+    """The table's instance for the call on a GPU of ``sms`` SMs (op GROUPED_GEMM, schedule = layout): the first
+    whose M range holds the problem's rows per group, a 64-row tile wider than 128 only where ``wide_tiles_pay``."""
     rows = max(problem.rows_per_group, 1)
     for inst in _instances(problem.layout, problem.recipe, problem.a_format, problem.b_format, problem.out_format):
-        if inst.m_min <= rows <= inst.m_max:
+        if inst.m_min <= rows <= inst.m_max and (inst.tile_m != 64 or inst.tile_n <= 128
+                                                  or wide_tiles_pay(problem, sms)):
             return inst
     raise ValueError(f"no grouped GEMM instance for {problem.layout} {problem.recipe} {problem.a_format} x "
                      f"{problem.b_format} -> {problem.out_format} at {rows} rows per group")
+
+
+def wide_tiles_pay(problem: GroupedProblem, sms: int) -> bool:
+    """Whether 64x256 tiles beat 64x128 ones: where the 64x128 tiles of the groups expected to hold rows fill more
+    than one wave. Below that the wider tile halves the CTAs streaming W and each reads twice the bytes (0.85-0.9x
+    on Qwen3-30B at one token); above it, it halves the units and reads each A tile once per 256 columns (1.02-1.3x).
+    The groups holding rows: contiguous, at most one per row (the T rows are known, their split is not); masked,
+    every group when C > 1, while at C = 1 (at most E pairs of a decode batch) how many are hit is unknown and
+    the narrow tile stays. Measured on the H200: ``run_all.sh options-tiles``."""
+    if problem.layout == "masked" and problem.rows <= 1:
+        return False
+    groups = problem.experts if problem.layout == "masked" else min(problem.experts, problem.rows)
+    return groups * ceil_div(problem.n, 128) > sms
 
 
 @functools.lru_cache(maxsize=None)
@@ -271,6 +285,13 @@ def plan(inst: M.KernelInstance, device_index: int) -> GroupedPlan:
     return GroupedPlan(compiled(inst), launch_clusters(device_index, inst), l2_bytes(device_index))
 
 
+def device_sms(device_index: int) -> int:
+    """The SMs of GPU ``device_index``, what ``select`` sizes a wave by."""
+    from cutedsl_gemm.runtime.device import device_info
+
+    return device_info(device_index)[1]
+
+
 def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optional[torch.Tensor],
            prepared: Optional[GroupedPlan] = None) -> torch.Tensor:
     """Run the call ``problem`` describes (``describe``'s arguments) on the current stream, with ``prepared`` (the
@@ -279,6 +300,6 @@ def launch(problem: GroupedProblem, a, b, scale_a, scale_b, groups, out: Optiona
     if problem.is_empty:
         return dst
     sa, sb = kernel_scales(problem, scale_a, scale_b)
-    ready = prepared or plan(select(problem), a.device.index)
+    ready = prepared or plan(select(problem, device_sms(a.device.index)), a.device.index)
     band = band_m(problem.n, problem.k, problem.b_format, ready.l2_bytes)
     return ready.run(a, b, dst, sa, sb, groups, band)

@@ -65,7 +65,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
                          "(numerics.reference.reference_grouped_mm computes the product on any device)")
     if problem.is_empty:
         return G.launch(problem, a, b, scale_a, scale_b, groups, out)
-    prepared = G.plan(G.select(problem), a.device.index)
+    prepared = G.plan(G.select(problem, G.device_sms(a.device.index)), a.device.index)
     if sig is not None:
         PREPARED.keep(GROUPED, sig, (problem, prepared))
     return G.launch(problem, a, b, scale_a, scale_b, groups, out, prepared)

@@ -433,17 +433,24 @@ TABLE: Tuple[TileConfig, ...] = (
     # per-tensor, row-wise and DeepSeek-V3 block scales, promoted accumulation, bf16 / fp16 out. M ranges are rows
     # per group (families.sm90_grouped.GroupedProblem.rows_per_group): up to 64, 64-row tiles waste fewer rows of
     # each expert's last tile (1.2-1.3x at 2-32 rows per expert), from 128 rows per expert 128-row tiles read each
-    # weight tile half as often (1.16-1.4x). The row-wise 64-row tile loads its scales as each unit starts
-    # (docs/design.md: 1.01x geomean over 48 MoE GEMMs; no rule by K held across two runs).
+    # weight tile half as often (1.16-1.4x). The row-wise 64-row tiles load their scales as each unit starts
+    # (docs/design.md: 1.01x geomean over 48 MoE GEMMs; no rule by K held across two runs). Per tensor and
+    # row-wise, two tiles wider along N (docs/design.md 2.10): 64x256 first, taken only where
+    # the 64x128 tiles of the groups expected to hold rows fill more than one wave (sm90_grouped.select; 1.05x
+    # geomean over 48 decode GEMMs, 1.3x on Qwen3-30B's down projection), and 128x192 for contiguous groups of
+    # many rows (1.03x geomean over 12 prefill GEMMs, up to 1.09x on the down projections).
     *(
-        TileConfig(SM90, GROUPED_GEMM, layout, recipes, tm, 128, accum="promoted", m_min=lo, m_max=hi,
+        TileConfig(SM90, GROUPED_GEMM, layout, recipes, tm, tn, accum="promoted", m_min=lo, m_max=hi,
                    early_row_scales=early, ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"),
                    bias_kinds=(None,))
         for layout in ("contiguous", "masked")
-        for recipes, tm, lo, hi, early in (
-            (("row",), 64, 1, 64, True),
-            (("tensor", "1x128_128x128"), 64, 1, 64, False),
-            (("tensor", "row", "1x128_128x128"), 128, 65, 1 << 31, False),
+        for recipes, tm, tn, lo, hi, early in (
+            (("row",), 64, 256, 1, 64, True),
+            (("tensor",), 64, 256, 1, 64, False),
+            (("row",), 64, 128, 1, 64, True),
+            (("tensor", "1x128_128x128"), 64, 128, 1, 64, False),
+            *((((("tensor", "row"), 128, 192, 65, 1 << 31, False),) if layout == "contiguous" else ())),
+            (("tensor", "row", "1x128_128x128"), 128, 128, 65, 1 << 31, False),
         )
     ),
     # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the

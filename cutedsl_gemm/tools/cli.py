@@ -155,7 +155,7 @@ def _demo_cpu() -> int:
     insts = [dispatch.select_gemm("sm_90a", recipe, a, b, "bf16", None, m, accum) for recipe, a, b, accum, m in cases]
     # Weight-only: bf16 activations x int4 weights in groups of 128 along K (M = 16), converted in registers and fed
     # to WGMMA as its register-sourced A operand.
-    decode = P.WeightOnlyProblem(16, 8192, 8192, "bf16", "int4", "group128", "sm_90a", 132, None, split_k=1)
+    decode = P.WeightOnlyProblem(16, 8192, 8192, "bf16", "int4", "group128", "sm_90a", HOPPER_SMS, None, split_k=1)
     insts.append(dispatch.select_weight_only(decode)[0])
     # quantize_scaled_mm's one kernel at M = 1: bf16 activations quantized to e4m3 in 1x128 groups by its producer
     # warps (the group quantizer's conversion), x DeepSeek-scaled e4m3 weights
@@ -268,6 +268,7 @@ GROUPED_PTX = {"WGMMA e4m3 x e4m3": r"wgmma\.mma_async\.sync\.aligned\.m64n\d+k3
 ROUTE_PTX = {"lanes grouped by expert": r"match\.any\.sync\.b32", "per-expert count": r"atom\.shared\.cta\.add\.u32",
              "e4m3 conversion": r"cvt\.rn\.satfinite\.e4m3x2\.f32"}
 #: Rows per expert of the grouped GEMM check (N = 512, K = 256): an empty group and a one-row group among them.
+HOPPER_SMS = 132  # the H100 / H200 SXM, what the CPU demo selects for
 MOE_GROUPS = (37, 0, 1, 90)
 MOE_N, MOE_K = 512, 256
 #: How far the tiny converted Mixtral's logits may be from its bf16 twin's (relative Frobenius): FP8 codes with 3
@@ -309,7 +310,7 @@ def _demo_moe_cpu() -> bool:
     problem = G.GroupedProblem("contiguous", "row", len(MOE_GROUPS), sum(MOE_GROUPS), MOE_N, MOE_K, "e4m3", "e4m3",
                                "bf16")
     t0 = time.time()
-    rep = inspect_instance(G.select(problem))
+    rep = inspect_instance(G.select(problem, HOPPER_SMS))
     print("\n".join(rep.summary_lines()) + f"\n    (compiled in {time.time() - t0:.1f} s)")
     ok = _ptx_holds(rep.ptx, GROUPED_PTX)
     t0 = time.time()
