@@ -326,6 +326,33 @@ def test_tiny_model_run_on_the_cpu(tmp_path, monkeypatch, reference_ops):
     assert "row: prefill: ours x bf16" in got["summary"]
 
 
+@pytest.mark.parametrize("context, batch", [(20, 2), (23, 1)])  # a mask over the cache, and none (all of it)
+def test_packed_gqa_attention_is_transformers_attention(context, batch, monkeypatch):
+    """At decode the packed-GQA attention gives the logits of transformers' eager attention (which repeats each kv
+    head), in float32; a prompt's forward goes to transformers' SDPA."""
+    calls = []
+    packed = M.packed_gqa_sdpa
+    monkeypatch.setattr(M, "packed_gqa_sdpa", lambda *a, **kw: calls.append(a[1].shape[2]) or packed(*a, **kw))
+    config = M.moe_config("qwen3_moe", 2, M.TINY_QWEN3_MOE)
+    assert config.num_attention_heads > config.num_key_value_heads > 1
+    eager = M.random_causal_lm(config, "cpu", torch.float32)
+    eager.set_attn_implementation("eager")
+    ours = M.sharing_copy(eager)
+    M.use_packed_gqa_attention(ours)
+    assert ours.config._attn_implementation == M.PACKED_GQA_SDPA and eager.config._attn_implementation == "eager"
+    prompt = M.random_tokens(config, batch, 20, device="cpu")
+    logits = {}
+    for name, model in (("eager", eager), ("ours", ours)):
+        step = M.DecodeStep(model, batch, context + 1 if context == 20 else context)
+        with torch.no_grad():
+            step.prefill(prompt)
+            step.feed(torch.arange(batch).view(batch, 1) + 7)
+            logits[name] = step.forward()
+    assert calls[:2] == [20, 20] and calls[2:] == [1, 1]  # two layers: the prompt, then one token
+    err = (logits["ours"] - logits["eager"]).norm() / logits["eager"].norm()
+    assert err < 1e-5, err
+
+
 def test_a_lost_gpu_ends_the_run_with_what_was_measured(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     real, models = B.block_phase, []

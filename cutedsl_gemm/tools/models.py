@@ -60,6 +60,49 @@ def sharing_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model, memo)
 
 
+#: The attention ``use_packed_gqa_attention`` registers with transformers.
+PACKED_GQA_SDPA = "sdpa_packed_gqa"
+
+
+def packed_gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                    **kwargs):
+    """transformers' SDPA attention, except at one query token with grouped key / value heads: there each kv head's
+    g query heads go to SDPA as g query positions of that head (its mask rows alike), so the step reads the cache
+    once, where transformers versions that repeat every key and value g times first (``repeat_kv``) copy it g times
+    and read that. The same product: query head h attends with kv head h // g either way."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if query.shape[2] != 1 or groups == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    b, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(b, kv_heads, groups, d)
+    mask = attention_mask
+    if mask is not None:  # (b | 1, 1 | heads, 1, L): one row per packed position
+        mask = (mask.expand(mask.shape[0], 1, groups, mask.shape[-1]) if mask.shape[1] == 1
+                else mask.reshape(mask.shape[0], kv_heads, groups, mask.shape[-1]))
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=mask, dropout_p=dropout,
+                                                           scale=scaling)
+    return out.reshape(b, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+def use_packed_gqa_attention(model: torch.nn.Module) -> None:
+    """Run ``model``'s attention through ``packed_gqa_sdpa`` (registered with transformers as ``PACKED_GQA_SDPA``,
+    with SDPA's masks), whatever the installed transformers does with grouped heads at decode. Copies made after
+    the call (``sharing_copy``) attend the same way."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(PACKED_GQA_SDPA, packed_gqa_sdpa)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_GQA_SDPA, sdpa_mask)
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(PACKED_GQA_SDPA)
+    else:
+        model.config._attn_implementation = PACKED_GQA_SDPA
+
+
 def replace_modules(model: torch.nn.Module, names, make) -> None:
     """Replace each submodule of ``model`` named in ``names`` by ``make(submodule)``."""
     for name in names:
