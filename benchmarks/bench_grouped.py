@@ -13,7 +13,8 @@ Per model, both expert GEMMs of its MoE layer: gate_up (N = 2I, K = H) and down 
 the tokens routed (each to top-k experts, so T * k rows in all); routing "uniform" draws each token's k distinct
 experts uniformly, "skewed" from a Zipf-like law (expert i with weight 1 / (i + 1)), so a few experts get most rows.
 Layouts: "contiguous" (the rows of all experts back to back with ``offs``) and "masked" ((E, C, K) with C the largest
-group, and ``counts``). Recipe "row" (per-token x per-channel scales), bf16 output.
+group, ``counts``, and ``expected_rows`` the T * k rows routed). Recipe "row" (per-token x per-channel scales), bf16
+output.
 
 Per row: times (median, L2 emptied before each run: ``common.bench``), our TFLOPS (useful FLOPs: 2 * rows * N * K),
 each anchor's time over ours (above 1: ours is faster), and ours as % of the floor: the larger of the FP8 tensor
@@ -67,13 +68,13 @@ def _weights(experts, n, k, gen):
     return w, q.view(experts, n, k), s.view(experts, 1, n)
 
 
-def our_call(a, b, sa, sb, offs=None, counts=None, tile=None):
+def our_call(a, b, sa, sb, offs=None, counts=None, tile=None, expected_rows=None):
     """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` ({"tile_m": rows, "tile_n": columns,
     "early_row_scales": on}, any of them) the table's instance for it built so (a kernel option timed against the
     table's)."""
     if not tile:
-        return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts)
-    problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None)
+        return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts, expected_rows=expected_rows)
+    problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None, expected_rows)
     plan = G.plan(dataclasses.replace(G.select(problem, G.device_sms(a.device.index)), **tile), a.device.index)
     out = torch.empty(problem.out_shape, dtype=torch.bfloat16, device=a.device)
     groups = offs if counts is None else counts
@@ -121,7 +122,9 @@ def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, f
                 start += size
             counts = sizes.to(torch.int32).cuda()
 
-            ours = our_call(am, b, sam, sw, counts=counts, tile=tile)
+            # C is the largest group; the rows expected over all groups are the routed pairs, as a server knows
+            # them (T * top-k)
+            ours = our_call(am, b, sam, sw, counts=counts, tile=tile, expected_rows=rows_total)
         t = common.bench(ours) * 1e3
         err = float("nan")
         if check and layout == "contiguous":
@@ -179,8 +182,9 @@ def main(argv=None):
         summary["geomean torch fp8 / ours, >= 1024 rows per expert"] = round(common.geomean([r[14] for r in big]), 3)
     common.save_result(args, "grouped", "Grouped FP8 GEMM (MoE expert shapes), row-wise recipe, bf16 out", COLUMNS,
                        rows, summary=summary,
-                       notes=f"{common.timing_notes()}; floor: max(FLOPs at {floors.fp8}, touched "
-                             f"weights + rows in and out at {floors.hbm})")
+                       notes=f"{common.timing_notes()}; masked: C the largest group, expected_rows the rows "
+                             f"routed; floor: max(FLOPs at {floors.fp8}, touched weights + rows in and out at "
+                             f"{floors.hbm})")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,8 @@ def reference_ops(monkeypatch):
     on its dequantized weight; returns the grouped op's calls."""
     calls = []
 
-    def grouped(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, out=None):
+    def grouped(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, out=None,
+                expected_rows=None):
         assert out is None and a.dtype == b.dtype == torch.float8_e4m3fn and not a.is_cuda
         e, _, n = b.shape
         shape = tuple(scale_b.shape)

@@ -40,7 +40,7 @@ def _call(layout="contiguous", recipe="row", e=4, rows=300, n=256, k=512, device
 
 def _describe(args):
     return G.describe(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"], args["counts"],
-                      args["out_dtype"], args["out"])
+                      args["out_dtype"], args["out"], args.get("expected_rows"))
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -104,6 +104,29 @@ def test_masked_layout_checks():
         _describe(_call("masked", offs=torch.empty(4, dtype=torch.int32, device="meta")))
     with pytest.raises(ValueError, match=r"expected \(4, C, 512\)"):
         _describe(_call("masked", a=torch.empty(3, 300, 512, dtype=FP8, device="meta")))
+    with pytest.raises(ValueError, match="expected_rows is for the masked layout"):
+        _describe(_call(expected_rows=64))
+    for bad in (-1, 4 * 300 + 1, 8.0, True, "64"):
+        with pytest.raises(ValueError, match=r"expected_rows must be None or an int from 0 to E \* C = 1200"):
+            _describe(_call("masked", expected_rows=bad))
+
+
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
+def test_masked_tiles_follow_the_expected_rows(recipe):
+    """A masked call sized for full groups of C rows takes the tiles of its expected rows when told them: a decode
+    batch of 128 tokens of top-8 over 128 experts whose capacity is 100 has 8 rows per group, not 100."""
+    e, c, n = 128, 100, 1536
+    full = _describe(_call("masked", recipe, e=e, rows=c, n=n, k=512))
+    told = _describe(_call("masked", recipe, e=e, rows=c, n=n, k=512, expected_rows=128 * 8))
+    assert (full.rows_per_group, full.total_rows) == (100, e * c)
+    assert (told.rows_per_group, told.total_rows) == (8, 1024)
+    assert G.select(full, SMS).tile_m == 128 and G.select(told, SMS).tile_m == 64
+    assert G.select(told, SMS).tile_n == (128 if recipe == "1x128_128x128" else 256)  # 128 groups x 12 tiles
+    # at C = 1 the groups hit are known only from the hint: 8 pairs of one token
+    one = _describe(_call("masked", recipe, e=e, rows=1, n=3072, k=512, expected_rows=8))
+    assert one.rows_per_group == 1 and G.wide_tiles_pay(one, SMS)  # 8 x 24 tiles
+    assert not G.wide_tiles_pay(_describe(_call("masked", recipe, e=e, rows=1, n=3072, k=512)), SMS)
+    assert _describe(_call("masked", recipe, e=e, rows=c, n=n, k=512, expected_rows=0)).rows_per_group == 0
 
 
 def test_a_cpu_call_is_refused_after_its_checks():
@@ -145,6 +168,15 @@ def test_traced_by_make_fx():
 
     graph = make_fx(f, tracing_mode="fake")(args["a"], args["b"], args["scale_a"], args["scale_b"], args["offs"])
     assert any("grouped_scaled_mm" in str(node.target) for node in graph.graph.nodes)
+    # masked, with the expected rows: the op records them
+    args = _call("masked")
+
+    def g(a, b, sa, sb, counts):
+        return grouped_scaled_mm(a, b, sa, sb, counts=counts, expected_rows=96)
+
+    graph = make_fx(g, tracing_mode="fake")(args["a"], args["b"], args["scale_a"], args["scale_b"], args["counts"])
+    node, = (node for node in graph.graph.nodes if "grouped_scaled_mm" in str(node.target))
+    assert node.kwargs["expected_rows"] == 96
 
 
 def test_rows_validate_and_cover_both_layouts():

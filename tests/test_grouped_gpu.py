@@ -83,14 +83,16 @@ def test_contiguous_matches_reference(recipe, case):
 
 
 @pytest.mark.parametrize("recipe", ["row", "tensor", "deepseek"])
-def test_masked_matches_reference_and_leaves_other_rows(recipe):
+@pytest.mark.parametrize("expected_rows", [None, 64, 0])  # full groups (128-row tiles); 64-row tiles at 8 a group
+def test_masked_matches_reference_and_leaves_other_rows(recipe, expected_rows):
+    """Any expected_rows gives the same product: only the tile it chooses differs."""
     gen = torch.Generator(device="cuda").manual_seed(7)
     e, cap, n, k = 8, 192, 384, 1024
     counts = torch.tensor([0, 1, 129, 192, 64, 128, 3, 191], dtype=torch.int32, device="cuda")
     b, sb = _weights(e, n, k, recipe, gen)
     a, sa = _activations((e, cap), k, recipe, gen)
     out = torch.full((e, cap, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-    grouped_scaled_mm(a, b, sa, sb, counts=counts, out=out)
+    grouped_scaled_mm(a, b, sa, sb, counts=counts, out=out, expected_rows=expected_rows)
     ref = R.reference_grouped_mm(a, b, sa, sb, counts=counts, recipe=recipe, out_dtype=torch.float64)
     for i, c in enumerate(counts.tolist()):
         assert torch.isnan(out[i, c:]).all(), f"expert {i}: rows past its count {c} were written"

@@ -621,11 +621,16 @@ def test_casting_keeps_the_quantized_dtypes(recipe):
 def _reference_op(recipe, calls):
     """The grouped op's float64 reference, checking the operands are in the op's conventions."""
 
-    def grouped_scaled_mm(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, out=None):
+    def grouped_scaled_mm(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, out=None,
+                          expected_rows=None):
         assert out is None and a.dtype == b.dtype == torch.float8_e4m3fn
         assert b.transpose(1, 2).is_contiguous()  # the transpose view of row-major (E, N, K) weights
         groups = counts if offs is None else offs
         assert groups.dtype == torch.int32 and groups.shape == (b.shape[0],)
+        if offs is None:  # masked: the counts add up to at most the rows expected
+            assert type(expected_rows) is int and int(counts.sum()) <= expected_rows <= a.shape[0] * a.shape[1]
+        else:
+            assert expected_rows is None
         calls.append("masked" if offs is None else "contiguous")
         return R.reference_grouped_mm(a, b, scale_a, scale_b, offs, counts=counts, recipe=recipe,
                                       out_dtype=out_dtype)

@@ -25,7 +25,8 @@ OUT_DTYPES = (torch.bfloat16, torch.float16)
 @dataclass(frozen=True)
 class GroupedProblem:
     """A grouped GEMM call: ``experts`` groups of up to ``rows`` rows (contiguous: T, all groups' rows; masked: the
-    capacity C of each group) times per-expert (N, K) weights."""
+    capacity C of each group) times per-expert (N, K) weights; masked, ``expected_rows`` the rows the counts are
+    expected to add up to (None: unknown, every group taken as full)."""
 
     layout: str
     recipe: str
@@ -36,6 +37,7 @@ class GroupedProblem:
     a_format: str
     b_format: str
     out_format: str
+    expected_rows: Optional[int] = None
 
     @property
     def out_shape(self) -> tuple:
@@ -43,9 +45,16 @@ class GroupedProblem:
 
     @property
     def rows_per_group(self) -> int:
-        """The rows a group is expected to hold, what the instances' M ranges select by: contiguous, the mean
-        ceil(T / E) (the sizes stay on the device); masked, the capacity C."""
-        return self.rows if self.layout == "masked" else ceil_div(self.rows, max(self.experts, 1))
+        """The rows a group is expected to hold, what the instances' M ranges select by: the mean ceil(rows / E) of
+        ``total_rows`` (the sizes stay on the device)."""
+        return ceil_div(self.total_rows, max(self.experts, 1))
+
+    @property
+    def total_rows(self) -> int:
+        """The rows expected over all groups: contiguous T; masked ``expected_rows``, or E * C without it."""
+        if self.layout == "contiguous":
+            return self.rows
+        return self.experts * self.rows if self.expected_rows is None else self.expected_rows
 
     @property
     def is_empty(self) -> bool:
@@ -83,7 +92,7 @@ def _scales(problem_layout: str, scale_a, scale_b, experts: int, rows: int, n: i
         f"scale_b ({experts}, {kb}, {nb}) (per expert, its 128x128 blocks transposed like b)")
 
 
-def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedProblem:
+def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out, expected_rows=None) -> GroupedProblem:
     """Check a ``grouped_scaled_mm`` call's arguments (metadata only) and describe it."""
     for name, t in (("a", a), ("b", b)):
         if not isinstance(t, torch.Tensor):
@@ -126,7 +135,13 @@ def describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out) -> GroupedPro
     recipe = _scales(layout, scale_a, scale_b, experts, rows, n, k)
     _need(out_dtype in OUT_DTYPES, f"out_dtype must be torch.bfloat16 or torch.float16, got {out_dtype}")
     a_format, b_format, out_format = (DTYPE_FORMATS[d].name for d in (a.dtype, b.dtype, out_dtype))
-    problem = GroupedProblem(layout, recipe, experts, rows, n, k, a_format, b_format, out_format)
+    if expected_rows is not None:
+        _need(layout == "masked", "expected_rows is for the masked layout (a (E, C, K) with counts); the contiguous "
+              "layout's rows are a's T")
+        _need(type(expected_rows) is int and 0 <= expected_rows <= experts * rows,
+              f"expected_rows must be None or an int from 0 to E * C = {experts * rows} (the rows the counts are "
+              f"expected to add up to), got {expected_rows!r}")
+    problem = GroupedProblem(layout, recipe, experts, rows, n, k, a_format, b_format, out_format, expected_rows)
     if out is not None:
         _need(isinstance(out, torch.Tensor) and tuple(out.shape) == problem.out_shape and out.dtype == out_dtype
               and out.is_contiguous() and out.device == a.device,
@@ -166,11 +181,12 @@ def wide_tiles_pay(problem: GroupedProblem, sms: int) -> bool:
     than one wave. Below that the wider tile halves the CTAs streaming W and each reads twice the bytes (0.85-0.9x
     on Qwen3-30B at one token); above it, it halves the units and reads each A tile once per 256 columns (1.02-1.3x).
     The groups holding rows: contiguous, at most one per row (the T rows are known, their split is not); masked,
-    every group when C > 1, while at C = 1 (at most E pairs of a decode batch) how many are hit is unknown and
-    the narrow tile stays. Measured on the H200: ``run_all.sh options-tiles``."""
-    if problem.layout == "masked" and problem.rows <= 1:
+    every group when C > 1 and no ``expected_rows`` is given, while at C = 1 (at most E pairs of a decode batch) how
+    many are hit is unknown and the narrow tile stays; with ``expected_rows``, at most one per expected row.
+    Measured on the H200: ``run_all.sh options-tiles``."""
+    if problem.layout == "masked" and problem.expected_rows is None and problem.rows <= 1:
         return False
-    groups = problem.experts if problem.layout == "masked" else min(problem.experts, problem.rows)
+    groups = min(problem.experts, problem.total_rows)
     return groups * ceil_div(problem.n, 128) > sms
 
 

@@ -498,26 +498,28 @@ class QuantizedExperts(FormatTagged, torch.nn.Module):
             x, groups, slot, _ = to_masked(hidden_states, top_k_index, e, c)
             qx, sx = self._quantize(x.view(e * c, self.hidden_dim))
             weights, pos = masked_pair_weights(top_k_weights, slot, e, c).view(-1), slot.view(t, k).to(torch.int32)
-        return sum_routed_pairs(self._experts(qx, sx, groups, weights, c, dtype), pos)
+        return sum_routed_pairs(self._experts(qx, sx, groups, weights, c, dtype, t * k), pos)
 
-    def _experts(self, qx, sx, groups, weights, c: Optional[int], dtype) -> torch.Tensor:
+    def _experts(self, qx, sx, groups, weights, c: Optional[int], dtype, pairs: int) -> torch.Tensor:
         """The grouped gate_up GEMM, the gated activation with each row's routing weight folded in (the down
         projection is linear, so the combine only adds rows up), the grouped down GEMM: the experts' output rows,
-        (R, H) contiguous (``c`` None; ``groups`` the end rows) or (E, C, H) masked (``groups`` the counts)."""
+        (R, H) contiguous (``c`` None; ``groups`` the end rows) or (E, C, H) masked (``groups`` the counts, which
+        add up to at most the T * k ``pairs``: the GEMMs' tiles are chosen for that many rows, not E * C)."""
         grouped, e = _grouped_scaled_mm(), self.num_experts
         gate_up, down = self.gate_up_proj.transpose(1, 2), self.down_proj.transpose(1, 2)  # (E, K, N) views
         if c is None:
             h = grouped(qx, gate_up, sx, self.gate_up_proj_scale, groups, out_dtype=dtype)
             qh, sh = self._quantize_gated(h, weights)
             return grouped(qh, down, sh, self.down_proj_scale, groups, out_dtype=dtype)
+        expected = min(pairs, e * c)
         h = grouped(qx.view(e, c, -1), gate_up, self._masked_scales(sx, e, c), self.gate_up_proj_scale,
-                    counts=groups, out_dtype=dtype)
+                    counts=groups, out_dtype=dtype, expected_rows=expected)
         # rows past each count are not written (nor read by the down GEMM, whose rows past the counts are not
         # computed); per tensor they are zeroed before the one scale's amax
         live = torch.arange(c, device=groups.device) < groups[:, None] if self.recipe == "tensor" else None
         qh, sh = self._quantize_gated(h.view(e * c, -1), weights, live)
         return grouped(qh.view(e, c, -1), down, self._masked_scales(sh, e, c), self.down_proj_scale, counts=groups,
-                       out_dtype=dtype)
+                       out_dtype=dtype, expected_rows=expected)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple:
         """(gate_up (E, 2I, H), down (E, H, I)) in ``dtype``: the weights the grouped GEMM multiplies (codes times

@@ -14,12 +14,13 @@ from cutedsl_gemm.ops.library import define
 from cutedsl_gemm.runtime.plans import PREPARED
 
 SCHEMA = ("(Tensor a, Tensor b, Tensor scale_a, Tensor scale_b, Tensor? offs=None, *, Tensor? counts=None, "
-          "ScalarType out_dtype=bfloat16) -> Tensor")
+          "ScalarType out_dtype=bfloat16, int? expected_rows=None) -> Tensor")
 
 
 def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       offs: Optional[torch.Tensor] = None, *, counts: Optional[torch.Tensor] = None,
-                      out_dtype: torch.dtype = torch.bfloat16, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      out_dtype: torch.dtype = torch.bfloat16, out: Optional[torch.Tensor] = None,
+                      expected_rows: Optional[int] = None) -> torch.Tensor:
     """Per expert ``e``: ``out[rows of e] = (a[rows of e] * scale_a) @ (b[e] * scale_b[e])``, in fp32 with promoted
     accumulation, rounded to ``out_dtype`` (bf16 or fp16). Hopper (sm_90a) GPUs.
 
@@ -31,7 +32,10 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
       not written.
     * masked -- ``a`` (E, C, K) holds up to C rows per expert and ``counts`` (E,) int32 on the device how many to
       compute; returns (E, C, N) whose rows at or past ``counts[e]`` are not written (pass ``out`` to keep what
-      they hold).
+      they hold). ``expected_rows``: the rows the counts are expected to add up to (a decode batch's T * top-k),
+      what the tile is chosen by, as the contiguous layout's T is (default E * C: every group full). Any value
+      gives the same product; a capacity set far above the typical count takes tiles sized for full groups
+      without it.
 
     ``b`` is (E, K, N) float8_e4m3fn with K contiguous: ``w.transpose(1, 2)`` of per-expert (N, K) row-major
     weights. Scales (float32 decode scales, value = q * scale): per tensor ``scale_a`` (1,) and ``scale_b`` (E,);
@@ -49,9 +53,9 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
         if out is not None:
             raise ValueError("grouped_scaled_mm(out=...) is eager only; under torch.compile use the returned tensor")
         return torch.ops.cutedsl_gemm.grouped_scaled_mm(a, b, scale_a, scale_b, offs, counts=counts,
-                                                        out_dtype=out_dtype)
+                                                        out_dtype=out_dtype, expected_rows=expected_rows)
     groups = offs if counts is None else counts
-    sig = call_signature(a, b, scale_a, scale_b, groups, counts is not None, out_dtype)
+    sig = call_signature(a, b, scale_a, scale_b, groups, counts is not None, out_dtype, expected_rows)
     if sig is not None:
         hit = PREPARED.get(GROUPED, sig)
         if hit is not None:
@@ -59,7 +63,7 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
                 return G.launch(hit[0], a, b, scale_a, scale_b, groups, out, hit[1])
             except (TypeError, ValueError):
                 pass  # refused before launch (e.g. a wrong out=): the full validation below says why
-    problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out)
+    problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, out, expected_rows)
     if a.device.type != "cuda":
         raise ValueError(f"grouped_scaled_mm runs on Hopper (sm_90a) CUDA tensors; got tensors on {a.device} "
                          "(numerics.reference.reference_grouped_mm computes the product on any device)")
@@ -74,22 +78,25 @@ def grouped_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, s
 GROUPED = "grouped_scaled_mm"  # its entries in the one prepared-call cache (runtime.plans.PREPARED)
 
 
-def call_signature(a, b, scale_a, scale_b, groups, masked: bool, out_dtype):
+def call_signature(a, b, scale_a, scale_b, groups, masked: bool, out_dtype, expected_rows=None):
     """What chooses a call's plan and kernel views, from metadata (None for arguments that are not plain tensors:
     those go the long way). What the compiled kernel checks before every launch (dtypes, extents against the ones
     it bound, strides, alignment) is not hashed again: a call it refuses is validated the long way."""
     ts = (a, b, scale_a, scale_b, groups)
     if any(type(t) is not torch.Tensor for t in ts):
         return None
-    return (masked, out_dtype, a.get_device(), *((t.shape, t.stride(), t.dtype) for t in ts))
+    if expected_rows is not None and type(expected_rows) is not int:
+        return None
+    return (masked, out_dtype, expected_rows, a.get_device(), *((t.shape, t.stride(), t.dtype) for t in ts))
 
 
-def _op(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16):
-    return grouped_scaled_mm(a, b, scale_a, scale_b, offs, counts=counts, out_dtype=out_dtype)
+def _op(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, expected_rows=None):
+    return grouped_scaled_mm(a, b, scale_a, scale_b, offs, counts=counts, out_dtype=out_dtype,
+                             expected_rows=expected_rows)
 
 
-def _fake(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16):
-    problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, None)
+def _fake(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, expected_rows=None):
+    problem = G.describe(a, b, scale_a, scale_b, offs, counts, out_dtype, None, expected_rows)
     return a.new_empty(problem.out_shape, dtype=out_dtype)
 
 
