@@ -299,7 +299,7 @@ def test_sharing_copy_shares_tensors_not_modules(tiny):
 
 def tiny_run(lm_head="both", split=True, recipes=("row",), layers=1, variants=("bf16", "torch", "ours")):
     args = Namespace(device="cpu", seed=0, lm_head=lm_head, recipes=list(recipes), variants=list(variants),
-                     split=split, skip={})
+                     split=split, skip={}, attention="packed-gqa")
     run = bench_model.Run(args, M.llama_config(layers, M.TINY_LLAMA))
     run.build_base()
     return run
@@ -364,6 +364,8 @@ def test_arguments(monkeypatch):
     assert args.recipes == ["row", "deepseek", "int8", "int4_weight"] and args.lm_head == "bf16" and not args.split
     assert (args.rounds, args.reps) == (6, 5) and not args.compile and args.compile_variants == ["bf16", "ours"]
     assert bench_model.parse_args(["--device", "cpu", "--tiny"]).layers == 2
+    assert args.attention == "packed-gqa"
+    assert bench_model.parse_args(["--device", "cpu", "--attention", "transformers"]).attention == "transformers"
     assert bench_model.parse_args(["--device", "cpu", "--recipe", "int8"]).recipes == ["int8"]
     assert bench_model.parse_args(["--device", "cpu", "--lm-head"]).lm_head == "converted"
     assert bench_model.parse_args(["--device", "cpu", "--lm-head", "both"]).lm_head == "both"
@@ -446,6 +448,7 @@ def test_tiny_run_on_the_cpu(tmp_path, monkeypatch, capsys):
     got = json.loads((tmp_path / "model_tiny.json").read_text())
     assert got["columns"] == bench_model.COLUMNS and len(got["rows"]) == len(rows2) == 6
     assert "static KV cache" in got["notes"] and "ours" not in " ".join(map(str, got["rows"]))
+    assert "attention: SDPA reading the KV cache once" in got["notes"]
 
 
 def test_several_recipes_both_heads_and_the_split_in_one_run(tmp_path, monkeypatch):
