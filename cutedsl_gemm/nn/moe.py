@@ -41,6 +41,7 @@ from cutedsl_gemm.ops.gated import silu_mul_quantize_fp8
 from cutedsl_gemm.ops.library import EAGER
 from cutedsl_gemm.ops.moe_route import (
     pair_rows,
+    route_pairs,
     route_quantize_fp8,
     routes_by_kernel,
     sort_pairs,
@@ -184,7 +185,8 @@ def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ca
 
     Overflow, checked on the device without synchronising: an expert given more than C pairs keeps its first C
     (``counts`` is clamped to C), the rest get ``slot`` -1, ``overflow`` is true, and ``combine_masked`` makes the
-    output of their tokens NaN, so that dropped pairs show rather than vanish. Each token picks k distinct experts,
+    output of their tokens NaN, so that dropped pairs show rather than vanish (an id outside [0, E) likewise). The
+    placement is ``ops.moe_route.route_pairs``'s, the routing kernels' own. Each token picks k distinct experts,
     so C = T never overflows; a smaller C bounds the E x C x H buffer."""
     t, k = _check_routing(hidden, topk_ids, num_experts)
     if not isinstance(capacity, int) or capacity < 1:
@@ -194,19 +196,15 @@ def to_masked(hidden: torch.Tensor, topk_ids: torch.Tensor, num_experts: int, ca
         return (hidden.new_zeros((num_experts, capacity, h)),
                 torch.zeros(num_experts, dtype=torch.int32, device=device),
                 torch.empty(0, dtype=torch.int64, device=device), torch.zeros((), dtype=torch.bool, device=device))
-    sorted_ids, order, experts = sort_pairs(topk_ids, num_experts)
-    starts = torch.searchsorted(sorted_ids, experts)
-    counts = torch.searchsorted(sorted_ids, experts, right=True) - starts
-    c = torch.arange(capacity, device=device)
-    valid = c < counts[:, None]  # (E, C): the rows that hold a pair
-    src = torch.where(valid, starts[:, None] + c, 0)  # sorted row of each masked row (0: any row, zeroed below)
-    token = order.index_select(0, src.reshape(-1)) // k
-    masked = hidden.index_select(0, token).view(num_experts, capacity, h).masked_fill(~valid[..., None], 0)
-    rank = torch.arange(t * k, device=device) - starts.index_select(0, sorted_ids.long())  # within its expert
-    slot_sorted = torch.where(rank < capacity, sorted_ids.long() * capacity + rank, -1)
-    slot = torch.empty_like(slot_sorted).scatter_(0, order, slot_sorted)
-    overflow = (counts > capacity).any()
-    return masked, counts.clamp(max=capacity).to(torch.int32), slot, overflow
+    pos, counts = route_pairs(topk_ids, num_experts, capacity)  # the routing kernels' placement, by torch
+    slot = pos.view(-1).long()
+    # each masked row's token and whether a pair holds it (the dropped pairs all land in an extra first row)
+    rows = num_experts * capacity + 1
+    token = torch.zeros(rows, dtype=torch.int64, device=device)
+    token.index_copy_(0, slot + 1, torch.arange(t * k, device=device) // k)
+    held = torch.zeros(rows, dtype=torch.bool, device=device).index_fill_(0, slot + 1, True)[1:]
+    masked = hidden.index_select(0, token[1:]).masked_fill_(~held[:, None], 0).view(num_experts, capacity, h)
+    return masked, counts, slot, (slot < 0).any()
 
 
 def combine_masked(expert_out: torch.Tensor, slot: torch.Tensor, topk_weights: torch.Tensor, num_tokens: int,
