@@ -438,7 +438,8 @@ TABLE: Tuple[TileConfig, ...] = (
     # row-wise, two tiles wider along N (docs/design.md 2.10): 64x256 first, taken only where
     # the 64x128 tiles of the groups expected to hold rows fill more than one wave (sm90_grouped.select; 1.05x
     # geomean over 48 decode GEMMs, 1.3x on Qwen3-30B's down projection), and 128x192 for contiguous groups of
-    # many rows (1.03x geomean over 12 prefill GEMMs, up to 1.09x on the down projections).
+    # many rows (1.03x geomean over 12 prefill GEMMs, up to 1.09x on the down projections); both timed with the
+    # row-wise recipe, per tensor by the same rule (its epilogue scales by two scalars instead of two vectors).
     *(
         TileConfig(SM90, GROUPED_GEMM, layout, recipes, tm, tn, accum="promoted", m_min=lo, m_max=hi,
                    early_row_scales=early, ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"),
