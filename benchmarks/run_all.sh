@@ -10,7 +10,8 @@
 #     bench-sweep    the serving-batch sweep (compiles its instances first)                             ~8 min
 #     bench-decode   decode GEMMs back to back (and over the sweep's layers), the linear stack          ~5 min
 #     bench-models   the 32-layer Llama-3-8B-shaped model, checkpoint load times (needs .[models])       ~9 min
-#     bench-moe      mixture of experts: grouped GEMMs over MoE shapes, the MoE blocks, a Qwen3-30B-A3B model  ~9 min
+#     bench-moe      mixture of experts: grouped GEMMs over MoE shapes (row-wise, DeepSeek's), the MoE blocks, a
+#                    Qwen3-30B-A3B model                                                               ~10 min
 #   bash benchmarks/run_all.sh OPTION...      runs that decide kernel options, both ways in one run (no result file):
 #     options-routing  the MoE routing kernels against the sort path, the MoE block at decode and prefill ~3 min
 #     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode and 128x192 against 128x128 at
@@ -84,6 +85,8 @@ bench_moe() {
   need_floor
   # needs .[models]; the grouped GEMMs against torch's, then the MoE blocks and the full-depth Qwen3-30B-A3B model
   "$py" -m benchmarks.bench_grouped --tokens 128,4096,16384 --routing uniform,skewed --layouts contiguous,masked
+  "$py" -m benchmarks.bench_grouped --recipe deepseek --models dsv3,qwen3_235b --tokens 128,4096,16384 \
+    --routing uniform --layouts contiguous,masked
   "$py" -m benchmarks.bench_moe --what block
   "$py" -m benchmarks.bench_moe --what model --split --fuse
 }
