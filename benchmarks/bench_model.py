@@ -133,7 +133,7 @@ class Run:
 
     def build_base(self):
         self.base = M.random_llama(self.config, self.args.device, torch.bfloat16, seed=self.args.seed)
-        use_attention(self.base, self.args.attention)  # before the copies: every variant attends the same way
+        common.use_attention(self.base, self.args.attention)  # before the copies: every variant attends the same way
         self.bf16 = Variant("bf16", "bf16", self.base, decoder_linears(self.base), keep=True)
 
     def noop(self, names: list, head: str) -> Variant:
@@ -556,32 +556,13 @@ def summarize(rows, first_batch=None) -> dict:
     return out
 
 
-ATTENTIONS = ("packed-gqa", "transformers")
-ATTENTION_NOTES = {"packed-gqa": "SDPA reading the KV cache once per step (each kv head's query heads packed as "
-                                 "query positions at decode, tools.models.packed_gqa_sdpa), in every variant",
-                   "transformers": "SDPA as the installed transformers calls it, in every variant"}
-
-
-def add_attention_option(p) -> None:
-    p.add_argument("--attention", choices=ATTENTIONS, default="packed-gqa",
-                   help="the models' attention, the same in every variant: packed-gqa (default), SDPA over the cache "
-                        "once with each kv head's query heads packed as query positions at decode "
-                        "(tools.models.packed_gqa_sdpa); transformers, SDPA as the installed transformers calls it")
-
-
-def use_attention(model, attention: str) -> None:
-    """``model`` (and the copies made of it after) attending as ``--attention`` says."""
-    if attention == "packed-gqa":
-        M.use_packed_gqa_attention(model)
-
-
 def notes_line(run: Run) -> str:
     args = run.args
     mode = "eager" if args.device == "cpu" else "a CUDA graph"
     floor = f"{run.hbm_tbps:g} TB/s (measured)" if run.hbm_tbps else "no HBM rate (floors not measured here)"
     line = (f"{args.layers} Llama-3-8B-shaped layers{' (tiny config)' if args.tiny else ''}, random weights; recipes "
             f"{', '.join(args.recipes)}, LM head {args.lm_head}; torch: each recipe's torch path; attention: "
-            f"{ATTENTION_NOTES[args.attention]}; decode: "
+            f"{common.ATTENTION_NOTES[args.attention]}; decode: "
             f"{args.context} tokens in a static KV cache, the step run by {mode}, median of {args.rounds} rounds of "
             f"{args.reps}, variants in turns; prefill eager, no cache; weight floor: every parameter and buffer once "
             f"plus the step's embedding rows at {floor}; logit rel err: last position against bf16")
@@ -715,7 +696,7 @@ def parse_args(argv=None):
     p.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
                    help="torch.compile's mode; reduce-overhead uses torch's graphs, the others are captured in one "
                         "(default: default)")
-    add_attention_option(p)
+    common.add_attention_option(p)
     p.add_argument("--rounds", type=positive_int, default=6, help="timing rounds, variants in turns (default 6)")
     p.add_argument("--reps", type=positive_int, default=5, help="decode steps back to back per round (default 5)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

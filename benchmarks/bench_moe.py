@@ -521,7 +521,7 @@ def run_model(run) -> None:
     args = run.args
     run.say(f"building the bf16 model: {args.layers} Qwen3-30B-A3B-shaped layers{' (tiny)' if args.tiny else ''}")
     base = M.random_causal_lm(run.config, args.device, torch.bfloat16, seed=args.seed)
-    BM.use_attention(base, args.attention)  # before the copies: every variant attends the same way
+    common.use_attention(base, args.attention)  # before the copies: every variant attends the same way
     run.say(f"bf16 model built ({module_bytes(base) / 1e9:.1f} GB), experts implementation "
             f"{base.config._experts_implementation}")
     variants = model_variants(run, base)
@@ -579,8 +579,8 @@ def model_notes(run) -> str:
     fused = " and cnn.fuse" if args.fuse else ""
     line = (f"{args.layers} Qwen3-30B-A3B-shaped layers{' (tiny config)' if args.tiny else ''}, random weights; ours: "
             f"cnn.convert recipe {args.model_recipe}{fused}, LM head bf16; attention: "
-            f"{BM.ATTENTION_NOTES[args.attention]}; decode: {args.context} tokens in a static KV cache, the step run "
-            f"by {how}, median of {args.rounds} rounds of {args.reps}, the models in turns; "
+            f"{common.ATTENTION_NOTES[args.attention]}; decode: {args.context} tokens in a static KV cache, the step "
+            f"run by {how}, median of {args.rounds} rounds of {args.reps}, the models in turns; "
             f"prefill eager, no cache; logit rel err: last position against bf16; weight floor: every parameter and "
             f"buffer once, the step's embedding rows and of each layer's experts those hit, at {floor}")
     if args.split:
@@ -646,7 +646,7 @@ def parse_args(argv=None):
                    help="model decode: also time the step with every experts module a no-op (experts vs the rest)")
     p.add_argument("--fuse", action="store_true",
                    help="the model: ours after cnn.fuse (each attention's q/k/v as one GEMM)")
-    BM.add_attention_option(p)
+    common.add_attention_option(p)
     p.add_argument("--rounds", type=positive_int, default=5, help="timing rounds, variants in turns (default 5)")
     p.add_argument("--reps", type=positive_int, default=5, help="model decode steps back to back per round (default 5)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")

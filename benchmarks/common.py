@@ -417,3 +417,25 @@ def save_result(args, name, title, columns, rows, **kw):
     if args.save:
         return write_result(args.name or name, title, columns, rows, **kw)
     return None
+
+
+# ---- the model benchmarks' attention ----------------------------------------------------------------------------
+ATTENTIONS = ("packed-gqa", "transformers")
+ATTENTION_NOTES = {"packed-gqa": "SDPA reading the KV cache once per step (each kv head's query heads packed as "
+                                 "query positions at decode, tools.models.packed_gqa_sdpa), in every variant",
+                   "transformers": "SDPA as the installed transformers calls it, in every variant"}
+
+
+def add_attention_option(p) -> None:
+    p.add_argument("--attention", choices=ATTENTIONS, default="packed-gqa",
+                   help="the models' attention, the same in every variant: packed-gqa (default), SDPA over the cache "
+                        "once with each kv head's query heads packed as query positions at decode "
+                        "(tools.models.packed_gqa_sdpa); transformers, SDPA as the installed transformers calls it")
+
+
+def use_attention(model, attention: str) -> None:
+    """``model`` (and the copies made of it after) attending as ``--attention`` says."""
+    if attention == "packed-gqa":
+        from cutedsl_gemm.tools.models import use_packed_gqa_attention
+
+        use_packed_gqa_attention(model)
