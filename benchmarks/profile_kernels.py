@@ -7,6 +7,10 @@
         python -m benchmarks.profile_kernels --what grouped     the grouped row-wise GEMMs of Qwen3-30B-A3B at decode
     ncu --nvtx --nvtx-include "weight-only-1/" --launch-count 1 --set full \\
         python -m benchmarks.profile_kernels --what weight-only  the int4 weight-only GEMM at M = 1 and 16
+    python -m benchmarks.profile_kernels --what attention      one layer's decode attention of Qwen3-30B-A3B (32
+                                                               query heads on 4 kv heads) over 513 positions: SDPA
+                                                               after repeat_kv, with enable_gqa, and packed
+                                                               (tools.models.packed_gqa_sdpa), per batch
 
 Each profiled call runs warm, alone in an NVTX range named after it (``grouped-<gemm>-<tokens>``,
 ``weight-only-<M>``), so that ncu takes exactly it.
@@ -20,9 +24,10 @@ import sys
 
 import torch
 
+from . import common
 from .common import require_gpu
 
-WHATS = ("moe-rest", "grouped", "weight-only")
+WHATS = ("moe-rest", "grouped", "weight-only", "attention")
 #: Qwen3-30B-A3B's experts: (experts, top-k, hidden, intermediate)
 QWEN3_30B_EXPERTS = (128, 8, 2048, 768)
 
@@ -70,9 +75,9 @@ def weight_only(ms=(1, 16), n=8192, k=8192) -> None:
         _ranged(f"weight-only-{m}", functools.partial(mm_weight_only, x, packed, scales, zeros, group=128, bits=4))
 
 
-def moe_rest(batches=(1, 16, 64), layers=4, context=512, top=25) -> None:
-    """The kernels of a decode step of the Qwen3-30B-A3B-shaped bf16 model (``layers`` layers) with every experts
-    module a no-op, at each batch: GPU time per step by kernel, the top ``top``."""
+def moe_rest(attention: str, batches=(1, 16, 64), layers=4, context=512, top=25) -> None:
+    """The kernels of a decode step of the Qwen3-30B-A3B-shaped bf16 model (``layers`` layers, ``--attention``)
+    with every experts module a no-op, at each batch: GPU time per step by kernel, the top ``top``."""
     from torch.profiler import ProfilerActivity, profile
 
     from cutedsl_gemm.tools import models as M
@@ -80,6 +85,7 @@ def moe_rest(batches=(1, 16, 64), layers=4, context=512, top=25) -> None:
     from .bench_moe import noop_experts_model
 
     model = M.random_causal_lm(M.moe_config("qwen3_moe", layers, M.QWEN3_30B_A3B), device="cuda")
+    common.use_attention(model, attention)
     noop = noop_experts_model(model)
     print(f"attention: {model.config._attn_implementation}; {layers} layers, {context} tokens of context")
     for batch in batches:
@@ -102,12 +108,56 @@ def moe_rest(batches=(1, 16, 64), layers=4, context=512, top=25) -> None:
         sys.stdout.flush()
 
 
+def attention_ways(q, k, v, mask) -> dict:
+    """One decode step's SDPA of query heads ``q`` (B, H, 1, D) over grouped kv heads ``k`` / ``v`` (B, Hkv, L, D)
+    and ``mask`` (B, 1, 1, L): name -> call. "repeat_kv": each kv head copied for its query heads first (what
+    transformers 5.17 does with a mask); "enable_gqa": SDPA's own grouping; "packed": ``packed_gqa_sdpa``."""
+    import torch.nn.functional as F
+
+    from cutedsl_gemm.tools import models as M
+
+    batch, heads, _, dim = q.shape
+    groups, positions = heads // k.shape[1], k.shape[2]
+    layer = torch.nn.Module()
+    layer.num_key_value_groups = groups
+
+    def repeat(x):
+        return x[:, :, None].expand(-1, -1, groups, -1, -1).reshape(batch, heads, positions, dim)
+
+    return {"repeat_kv": lambda: F.scaled_dot_product_attention(q, repeat(k), repeat(v), attn_mask=mask),
+            "enable_gqa": lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True),
+            "packed": lambda: M.packed_gqa_sdpa(layer, q, k, v, mask)[0].transpose(1, 2),
+            "float64": lambda: F.scaled_dot_product_attention(q.double(), repeat(k).double(), repeat(v).double(),
+                                                              attn_mask=mask)}
+
+
+def attention(batches=(1, 16, 64), positions=513, heads=32, kv_heads=4, head_dim=128) -> None:
+    """One layer's SDPA at decode (one query token, a boolean mask over the static cache, as transformers passes
+    under graph capture), three ways, timed L2-cold (``common.bench``), each against the float64 product."""
+    from cutedsl_gemm.numerics import reference as R
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for batch in batches:
+        q = torch.randn(batch, heads, 1, head_dim, device="cuda", generator=gen).bfloat16()
+        k, v = (torch.randn(batch, kv_heads, positions, head_dim, device="cuda", generator=gen).bfloat16()
+                for _ in range(2))
+        ways = attention_ways(q, k, v, torch.ones(batch, 1, 1, positions, dtype=torch.bool, device="cuda"))
+        want = ways.pop("float64")()
+        for name, fn in ways.items():
+            err = R.rel_error(fn(), want)
+            print(f"batch {batch}, {name}: {common.bench(fn) * 1e3:.1f} us, rel err {err:.1e}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--what", choices=WHATS, required=True)
+    common.add_attention_option(p)
     args = p.parse_args(argv)
     require_gpu("profile_kernels")
-    {"moe-rest": moe_rest, "grouped": grouped, "weight-only": weight_only}[args.what]()
+    if args.what == "moe-rest":
+        moe_rest(args.attention)
+    else:
+        {"grouped": grouped, "weight-only": weight_only, "attention": attention}[args.what]()
 
 
 if __name__ == "__main__":

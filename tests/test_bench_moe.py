@@ -409,3 +409,22 @@ def test_tiny_model_fused_on_the_cpu(tmp_path, monkeypatch, reference_ops):
     cells = [dict(zip(B.MODEL_COLUMNS, row)) for row in rows]
     assert [c["recipe"] for c in cells] == ["bf16", "row"] and 1e-4 < cells[1]["logit rel err"] < 0.5
     assert "cnn.convert recipe row and cnn.fuse" in json.loads((tmp_path / "moe_fused_tiny.json").read_text())["notes"]
+
+
+def test_the_profiled_attention_ways_give_the_float64_product():
+    """profile_kernels --what attention times three ways of one decode step's attention: each gives the float64
+    product, with a mask that hides part of one sequence's cache."""
+    from benchmarks import profile_kernels as P
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(3, 32, 1, 16, generator=g)
+    k, v = torch.randn(3, 4, 20, 16, generator=g), torch.randn(3, 4, 20, 16, generator=g)
+    mask = torch.ones(3, 1, 1, 20, dtype=torch.bool)
+    mask[1, ..., 5:] = False
+    ways = P.attention_ways(q, k, v, mask)
+    want = ways.pop("float64")()
+    assert sorted(ways) == ["enable_gqa", "packed", "repeat_kv"]
+    for name, fn in ways.items():
+        assert R.rel_error(fn(), want) < 1e-6, name
+    masked_out = P.attention_ways(q, k, v, torch.ones_like(mask))["packed"]()
+    assert R.rel_error(masked_out[1], want[1]) > 1e-2  # the mask is applied
