@@ -75,8 +75,10 @@ def test_family_checks_name_the_broken_rule():
     with pytest.raises(ValueError, match="fixes"):
         R.family(wo).check(dataclasses.replace(wo, cluster_m=2))
     grouped = _first(op=M.GROUPED_GEMM)
-    with pytest.raises(ValueError, match="rows are unclustered"):
+    with pytest.raises(ValueError, match="clustered along M only"):
         R.family(grouped).check(dataclasses.replace(grouped, cluster_n=2))
+    with pytest.raises(ValueError, match="2 CTAs along M with 128-row tiles"):
+        R.family(grouped).check(dataclasses.replace(grouped, tile_m=64, cluster_m=2))
     sm100 = _first(arch=M.SM100)
     with pytest.raises(ValueError, match="bias is read as fp32"):
         R.family(sm100).check(dataclasses.replace(sm100, bias_dtype="bf16"))

@@ -281,6 +281,34 @@ def test_ptx_holds_wgmma_tma_and_group_reads(layout):
     assert rep.frame_bytes == 0, f"{rep.name} spills"
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("tile_n", [128, 192])
+def test_clustered_tiles_multicast_w_to_the_pair_of_m_tiles(tile_n):
+    """The 2x1-cluster kernel option: W's K tiles by a multicast TMA (each CTA loads its half for both), A's by a
+    plain one, the CTA's rank in the cluster read, stages released to the peer through a remote barrier, no
+    spills."""
+    import dataclasses
+
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    base = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=128,
+                    tile_n=tile_n)[0]
+    inst = dataclasses.replace(base, cluster_m=2)
+    assert G.config(inst).cluster_m == 2 and "c2x1" in inst.name
+    rep = inspect_instance(inst)
+    loads = {(op.split(".")[4], op.split(".")[5], ".multicast::cluster" in op)
+             for op in re.findall(r"cp\.async\.bulk\.tensor\.\S+", rep.ptx)}
+    # A (T, K) into this CTA's stage; W (N, K, E) multicast to the cluster's
+    assert loads == {("2d", "shared::cta", False), ("3d", "shared::cluster", True)}, loads
+    assert rep.has(r"%cluster_ctarank") and rep.has(r"mapa\.shared::cluster")
+    assert rep.has(r"barrier\.cluster\.arrive") and rep.has(r"barrier\.cluster\.wait")
+    assert rep.frame_bytes == 0, f"{rep.name} spills"
+    with pytest.raises(ValueError, match="2 CTAs along M with 128-row tiles"):
+        dataclasses.replace(G.config(inst), recipe="1x128_128x128", tile_n=128).check()
+    with pytest.raises(ValueError, match="2 CTAs along M with 128-row tiles"):
+        dataclasses.replace(G.config(inst), tile_m=64, tile_n=128, early_row_scales=False).check()
+
+
 @pytest.mark.filterwarnings("ignore:This static loop has .* iterations")  # trace-time checks, nothing compiled
 @pytest.mark.parametrize("bm, bn, groups_n", [(64, 128, 1), (128, 128, 1), (64, 256, 2), (128, 192, 1)])
 def test_fragment_pairs_are_adjacent_columns_of_one_row(bm, bn, groups_n):

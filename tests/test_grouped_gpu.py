@@ -172,7 +172,9 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales":
            "64-row tiles, early row scales": {"tile_m": 64, "early_row_scales": True},
            "64x256 tiles": {"tile_m": 64, "tile_n": 256, "early_row_scales": False},
            "64x256 tiles, early row scales": {"tile_m": 64, "tile_n": 256, "early_row_scales": True},
-           "128x192 tiles": {"tile_m": 128, "tile_n": 192, "early_row_scales": False}}
+           "128x192 tiles": {"tile_m": 128, "tile_n": 192, "early_row_scales": False},
+           "128x128 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 128, "early_row_scales": False, "cluster_m": 2},
+           "128x192 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 2}}
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -182,10 +184,11 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales":
 @pytest.mark.parametrize("band", [1, 8])
 def test_kernel_options_match_reference(layout, recipe, option, n, band):
     """The table's instance, and built with the kernel options the grouped benchmark times (64-row tiles: one
-    consumer warp group; 64x256: two side by side along N; 128x192: serial promotion; row-wise, with the scales
-    loaded after the main loop or as the unit starts), writes the same rows as the reference, walking N fastest
-    (band 1) and in bands of m tiles (``band_m``'s two answers); N = 203 (odd) takes the epilogue's 16-bit stores,
-    the even N its paired ones."""
+    consumer warp group; 64x256: two side by side along N; 128x192: serial promotion; 2x1 clusters: each W tile
+    multicast to a pair of m tiles, the second past its group where the group has an odd count of tiles; row-wise,
+    with the scales loaded after the main loop or as the unit starts), writes the same rows as the reference,
+    walking N fastest (band 1) and in bands of m tiles (``band_m``'s two answers); N = 203 (odd) takes the
+    epilogue's 16-bit stores, the even N its paired ones."""
     import dataclasses
 
     from cutedsl_gemm.families import sm90_grouped as G
@@ -194,8 +197,8 @@ def test_kernel_options_match_reference(layout, recipe, option, n, band):
     assert band in (1, RASTER_GROUP_M)
     if OPTIONS[option].get("early_row_scales") and recipe != "row":
         pytest.skip("early row scales are the row-wise recipe's")
-    if OPTIONS[option].get("tile_n", 128) > 128 and recipe == "deepseek":
-        pytest.skip("the 64x256 and 128x192 tiles are the row-wise and per-tensor recipes'")
+    if (OPTIONS[option].get("tile_n", 128) > 128 or OPTIONS[option].get("cluster_m", 1) > 1) and recipe == "deepseek":
+        pytest.skip("the 64x256 and 128x192 tiles and the clusters are the row-wise and per-tensor recipes'")
 
     gen = torch.Generator(device="cuda").manual_seed(21 + n)
     e, k = 6, 512

@@ -32,6 +32,11 @@ main loop.
 |---|---|---|
 | mainloop (PipelineTmaAsync) | TMA warp (+ scale warp) -> consumer warp groups | ``stages`` (A + W tile, scales) |
 
+With ``cluster_m`` 2 (128-row tiles, row-wise and per-tensor) the CTAs run in clusters of two along M: the walk's
+m tiles are a cluster's 256 rows, one 128-row tile per CTA (the second past its group where the group has an odd
+count of tiles: loaded, not stored), and each CTA's TMA warp loads half of every W tile and multicasts it to both,
+so that W crosses from L2 once per pair of m tiles; every consumer warp releases its stage to both CTAs.
+
 The epilogue stores the scaled, converted fragment straight from registers with a row predicate (the group's rows
 only; two columns per 32-bit store where N is even): a TMA store would clip at the tensor's edge, not at the
 group's.
@@ -95,6 +100,8 @@ class Sm90GroupedGemmConfig:
     stages: int = 0  # 0: as many as shared memory allows
     # Row-wise 64-row tiles: the unit's scales loaded as it starts (Sm90GroupedFp8GemmEarlyRowScales)
     early_row_scales: bool = False
+    # CTAs of a cluster along M (2: each W tile multicast to the two CTAs of a pair of m tiles)
+    cluster_m: int = 1
 
     def check(self) -> None:
         """Raise ValueError for a configuration the kernel cannot build."""
@@ -119,6 +126,11 @@ class Sm90GroupedGemmConfig:
                              f"of 16 up to 128, 64x{WIDE_TILE_N} or 128x{SERIAL_TILE_N}")
         if self.early_row_scales and (self.recipe != "row" or self.tile_m != 64):
             raise ValueError(f"early row scales are for the row-wise recipe's 64-row tile, not {self.recipe} "
+                             f"{self.tile_m}x{self.tile_n}")
+        if self.cluster_m not in (1, 2) or self.cluster_m == 2 and (self.tile_m != 128
+                                                                    or self.recipe not in ("row", "tensor")):
+            raise ValueError(f"grouped GEMM clusters: 1, or 2 CTAs along M with 128-row tiles of the row-wise or "
+                             f"per-tensor recipe, not {self.cluster_m} with {self.recipe} "
                              f"{self.tile_m}x{self.tile_n}")
         if self.stages and self.stages > max_stages(self):
             raise ValueError(f"{self.stages} stages of {stage_bytes(self)} bytes exceed shared memory")
@@ -157,6 +169,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         self.stages = cfg.stages or max_stages(cfg)
         self.masked = cfg.layout == "masked"
         self.block_scaled = cfg.recipe in BLOCK_RECIPES
+        self.cluster_m = cfg.cluster_m
+        self.walk_m = cfg.tile_m * cfg.cluster_m  # rows of the walk's m tiles: a cluster's, one tile per CTA
         self._consumer_mainloop = self._mainloop_promoted
         # SharedStorage: the stages' barriers, then A's and W's stages, each 1024-byte aligned, then the scale slots
         self.smem_bytes = 1024 + self.stages * stage_bytes(cfg)
@@ -185,7 +199,13 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.b_dtype, self.stages)
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op, a3, cute.slice_(a_smem, (None, None, 0)), (bM, bK))
-        tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op, w3, cute.slice_(b_smem, (None, None, 0)), (bN, bK))
+        if cutlass.const_expr(self.cluster_m > 1):  # each CTA loads 1 / cluster_m of the W tile, for all of them
+            tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
+                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), w3, cute.slice_(b_smem, (None, None, 0)),
+                (bN, bK), num_multicast=self.cluster_m)
+        else:
+            tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op, w3, cute.slice_(b_smem, (None, None, 0)),
+                                                               (bN, bK))
 
         @cute.struct
         class SharedStorage:
@@ -199,13 +219,18 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         self.shared_storage = SharedStorage
         rows, n, experts = a3.shape[0], w3.shape[0], w3.shape[2]
         tiles_n = (n + bN - 1) // bN
-        # Every group adds at most one partial tile to the tiles of all rows.
-        unit_bound = tiles_n * ((rows * a3.shape[2] + bM - 1) // bM + experts)
+        # Every group adds at most one partial tile to the tiles of all rows (a cluster's: walk_m rows).
+        wm = self.walk_m
+        unit_bound = tiles_n * ((rows * a3.shape[2] + wm - 1) // wm + experts)
         grid = cutlass.max(cutlass.min(unit_bound, max_ctas), 1)
-        self.kernel(tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, d3, mSA, mSB, mGroups, a_smem, b_smem,
-                    tiles_n, unit_bound, band_m).launch(
-            grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
-            stream=stream)
+        launch = self.kernel(tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, d3, mSA, mSB, mGroups, a_smem,
+                             b_smem, tiles_n, unit_bound, band_m)
+        if cutlass.const_expr(self.cluster_m > 1):  # (max_ctas: the clusters that fit; one unit each)
+            launch.launch(grid=(self.cluster_m, 1, grid), block=(self.threads_per_cta, 1, 1),
+                          cluster=(self.cluster_m, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream)
+        else:
+            launch.launch(grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
+                          stream=stream)
 
     def _rows_k_groups(self, t: cute.Tensor) -> cute.Tensor:
         """A or D as the kernel's (rows, columns, groups): masked (E, C, X) -> (C, X, E); contiguous (T, X) ->
@@ -255,24 +280,26 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         storage = smem.allocate(self.shared_storage)
         stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
+        cm = self.cluster_m
         mainloop = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mainloop_barriers.data_ptr(),
             num_stages=self.stages,
             # (block scales: every lane of the scale warp also arrives, once its copies land)
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
                                                      1 + PRODUCER_LANES if self.block_scaled else 1),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4),
+            # every consumer warp releases a stage to each CTA that multicast into it
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warp_groups * 4 * cm),
             tx_count=stage_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, cm, 1, 1)),
             defer_sync=True,
         )
-        pipeline.pipeline_init_arrive(cluster_shape_mn=(1, 1), is_relaxed=True)
+        pipeline.pipeline_init_arrive(cluster_shape_mn=(cm, 1), is_relaxed=True)
         sA = storage.sA.get_tensor(a_smem.outer, swizzle=a_smem.inner)
         sB = storage.sB.get_tensor(b_smem.outer, swizzle=b_smem.inner)
         k_tiles = (mA.shape[1] + bK - 1) // bK
         experts = mB.shape[2]
         limit = mA.shape[0]
-        pipeline.pipeline_init_wait(cluster_shape_mn=(1, 1))
+        pipeline.pipeline_init_wait(cluster_shape_mn=(cm, 1))
 
         scale_slots = None
         if cutlass.const_expr(self.block_scaled):
@@ -285,27 +312,28 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
                 e, first_tile, start, rows = self._first_group()
-                unit = cute.arch.block_idx()[0]
+                unit = self._first_unit()
                 while unit < unit_bound:
                     e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
                     if e < experts:
                         mt, tn = self._unit_tile(walk, unit, first_tile, rows)
-                        r0 = start + mt * bM
+                        r0 = start + self._own_tile(mt) * bM
                         g = e if cutlass.const_expr(self.masked) else Int32(0)
                         gA = cute.local_tile(cute.domain_offset((r0, 0), mA[(None, None, g)]), (bM, bK), (0, None))
                         gB = cute.local_tile(mB[(None, None, e)], (bN, bK), (tn, None))
                         tAsA, tAgA = cute.nvgpu.cpasync.tma_partition(
                             tma_a, 0, cute.make_layout(1), cute.group_modes(sA, 0, 2), cute.group_modes(gA, 0, 2))
                         tBsB, tBgB = cute.nvgpu.cpasync.tma_partition(
-                            tma_b, 0, cute.make_layout(1), cute.group_modes(sB, 0, 2), cute.group_modes(gB, 0, 2))
+                            tma_b, self._cluster_rank(), cute.make_layout(cm), cute.group_modes(sB, 0, 2),
+                            cute.group_modes(gB, 0, 2))
                         for kt in cutlass.range(k_tiles, unroll=1):
                             mainloop.producer_acquire(state)
                             bar = mainloop.producer_get_barrier(state)
                             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar)
+                            self._copy_w(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], bar)
                             mainloop.producer_commit(state)
                             state.advance()
-                        unit += cute.arch.grid_dim()[0]
+                        unit += self._unit_stride()
                     else:
                         unit = unit_bound
                 mainloop.producer_tail(state)
@@ -336,11 +364,12 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             release_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             n = mD.shape[1]
             e, first_tile, start, rows = self._first_group()
-            unit = cute.arch.block_idx()[0]
+            unit = self._first_unit()
             while unit < unit_bound:
                 e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
                 if e < experts:
                     mt, tn = self._unit_tile(walk, unit, first_tile, rows)
+                    mt = self._own_tile(mt)
                     g = e if cutlass.const_expr(self.masked) else Int32(0)
                     unit_rows = (start + mt * bM, rows - mt * bM, tn * bN)  # first row, rows to store, first column
                     self._scales_at_unit_start(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
@@ -352,7 +381,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                         mmas, acc, temps, tCrA, tCrB, consumer_mainloop, read_state, release_state, k_tiles, scales)
                     self._scales_after_mainloop(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
                     self._store_tile(acc, tile_coords, mD, mSA, mSB, g, e, unit_rows, n, row_scales)
-                    unit += cute.arch.grid_dim()[0]
+                    unit += self._unit_stride()
                 else:
                     unit = unit_bound
 
@@ -370,7 +399,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         CTA's next unit lies ~10 groups on). A prefix sum over the lanes gives the groups' first m tiles and a
         ballot the group that holds the unit."""
         mGroups, tiles_n, _, experts, limit, _ = walk
-        bM = self.tile_shape_mnk[0]
+        bM = self.walk_m
         mg = unit // tiles_n
         lane = cute.arch.lane_idx()
         base_e, base_tile, base_start = e + 1, first_tile + (rows + bM - 1) // bM, start + rows
@@ -404,8 +433,43 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         """(m tile within its group, n tile) of work unit ``unit`` of the group the cursor is at: the group's units
         in the banded order."""
         tiles_n, band_m = walk[1], walk[5]
-        bM = self.tile_shape_mnk[0]
+        bM = self.walk_m
         return banded_coords(unit - first_tile * tiles_n, (rows + bM - 1) // bM, tiles_n, band_m)
+
+    # ---- the walk over clusters (one CTA each but with cluster_m 2) ------------------------------------------------
+    def _first_unit(self):
+        """This CTA's first work unit: its cluster's index (one-CTA launches: the CTA's)."""
+        if self.cluster_m > 1:
+            return cute.arch.block_idx()[2]
+        return cute.arch.block_idx()[0]
+
+    def _unit_stride(self):
+        """Units between a CTA's consecutive ones: the clusters launched."""
+        if self.cluster_m > 1:
+            return cute.arch.grid_dim()[2]
+        return cute.arch.grid_dim()[0]
+
+    def _cluster_rank(self):
+        """This CTA's rank along the cluster's M (0 without clusters)."""
+        if self.cluster_m > 1:
+            return cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return 0
+
+    def _own_tile(self, mt):
+        """This CTA's m tile of the walk's tile ``mt`` of its group: a cluster's m tiles are consecutive, one per
+        CTA (a rank whose tile lies past the group loads rows it does not store)."""
+        if self.cluster_m > 1:
+            return mt * self.cluster_m + self._cluster_rank()
+        return mt
+
+    def _copy_w(self, tma_b, src, dst, bar):
+        """A K tile's W by TMA: with clusters this CTA's share of it, multicast to every CTA of the cluster."""
+        if self.cluster_m > 1:
+            mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)),
+                                               (self._cluster_rank(), 0, 0), mode=0)
+            cute.copy(tma_b, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
+        else:
+            cute.copy(tma_b, src, dst, tma_bar_ptr=bar)
 
     @cute.jit
     def _stage_scales_walk(self, walk, mainloop, mSA, mSB, slots, k_tiles):
@@ -416,7 +480,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         bM, bN, _ = self.tile_shape_mnk
         state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         e, first_tile, start, rows = self._first_group()
-        unit = cute.arch.block_idx()[0]
+        unit = self._first_unit()
         lane = cute.arch.lane_idx()
         while unit < unit_bound:
             e, first_tile, start, rows = self._seek(walk, unit, e, first_tile, start, rows)
@@ -432,7 +496,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                 for kt in cutlass.range(k_tiles, unroll=1):
                     staging.fill_stage(None, Int32(0), tn, kt, state)
                     state.advance()
-                unit += cute.arch.grid_dim()[0]
+                unit += self._unit_stride()
             else:
                 unit = unit_bound
 
