@@ -251,6 +251,30 @@ def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n, band):
     assert [m for m, _ in tiles[:min(band, tiles_m)]] == list(range(min(band, tiles_m)))  # M fastest
 
 
+@pytest.mark.parametrize("rows", [1, 128, 129, 256, 300, 640])
+@pytest.mark.parametrize("band", [1, 8])
+def test_a_clusters_pair_of_tiles_covers_its_groups_rows_once(rows, band):
+    """2x1 clusters: the walk's m tiles are a cluster's (walk_m rows), each CTA takes tile mt * 2 + rank of them;
+    every 128-row tile of the group is some CTA's exactly once per n tile, and a tile past the group (rank 1 of the
+    last pair of an odd count) is the only one loaded and not stored."""
+    from cutedsl_gemm.kernels.common.tile_scheduler import banded_coords
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig, grouped_kernel
+
+    kernel = grouped_kernel(Sm90GroupedGemmConfig(recipe="row", tile_m=128, tile_n=128, cluster_m=2))
+    assert (kernel.walk_m, kernel.cluster_m) == (256, 2)
+    tiles_n, tile_m = 3, 128
+    walk_tiles = -(-rows // kernel.walk_m)
+    stored, past = [], []
+    for unit in range(walk_tiles * tiles_n):
+        mt, tn = (int(v) for v in banded_coords(unit, walk_tiles, tiles_n, band))
+        for rank in range(kernel.cluster_m):
+            own = mt * kernel.cluster_m + rank
+            (stored if own * tile_m < rows else past).append((own, tn))
+    tiles_m = -(-rows // tile_m)
+    assert sorted(stored) == [(m, n) for m in range(tiles_m) for n in range(tiles_n)]
+    assert sorted(past) == ([(tiles_m, n) for n in range(tiles_n)] if tiles_m % 2 else [])
+
+
 def test_bands_only_where_an_experts_weight_overflows_l2():
     """N fastest (band 1) while one expert's W fits in L2; bands past it (Mixtral's gate_up, 112 MiB of e4m3)."""
     from cutedsl_gemm.kernels.sm90.grouped_gemm import RASTER_GROUP_M
