@@ -251,6 +251,30 @@ def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n, band):
     assert [m for m, _ in tiles[:min(band, tiles_m)]] == list(range(min(band, tiles_m)))  # M fastest
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("layout, recipe", [("contiguous", "row"), ("masked", "tensor")])
+def test_paired_ctas_fit_two_per_sm(layout, recipe):
+    """The two-CTAs-per-SM kernel option (64x128 tiles): launched for two a SM, 128 registers a thread, the
+    consumer raised to 216 and the producer lowered to 40, half the SM's shared memory, no spills."""
+    import dataclasses
+
+    from cutedsl_gemm.kernels.sm90.gemm_plan import SM90_SMEM_PER_SM
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8GemmPaired, grouped_kernel
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    base = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe=recipe, out_dtype="bf16", tile_m=64, tile_n=128)[0]
+    inst = dataclasses.replace(base, ctas_per_sm=2, early_row_scales=False)
+    kernel = grouped_kernel(G.config(inst))
+    assert isinstance(kernel, Sm90GroupedFp8GemmPaired) and 2 * (kernel.smem_bytes + 1024) <= SM90_SMEM_PER_SM
+    rep = inspect_instance(inst)
+    assert rep.has(r"\.minnctapersm\s+2") and rep.registers <= 128
+    assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+216\b")
+    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40\b")
+    assert rep.frame_bytes == 0, f"{rep.name} spills"
+    with pytest.raises(ValueError, match="2 of 64x128 tiles"):
+        dataclasses.replace(G.config(inst), early_row_scales=True, recipe="row").check()
+
+
 @pytest.mark.parametrize("rows", [1, 128, 129, 256, 300, 640])
 @pytest.mark.parametrize("band", [1, 8])
 def test_a_clusters_pair_of_tiles_covers_its_groups_rows_once(rows, band):

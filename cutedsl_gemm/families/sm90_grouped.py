@@ -206,13 +206,13 @@ def config(inst: M.KernelInstance):
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
 
     if inst.split_tail or inst.swap_ab or inst.cluster_n != 1 or inst.bias_dtype or \
-            inst.accum != "promoted" or inst.tile_k != 128 or inst.ctas_per_sm != 1:
+            inst.accum != "promoted" or inst.tile_k != 128:
         raise ValueError("grouped GEMM rows are unswapped, promoted, 128-deep K tiles without bias, clustered along "
                          "M only")
     return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
                                  b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
                                  tile_n=inst.tile_n, stages=inst.stages, early_row_scales=inst.early_row_scales,
-                                 cluster_m=inst.cluster_m)
+                                 cluster_m=inst.cluster_m, ctas_per_sm=inst.ctas_per_sm)
 
 
 def check(inst: M.KernelInstance) -> None:
