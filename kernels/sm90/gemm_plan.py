@@ -19,6 +19,13 @@ SM90_SMEM_PER_SM = 233472  # per SM (228 KiB), of which the driver reserves 1 Ki
 SM90_REGISTERS_PER_SM = 65536
 
 
+def shared_sm_consumer_regs(threads: int, ctas_per_sm: int, producer_regs: int) -> int:
+    """Consumer registers per thread of a CTA of ``threads`` (one producer and one consumer warp group's share)
+    when ``ctas_per_sm`` CTAs share an SM: the registers the CTA is launched with, moved from the producer warp
+    group to the consumer."""
+    return 2 * (SM90_REGISTERS_PER_SM // (ctas_per_sm * threads)) - producer_regs
+
+
 def smem_capacity(ctas_per_sm: int) -> int:
     """Dynamic shared memory one CTA may use when ``ctas_per_sm`` of them share an SM."""
     return SM90_SMEM_CAPACITY if ctas_per_sm == 1 else SM90_SMEM_PER_SM // ctas_per_sm - 1024
@@ -160,10 +167,8 @@ class Sm90GemmPlan:
         if cfg.ctas_per_sm > 1:
             if is_block_scaled(cfg.recipe):
                 producer = cls.paired_block_producer_regs
-            # The registers one CTA is launched with, moved from the producer to the consumer warp group.
             threads = (1 + cfg.tile_m // 64) * cls.num_threads_per_warp_group
-            launched = SM90_REGISTERS_PER_SM // (cfg.ctas_per_sm * threads)
-            consumer = 2 * launched - producer
+            consumer = shared_sm_consumer_regs(threads, cfg.ctas_per_sm, producer)
         return producer, consumer
 
     @classmethod

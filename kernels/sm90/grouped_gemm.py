@@ -70,7 +70,7 @@ from ..common.register_fence import fence_registers
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import banded_coords
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales
-from .gemm_plan import SM90_REGISTERS_PER_SM, cutlass_dtype, smem_capacity
+from .gemm_plan import cutlass_dtype, shared_sm_consumer_regs, smem_capacity
 from .promoted_mainloops import PromotedMainloops
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
@@ -210,13 +210,10 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         b_smem = sm90_utils.make_smem_layout_b(b_layout, self.tile_shape_mnk, self.b_dtype, self.stages)
         op = cute.nvgpu.cpasync.CopyBulkTensorTileG2SOp()
         tma_a, tA = cute.nvgpu.cpasync.make_tiled_tma_atom(op, a3, cute.slice_(a_smem, (None, None, 0)), (bM, bK))
-        if cutlass.const_expr(self.cluster_m > 1):  # each CTA loads 1 / cluster_m of the W tile, for all of them
-            tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(
-                cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp(), w3, cute.slice_(b_smem, (None, None, 0)),
-                (bN, bK), num_multicast=self.cluster_m)
-        else:
-            tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op, w3, cute.slice_(b_smem, (None, None, 0)),
-                                                               (bN, bK))
+        # (with clusters each CTA loads 1 / cluster_m of the W tile, multicast to all of them)
+        op_b = op if self.cluster_m == 1 else cute.nvgpu.cpasync.CopyBulkTensorTileG2SMulticastOp()
+        tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op_b, w3, cute.slice_(b_smem, (None, None, 0)), (bN, bK),
+                                                           num_multicast=self.cluster_m)
 
         @cute.struct
         class SharedStorage:
@@ -236,15 +233,18 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         grid = cutlass.max(cutlass.min(unit_bound, max_ctas), 1)
         launch = self.kernel(tiled_mma, tiled_mma_fresh, tma_a, tA, tma_b, tB, d3, mSA, mSB, mGroups, a_smem,
                              b_smem, tiles_n, unit_bound, band_m)
-        if cutlass.const_expr(self.cluster_m > 1):  # (max_ctas: the clusters that fit; one unit each)
-            launch.launch(grid=(self.cluster_m, 1, grid), block=(self.threads_per_cta, 1, 1),
-                          cluster=(self.cluster_m, 1, 1), smem=SharedStorage.size_in_bytes(), stream=stream)
-        elif cutlass.const_expr(self.cfg.ctas_per_sm > 1):  # (max_ctas: ctas_per_sm a SM)
-            launch.launch(grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
-                          stream=stream, min_blocks_per_mp=self.cfg.ctas_per_sm, preferred_smem_carveout=100)
-        else:
-            launch.launch(grid=(grid, 1, 1), block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
-                          stream=stream)
+        grid_dims, extra = self._launch_shape(grid)
+        launch.launch(grid=grid_dims, block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
+                      stream=stream, **extra)
+
+    def _launch_shape(self, grid):
+        """(grid, further launch options) of ``grid`` units in flight (``max_ctas`` bounds it: the clusters that
+        fit, or ctas_per_sm a SM): one CTA each, a cluster each, or two CTAs an SM."""
+        if self.cluster_m > 1:
+            return (self.cluster_m, 1, grid), {"cluster": (self.cluster_m, 1, 1)}
+        if self.cfg.ctas_per_sm > 1:
+            return (grid, 1, 1), {"min_blocks_per_mp": self.cfg.ctas_per_sm, "preferred_smem_carveout": 100}
+        return (grid, 1, 1), {}
 
     def _rows_k_groups(self, t: cute.Tensor) -> cute.Tensor:
         """A or D as the kernel's (rows, columns, groups): masked (E, C, X) -> (C, X, E); contiguous (T, X) ->
@@ -325,6 +325,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             cute.arch.setmaxregister_decrease(self.producer_regs)
             if warp_idx == 0:
                 state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+                w_mask = self._w_multicast_mask()
                 e, first_tile, start, rows = self._first_group()
                 unit = self._first_unit()
                 while unit < unit_bound:
@@ -344,7 +345,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                             mainloop.producer_acquire(state)
                             bar = mainloop.producer_get_barrier(state)
                             cute.copy(tma_a, tAgA[(None, kt)], tAsA[(None, state.index)], tma_bar_ptr=bar)
-                            self._copy_w(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], bar)
+                            cute.copy(tma_b, tBgB[(None, kt)], tBsB[(None, state.index)], tma_bar_ptr=bar,
+                                      mcast_mask=w_mask)
                             mainloop.producer_commit(state)
                             state.advance()
                         unit += self._unit_stride()
@@ -476,14 +478,13 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
             return mt * self.cluster_m + self._cluster_rank()
         return mt
 
-    def _copy_w(self, tma_b, src, dst, bar):
-        """A K tile's W by TMA: with clusters this CTA's share of it, multicast to every CTA of the cluster."""
+    def _w_multicast_mask(self):
+        """The CTAs each of this CTA's W loads goes to: every CTA of its cluster (0, no multicast, without
+        clusters; the dense kernel's convention)."""
         if self.cluster_m > 1:
-            mask = cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)),
+            return cute.make_layout_image_mask(cute.make_layout((self.cluster_m, 1, 1)),
                                                (self._cluster_rank(), 0, 0), mode=0)
-            cute.copy(tma_b, src, dst, tma_bar_ptr=bar, mcast_mask=mask)
-        else:
-            cute.copy(tma_b, src, dst, tma_bar_ptr=bar)
+        return 0
 
     @cute.jit
     def _stage_scales_walk(self, walk, mainloop, mSA, mSB, slots, k_tiles):
@@ -688,8 +689,8 @@ class Sm90GroupedFp8GemmPaired(Sm90GroupedFp8GemmSerial):
     | mainloop (PipelineTmaAsync) | TMA warp -> consumer warp group | ``stages`` (A + W tile), half the SM's |
     """
 
-    # the registers one CTA of 256 threads is launched with at two per SM, moved from the producer to the consumer
-    consumer_regs = 2 * (SM90_REGISTERS_PER_SM // (2 * 256)) - Sm90GroupedFp8Gemm.producer_regs
+    consumer_regs = shared_sm_consumer_regs(2 * Sm90GroupedFp8Gemm.threads_per_warp_group, 2,
+                                            Sm90GroupedFp8Gemm.producer_regs)
 
 
 def grouped_kernel(cfg: Sm90GroupedGemmConfig) -> Sm90GroupedFp8Gemm:
