@@ -8,8 +8,6 @@ and a loop of this library's dense ``scaled_mm`` over the experts, in the same r
     python -m benchmarks.bench_grouped --tile-n 64 --check --no-save       (64-column tiles, checked)
     python -m benchmarks.bench_grouped --recipe deepseek --models dsv3     (-> results/grouped_deepseek.json)
     python -m benchmarks.bench_grouped --tile-m 128 --cluster-m 2 --no-save  (W multicast to pairs of m tiles)
-    python -m benchmarks.bench_grouped --tile-m 64 --tile-n 128 --early-row-scales off --ctas-per-sm 2 --no-save
-                                        (64x128 tiles, two CTAs per SM)
     python -m benchmarks.bench_grouped --tile-m 64 --early-row-scales off --no-save
                                         (the row-wise 64-row tiles loading their scales after the main loop)
 
@@ -105,8 +103,8 @@ def masked_operands(qa: torch.Tensor, sa: torch.Tensor, recipe: str, sizes: torc
 
 def our_call(a, b, sa, sb, offs=None, counts=None, tile=None, expected_rows=None):
     """The call as ``grouped_scaled_mm`` runs it, or with ``tile`` ({"tile_m": rows, "tile_n": columns,
-    "early_row_scales": on, "cluster_m": CTAs, "ctas_per_sm": CTAs}, any of them) the table's instance for it built
-    so (a kernel option timed against the table's)."""
+    "early_row_scales": on, "cluster_m": CTAs}, any of them) the table's instance for it built so (a kernel option
+    timed against the table's)."""
     if not tile:
         return lambda: grouped_scaled_mm(a, b, sa, sb, offs, counts=counts, expected_rows=expected_rows)
     problem = G.describe(a, b, sa, sb, offs, counts, torch.bfloat16, None, expected_rows)
@@ -181,9 +179,6 @@ def main(argv=None):
     p.add_argument("--cluster-m", type=int, default=None, choices=(1, 2),
                    help="CTAs of a cluster along M, each W tile multicast to them (a kernel option of the 128-row "
                         "tiles; default: the table's)")
-    p.add_argument("--ctas-per-sm", type=int, default=None, choices=(1, 2),
-                   help="CTAs sharing an SM (a kernel option: 2 with --tile-m 64, the 64x128 tiles; default: the "
-                        "table's)")
     p.add_argument("--early-row-scales", choices=("on", "off"), default=None,
                    help="a 64-row tile's row-wise scales loaded as each unit starts, or after its main loop (a "
                         "kernel option; default: the table's, as each unit starts)")
@@ -204,7 +199,7 @@ def main(argv=None):
     cpu_gen = torch.Generator().manual_seed(0)
     early = None if args.early_row_scales is None else args.early_row_scales == "on"
     tile = {k: v for k, v in (("tile_m", args.tile_m), ("tile_n", args.tile_n), ("early_row_scales", early),
-                              ("cluster_m", args.cluster_m), ("ctas_per_sm", args.ctas_per_sm)) if v is not None}
+                              ("cluster_m", args.cluster_m)) if v is not None}
     print(" | ".join(COLUMNS))
     rows = []
     for model in models:

@@ -236,6 +236,28 @@ def test_many_rows_per_group_take_the_128x192_tile_where_measured(layout, recipe
     M.validate(inst)
 
 
+@pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
+@pytest.mark.parametrize("layout, rows, k, clustered", [
+    ("contiguous", 8 * 4096, 14336, True),   # Mixtral's down projection at 16384 tokens
+    ("contiguous", 8 * 2048, 8192, True),
+    ("contiguous", 8 * 2047, 14336, False),  # fewer rows a group than the clustered row's M range
+    ("contiguous", 8 * 4096, 4096, False),   # short K: Mixtral's gate_up
+    ("contiguous", 8 * 4096, 8176, False),
+    ("masked", 4096, 14336, False),          # the masked layout has no clustered row
+])
+def test_clusters_where_k_is_long_and_groups_are_large(layout, rows, k, clustered, recipe):
+    """The 128x192 tile in 2x1 clusters for contiguous groups of >= 2048 rows at K >= CLUSTER_MIN_K, per tensor and
+    row-wise; lone CTAs everywhere else, and always for the DeepSeek recipe."""
+    p = _describe(_call(layout, recipe, e=8, rows=rows, n=512, k=k))
+    inst = G.select(p, SMS)
+    assert G.clusters_pay(p) == (k >= G.CLUSTER_MIN_K)
+    want = clustered and recipe != "1x128_128x128"
+    assert inst.cluster_m == (2 if want else 1), inst.name
+    if want:
+        assert (inst.tile_m, inst.tile_n) == (128, 192)
+    M.validate(inst)
+
+
 @pytest.mark.parametrize("band", [1, 8])
 @pytest.mark.parametrize("tiles_m, tiles_n", [(1, 224), (32, 224), (9, 3), (17, 5), (8, 1)])
 def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n, band):
@@ -249,30 +271,6 @@ def test_each_group_walks_its_tiles_once_in_bands(tiles_m, tiles_n, band):
     first = tiles[:min(band, tiles_m) * tiles_n]
     assert {m for m, _ in first} == set(range(min(band, tiles_m)))
     assert [m for m, _ in tiles[:min(band, tiles_m)]] == list(range(min(band, tiles_m)))  # M fastest
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("layout, recipe", [("contiguous", "row"), ("masked", "tensor")])
-def test_paired_ctas_fit_two_per_sm(layout, recipe):
-    """The two-CTAs-per-SM kernel option (64x128 tiles): launched for two a SM, 128 registers a thread, the
-    consumer raised to 216 and the producer lowered to 40, half the SM's shared memory, no spills."""
-    import dataclasses
-
-    from cutedsl_gemm.kernels.sm90.gemm_plan import SM90_SMEM_PER_SM
-    from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedFp8GemmPaired, grouped_kernel
-    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
-
-    base = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe=recipe, out_dtype="bf16", tile_m=64, tile_n=128)[0]
-    inst = dataclasses.replace(base, ctas_per_sm=2, early_row_scales=False)
-    kernel = grouped_kernel(G.config(inst))
-    assert isinstance(kernel, Sm90GroupedFp8GemmPaired) and 2 * (kernel.smem_bytes + 1024) <= SM90_SMEM_PER_SM
-    rep = inspect_instance(inst)
-    assert rep.has(r"\.minnctapersm\s+2") and rep.registers <= 128
-    assert rep.has(r"setmaxnreg\.inc\.sync\.aligned\.u32\s+216\b")
-    assert rep.has(r"setmaxnreg\.dec\.sync\.aligned\.u32\s+40\b")
-    assert rep.frame_bytes == 0, f"{rep.name} spills"
-    with pytest.raises(ValueError, match="2 of 64x128 tiles"):
-        dataclasses.replace(G.config(inst), early_row_scales=True, recipe="row").check()
 
 
 @pytest.mark.parametrize("rows", [1, 128, 129, 256, 300, 640])

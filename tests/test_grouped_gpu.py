@@ -174,8 +174,7 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales":
            "64x256 tiles, early row scales": {"tile_m": 64, "tile_n": 256, "early_row_scales": True},
            "128x192 tiles": {"tile_m": 128, "tile_n": 192, "early_row_scales": False},
            "128x128 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 128, "early_row_scales": False, "cluster_m": 2},
-           "128x192 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 2},
-           "64x128 tiles, two CTAs per SM": {"tile_m": 64, "tile_n": 128, "early_row_scales": False, "ctas_per_sm": 2}}
+           "128x192 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 2}}
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -186,8 +185,7 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales":
 def test_kernel_options_match_reference(layout, recipe, option, n, band):
     """The table's instance, and built with the kernel options the grouped benchmark times (64-row tiles: one
     consumer warp group; 64x256: two side by side along N; 128x192: serial promotion; 2x1 clusters: each W tile
-    multicast to a pair of m tiles, the second past its group where the group has an odd count of tiles; two CTAs
-    per SM of 64x128 tiles; row-wise,
+    multicast to a pair of m tiles, the second past its group where the group has an odd count of tiles; row-wise,
     with the scales loaded after the main loop or as the unit starts), writes the same rows as the reference,
     walking N fastest (band 1) and in bands of m tiles (``band_m``'s two answers); N = 203 (odd) takes the
     epilogue's 16-bit stores, the even N its paired ones."""
@@ -200,10 +198,8 @@ def test_kernel_options_match_reference(layout, recipe, option, n, band):
     if OPTIONS[option].get("early_row_scales") and recipe != "row":
         pytest.skip("early row scales are the row-wise recipe's")
     opt = OPTIONS[option]
-    if (opt.get("tile_n", 128) > 128 or opt.get("cluster_m", 1) > 1 or opt.get("ctas_per_sm", 1) > 1) and \
-            recipe == "deepseek":
-        pytest.skip("the 64x256 and 128x192 tiles, the clusters and the paired CTAs are the row-wise and per-tensor "
-                    "recipes'")
+    if (opt.get("tile_n", 128) > 128 or opt.get("cluster_m", 1) > 1) and recipe == "deepseek":
+        pytest.skip("the 64x256 and 128x192 tiles and the clusters are the row-wise and per-tensor recipes'")
 
     gen = torch.Generator(device="cuda").manual_seed(21 + n)
     e, k = 6, 512

@@ -164,8 +164,8 @@ def _recording(monkeypatch):
     real = moe._grouped_scaled_mm()
     calls = []
 
-    def grouped(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16):
-        out = real(a, b, scale_a, scale_b, offs, counts=counts, out_dtype=out_dtype)
+    def grouped(a, b, scale_a, scale_b, offs=None, *, counts=None, out_dtype=torch.bfloat16, **options):
+        out = real(a, b, scale_a, scale_b, offs, counts=counts, out_dtype=out_dtype, **options)
         groups = offs if counts is None else counts
         calls.append((a.clone(), scale_a.clone(), b, scale_b, groups.clone(), counts is not None, out.clone()))
         return out

@@ -166,11 +166,13 @@ def kernel_scales(problem: GroupedProblem, scale_a, scale_b):
 
 def select(problem: GroupedProblem, sms: int) -> M.KernelInstance:
     """The table's instance for the call on a GPU of ``sms`` SMs (op GROUPED_GEMM, schedule = layout): the first
-    whose M range holds the problem's rows per group, a 64-row tile wider than 128 only where ``wide_tiles_pay``."""
+    whose M range holds the problem's rows per group, a 64-row tile wider than 128 only where ``wide_tiles_pay``,
+    a clustered one only where ``clusters_pay``."""
     rows = max(problem.rows_per_group, 1)
     for inst in _instances(problem.layout, problem.recipe, problem.a_format, problem.b_format, problem.out_format):
         if inst.m_min <= rows <= inst.m_max and (inst.tile_m != 64 or inst.tile_n <= 128
-                                                  or wide_tiles_pay(problem, sms)):
+                                                  or wide_tiles_pay(problem, sms)) and \
+                (inst.cluster_m == 1 or clusters_pay(problem)):
             return inst
     raise ValueError(f"no grouped GEMM instance for {problem.layout} {problem.recipe} {problem.a_format} x "
                      f"{problem.b_format} -> {problem.out_format} at {rows} rows per group")
@@ -190,6 +192,18 @@ def wide_tiles_pay(problem: GroupedProblem, sms: int) -> bool:
     return groups * ceil_div(problem.n, 128) > sms
 
 
+#: Shortest K at which the 2x1 clusters pay (measured at K = 14336: 1.08x; at K <= 7168: 0.8-0.95x).
+CLUSTER_MIN_K = 8192
+
+
+def clusters_pay(problem: GroupedProblem) -> bool:
+    """Whether 2x1 clusters (each W tile multicast to a pair of m tiles) beat lone CTAs: at long K, where a unit's
+    main loop is long against the pair's start and end (the two CTAs wait for each other's stage releases) and W's
+    L2 traffic, halved, is what the main loop waits on. Their M range (the table's) asks for many rows per group,
+    so that the pair's second tile is rarely past its group. Measured on the H200: ``run_all.sh options-prefill``."""
+    return problem.k >= CLUSTER_MIN_K
+
+
 @functools.lru_cache(maxsize=None)
 def _instances(layout: str, recipe: str, a_format: str, b_format: str, out_format: str) -> tuple:
     # (a scan of the whole table costs milliseconds: once per kind of call)
@@ -206,13 +220,13 @@ def config(inst: M.KernelInstance):
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
 
     if inst.split_tail or inst.swap_ab or inst.cluster_n != 1 or inst.bias_dtype or \
-            inst.accum != "promoted" or inst.tile_k != 128:
-        raise ValueError("grouped GEMM rows are unswapped, promoted, 128-deep K tiles without bias, clustered along "
-                         "M only")
+            inst.accum != "promoted" or inst.tile_k != 128 or inst.ctas_per_sm != 1:
+        raise ValueError("grouped GEMM rows are unswapped, promoted, 128-deep K tiles without bias, one CTA an SM, "
+                         "clustered along M only")
     return Sm90GroupedGemmConfig(layout=inst.schedule, recipe=inst.recipe, a_dtype=inst.a_dtype,
                                  b_dtype=inst.b_dtype, out_dtype=inst.out_dtype, tile_m=inst.tile_m,
                                  tile_n=inst.tile_n, stages=inst.stages, early_row_scales=inst.early_row_scales,
-                                 cluster_m=inst.cluster_m, ctas_per_sm=inst.ctas_per_sm)
+                                 cluster_m=inst.cluster_m)
 
 
 def check(inst: M.KernelInstance) -> None:

@@ -57,6 +57,7 @@ SAMPLE = (
     # the wider tiles' code: two consumer warp groups along N (64x256), serial promotion (128x192)
     "sm_90a_grouped_gemm_masked_row_e4m3xe4m3_bf16_t64x256_c1x1_promoted_earlyscales",
     "sm_90a_grouped_gemm_contiguous_tensor_e4m3xe4m3_bf16_t128x192_c1x1_promoted",
+    "sm_90a_grouped_gemm_contiguous_row_e4m3xe4m3_bf16_t128x192_c2x1_promoted",
     "sm_90a_grouped_gemm_masked_tensor_e4m3xe4m3_fp16_t128x128_c1x1_promoted",
     "sm_90a_grouped_gemm_contiguous_1x128_128x128_e4m3xe4m3_bf16_t128x128_c1x1_promoted",
     "sm_90a_grouped_gemm_masked_1x128_128x128_e4m3xe4m3_fp16_t128x128_c1x1_promoted",

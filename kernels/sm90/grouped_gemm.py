@@ -35,9 +35,7 @@ main loop.
 With ``cluster_m`` 2 (128-row tiles, row-wise and per-tensor) the CTAs run in clusters of two along M: the walk's
 m tiles are a cluster's 256 rows, one 128-row tile per CTA (the second past its group where the group has an odd
 count of tiles: loaded, not stored), and each CTA's TMA warp loads half of every W tile and multicasts it to both,
-so that W crosses from L2 once per pair of m tiles; every consumer warp releases its stage to both CTAs. With
-``ctas_per_sm`` 2 (64x128 tiles, ``Sm90GroupedFp8GemmPaired``) two CTAs share each SM, one's epilogue under the
-other's MMAs.
+so that W crosses from L2 once per pair of m tiles; every consumer warp releases its stage to both CTAs.
 
 The epilogue stores the scaled, converted fragment straight from registers with a row predicate (the group's rows
 only; two columns per 32-bit store where N is even): a TMA store would clip at the tensor's edge, not at the
@@ -70,7 +68,7 @@ from ..common.register_fence import fence_registers
 from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import banded_coords
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales
-from .gemm_plan import cutlass_dtype, shared_sm_consumer_regs, smem_capacity
+from .gemm_plan import SM90_SMEM_CAPACITY, cutlass_dtype
 from .promoted_mainloops import PromotedMainloops
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
@@ -104,8 +102,6 @@ class Sm90GroupedGemmConfig:
     early_row_scales: bool = False
     # CTAs of a cluster along M (2: each W tile multicast to the two CTAs of a pair of m tiles)
     cluster_m: int = 1
-    # CTAs sharing an SM (2: 64x128 tiles, one CTA's epilogue under the other's MMAs; Sm90GroupedFp8GemmPaired)
-    ctas_per_sm: int = 1
 
     def check(self) -> None:
         """Raise ValueError for a configuration the kernel cannot build."""
@@ -136,12 +132,6 @@ class Sm90GroupedGemmConfig:
             raise ValueError(f"grouped GEMM clusters: 1, or 2 CTAs along M with 128-row tiles of the row-wise or "
                              f"per-tensor recipe, not {self.cluster_m} with {self.recipe} "
                              f"{self.tile_m}x{self.tile_n}")
-        if self.ctas_per_sm not in (1, 2) or self.ctas_per_sm == 2 and (
-                (self.tile_m, self.tile_n) != (64, 128) or self.recipe not in ("row", "tensor")
-                or self.early_row_scales or self.cluster_m != 1):
-            raise ValueError(f"grouped GEMM CTAs per SM: 1, or 2 of 64x128 tiles of the row-wise or per-tensor "
-                             f"recipe, unclustered, without early row scales; not {self.ctas_per_sm} with "
-                             f"{self.recipe} {self.tile_m}x{self.tile_n}")
         if self.stages and self.stages > max_stages(self):
             raise ValueError(f"{self.stages} stages of {stage_bytes(self)} bytes exceed shared memory")
 
@@ -154,9 +144,8 @@ def stage_bytes(cfg: Sm90GroupedGemmConfig) -> int:
 
 
 def max_stages(cfg: Sm90GroupedGemmConfig) -> int:
-    """Stages that fit beside the barriers in a CTA's share of the SM (8 at most: more buys nothing once the loads
-    run ahead)."""
-    return min(8, (smem_capacity(cfg.ctas_per_sm) - 2048) // stage_bytes(cfg))
+    """Stages that fit beside the barriers (8 at most: more buys nothing once the loads run ahead)."""
+    return min(8, (SM90_SMEM_CAPACITY - 2048) // stage_bytes(cfg))
 
 
 class Sm90GroupedFp8Gemm(PromotedMainloops):
@@ -238,12 +227,10 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                       stream=stream, **extra)
 
     def _launch_shape(self, grid):
-        """(grid, further launch options) of ``grid`` units in flight (``max_ctas`` bounds it: the clusters that
-        fit, or ctas_per_sm a SM): one CTA each, a cluster each, or two CTAs an SM."""
+        """(grid, further launch options) of ``grid`` units in flight (``max_ctas`` bounds it: the SMs, or the
+        clusters that fit): one CTA each, or a cluster each."""
         if self.cluster_m > 1:
             return (self.cluster_m, 1, grid), {"cluster": (self.cluster_m, 1, 1)}
-        if self.cfg.ctas_per_sm > 1:
-            return (grid, 1, 1), {"min_blocks_per_mp": self.cfg.ctas_per_sm, "preferred_smem_carveout": 100}
         return (grid, 1, 1), {}
 
     def _rows_k_groups(self, t: cute.Tensor) -> cute.Tensor:
@@ -671,32 +658,8 @@ class Sm90GroupedFp8GemmSerial(Sm90GroupedFp8Gemm):
         return None  # (_scaled multiplies by nothing more)
 
 
-class Sm90GroupedFp8GemmPaired(Sm90GroupedFp8GemmSerial):
-    """64x128 tiles, two CTAs per SM (``ctas_per_sm`` 2; row-wise and per-tensor): while one CTA's consumer stores
-    a unit, the other's issues its MMAs, where one CTA of 128-row tiles leaves the tensor cores idle through every
-    epilogue (what bounds the groups of short K). Half the shared memory and registers each: the consumer warp
-    group promotes each K tile before issuing the next and folds the row-wise scales into the accumulator before
-    its stores, as ``Sm90GroupedFp8GemmSerial`` does, so that it fits in what a CTA is launched with.
-
-    | warp role | threads | registers | work |
-    |---|---|---|---|
-    | TMA producer | warp 0 of warp group 0 | 40 | as ``Sm90GroupedFp8Gemm`` |
-    | idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
-    | MMA consumer | warp group 1 | 216 | 64 rows: WGMMA with serial promotion, epilogue |
-
-    | pipeline | producer -> consumer | stages |
-    |---|---|---|
-    | mainloop (PipelineTmaAsync) | TMA warp -> consumer warp group | ``stages`` (A + W tile), half the SM's |
-    """
-
-    consumer_regs = shared_sm_consumer_regs(2 * Sm90GroupedFp8Gemm.threads_per_warp_group, 2,
-                                            Sm90GroupedFp8Gemm.producer_regs)
-
-
 def grouped_kernel(cfg: Sm90GroupedGemmConfig) -> Sm90GroupedFp8Gemm:
     """The kernel object that builds ``cfg``."""
-    if cfg.ctas_per_sm == 2:
-        return Sm90GroupedFp8GemmPaired(cfg)
     if cfg.tile_n == SERIAL_TILE_N:
         return Sm90GroupedFp8GemmSerial(cfg)
     return (Sm90GroupedFp8GemmEarlyRowScales if cfg.early_row_scales else Sm90GroupedFp8Gemm)(cfg)
