@@ -239,14 +239,14 @@ def test_many_rows_per_group_take_the_128x192_tile_where_measured(layout, recipe
 @pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
 @pytest.mark.parametrize("layout, rows, k, clustered", [
     ("contiguous", 8 * 4096, 14336, True),   # Mixtral's down projection at 16384 tokens
-    ("contiguous", 8 * 2048, 8192, True),
-    ("contiguous", 8 * 2047, 14336, False),  # fewer rows a group than the clustered row's M range
+    ("contiguous", 8 * 4096, 8192, True),
+    ("contiguous", 8 * 4095, 14336, False),  # fewer rows a group than the clustered row's M range
     ("contiguous", 8 * 4096, 4096, False),   # short K: Mixtral's gate_up
     ("contiguous", 8 * 4096, 8176, False),
     ("masked", 4096, 14336, False),          # the masked layout has no clustered row
 ])
 def test_clusters_where_k_is_long_and_groups_are_large(layout, rows, k, clustered, recipe):
-    """The 128x192 tile in 2x1 clusters for contiguous groups of >= 2048 rows at K >= CLUSTER_MIN_K, per tensor and
+    """The 128x192 tile in 2x1 clusters for contiguous groups of >= 4096 rows at K >= CLUSTER_MIN_K, per tensor and
     row-wise; lone CTAs everywhere else, and always for the DeepSeek recipe."""
     p = _describe(_call(layout, recipe, e=8, rows=rows, n=512, k=k))
     inst = G.select(p, SMS)
