@@ -14,8 +14,8 @@
 #                    Qwen3-30B-A3B model                                                               ~10 min
 #   bash benchmarks/run_all.sh OPTION...      runs that decide kernel options, both ways in one run (no result file):
 #     options-routing  the MoE routing kernels against the sort path, the MoE block at decode and prefill ~3 min
-#     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode and 128x192 against 128x128 at
-#                      prefill, each timed twice in turns                                             ~6 min
+#     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode (row-wise and per tensor) and
+#                      128x192 against 128x128 at prefill, each timed twice in turns                  ~9 min
 #     options-prefill  the grouped GEMM at prefill: the table's picks against its tiles without clusters and
 #                      with them everywhere (their GPU tests first), timed twice in turns            ~6 min
 #   bash benchmarks/run_all.sh                tests, then bench
@@ -101,15 +101,18 @@ options_routing() {
 
 options_tiles() {
   need_floor
+  # each tile named in full (a field left out keeps the table's pick, which already holds the wide tiles)
   local decode="--models qwen3_30b,dsv3,qwen3_235b --tokens 1,16,64,128 --routing uniform --layouts contiguous,masked"
   local prefill="--models mixtral,dsv3,qwen3_235b --tokens 4096,16384 --routing uniform --layouts contiguous"
-  for round in 1 2; do
-    "$py" -m benchmarks.bench_grouped $decode --tile-m 64 --no-save
-    "$py" -m benchmarks.bench_grouped $decode --tile-m 64 --tile-n 256 --no-save
+  for recipe in row tensor; do
+    for round in 1 2; do
+      "$py" -m benchmarks.bench_grouped $decode --recipe $recipe --tile-m 64 --tile-n 128 --no-save
+      "$py" -m benchmarks.bench_grouped $decode --recipe $recipe --tile-m 64 --tile-n 256 --no-save
+    done
   done
   for round in 1 2; do
-    "$py" -m benchmarks.bench_grouped $prefill --tile-m 128 --no-save
-    "$py" -m benchmarks.bench_grouped $prefill --tile-m 128 --tile-n 192 --no-save
+    "$py" -m benchmarks.bench_grouped $prefill --tile-m 128 --tile-n 128 --cluster-m 1 --no-save
+    "$py" -m benchmarks.bench_grouped $prefill --tile-m 128 --tile-n 192 --cluster-m 1 --no-save
   done
 }
 
