@@ -180,8 +180,9 @@ def main(argv=None):
                    help="CTAs of a cluster along M, each W tile multicast to them (a kernel option of the 128-row "
                         "tiles; default: the table's)")
     p.add_argument("--early-row-scales", choices=("on", "off"), default=None,
-                   help="a 64-row tile's row-wise scales loaded as each unit starts, or after its main loop (a "
-                        "kernel option; default: the table's, as each unit starts)")
+                   help="the row-wise scales in hand before each unit's main loop ends (64-row tiles: loaded as it "
+                        "starts; 128-row tiles: staged in shared memory by a producer warp), or read after it (a "
+                        "kernel option; default: the table's)")
     p.add_argument("--recipe", choices=RECIPES, default="row",
                    help="ours' recipe (default row); torch's FP8 anchor stays row-wise, the only one it has, on the "
                         "same x and w; the dense loop runs for row only")

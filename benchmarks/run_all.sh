@@ -16,8 +16,9 @@
 #     options-routing  the MoE routing kernels against the sort path, the MoE block at decode and prefill ~3 min
 #     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode (row-wise and per tensor) and
 #                      128x192 against 128x128 at prefill, each timed twice in turns                  ~9 min
-#     options-prefill  the grouped GEMM at prefill: the table's picks against its tiles without clusters and
-#                      with them everywhere (their GPU tests first), timed twice in turns            ~6 min
+#     options-prefill  the grouped GEMM at prefill: the table's picks against its tiles without clusters, with
+#                      them everywhere and with the row-wise scales staged in shared memory (their GPU tests
+#                      first), timed twice in turns                                                  ~8 min
 #   bash benchmarks/run_all.sh                tests, then bench
 # Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
 # each piece's output also goes to $LOG_DIR/<piece>.log. The times assume compiled kernels in the disk cache: a
@@ -119,13 +120,16 @@ options_tiles() {
 options_prefill() {
   need_floor
   # at prefill, the table's picks (2x1 clusters, W multicast to pairs of m tiles, where sm90_grouped.clusters_pay)
-  # against the same tiles without clusters and with them everywhere
+  # against the same tiles without clusters, with them everywhere, and with each unit's row-wise scales staged in
+  # shared memory by a producer warp during its main loop (early row scales on the 128-row tiles)
   local prefill="--models mixtral,dsv3,qwen3_235b,qwen3_30b --tokens 4096,8192,16384 --routing uniform --layouts contiguous"
-  timeout 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_grouped_gpu.py -k "clusters"  # correct first
+  timeout 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_grouped_gpu.py \
+    -k "clusters or staged"  # correct before timed
   for round in 1 2; do
     "$py" -m benchmarks.bench_grouped $prefill --no-save
     "$py" -m benchmarks.bench_grouped $prefill --cluster-m 1 --no-save
     "$py" -m benchmarks.bench_grouped $prefill --cluster-m 2 --no-save
+    "$py" -m benchmarks.bench_grouped $prefill --early-row-scales on --no-save
   done
 }
 

@@ -63,7 +63,7 @@ def test_describe_reads_layout_and_recipe(layout, recipe):
 def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
     """Up to 64 rows per group the row-wise recipe's tile loads its scales as each unit starts, at any K; the other
     recipes and the 128-row tile load them (or their block scales) as before, and the kernel refuses early row
-    scales anywhere else."""
+    scales for the other recipes."""
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
 
     e = 8
@@ -73,8 +73,13 @@ def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
         assert inst.tile_m == (64 if rows <= 64 else 128), (rows, k)
         assert inst.early_row_scales == (rows <= 64 and recipe == "row"), (rows, k, inst.name)
         assert G.config(inst).early_row_scales == inst.early_row_scales
-    with pytest.raises(ValueError, match="early row scales are for the row-wise recipe's 64-row tile"):
-        Sm90GroupedGemmConfig(recipe=recipe, tile_m=64 if recipe != "row" else 128, early_row_scales=True).check()
+    for tile_m in (64, 128):
+        cfg = Sm90GroupedGemmConfig(recipe=recipe, tile_m=tile_m, early_row_scales=True)
+        if recipe == "row":
+            cfg.check()
+        else:
+            with pytest.raises(ValueError, match="early row scales are the row-wise recipe's"):
+                cfg.check()
 
 
 BAD = [
@@ -447,6 +452,36 @@ def test_the_wide_tile_runs_two_warp_groups_side_by_side(early):
     assert rep.frame_bytes == 0, f"{rep.name} spills"
     smem, stages = G.resources(wide)
     assert stages == 5 and smem == 1024 + 5 * (64 + 256) * 128
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("layout, tile_n, cluster_m", [("contiguous", 192, 1), ("masked", 128, 1),
+                                                       ("contiguous", 192, 2)])
+def test_128_row_tiles_read_staged_row_scales_from_shared_memory(layout, tile_n, cluster_m):
+    """Row-wise 128-row tiles with early row scales: warp 1 loads each unit's tile_m row and tile_n column scales
+    (one per lane a load) and stores them into the slot, the consumers read them from shared memory instead of
+    global memory, one more mbarrier wait on each side, the slot's bytes in the plan, no spills."""
+    import dataclasses
+
+    from cutedsl_gemm.kernels.sm90.grouped_gemm import StagedRowScales, grouped_kernel
+    from cutedsl_gemm.tools.ptx_inspect import inspect_instance
+
+    base = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16", tile_m=128, tile_n=128)[0]
+    plain = dataclasses.replace(base, tile_n=tile_n, cluster_m=cluster_m)
+    staged = dataclasses.replace(plain, early_row_scales=True)
+    assert isinstance(grouped_kernel(G.config(staged)), StagedRowScales)
+    assert not isinstance(grouped_kernel(G.config(plain)), StagedRowScales)
+    before, after = inspect_instance(plain), inspect_instance(staged)
+    loads = (128 + tile_n) // 32  # warp 1's, per unit
+    consumer_loads = len(re.findall(r"ld\.global", before.ptx)) - len(re.findall(r"ld\.global", after.ptx))
+    assert consumer_loads >= 2 * loads, (consumer_loads, loads)  # the epilogue's 2 row and >= 16 column loads gone
+    assert len(re.findall(r"st\.shared\.(?:b32|f32)", after.ptx)) >= loads
+    assert len(re.findall(r"ld\.shared\.(?:b32|f32|v\d)", after.ptx)) > 0
+    waits = len(re.findall(r"mbarrier\.try_wait", after.ptx)) - len(re.findall(r"mbarrier\.try_wait", before.ptx))
+    assert waits == 2
+    assert after.frame_bytes == 0, f"{after.name} spills"
+    smem, stages = G.resources(staged)
+    assert (smem, stages) == (G.resources(plain)[0] + (128 + tile_n) * 4, G.resources(plain)[1])
 
 
 @pytest.mark.compile

@@ -174,7 +174,11 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales":
            "64x256 tiles, early row scales": {"tile_m": 64, "tile_n": 256, "early_row_scales": True},
            "128x192 tiles": {"tile_m": 128, "tile_n": 192, "early_row_scales": False},
            "128x128 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 128, "early_row_scales": False, "cluster_m": 2},
-           "128x192 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 2}}
+           "128x192 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 2},
+           "128x128 tiles, staged row scales": {"tile_m": 128, "tile_n": 128, "early_row_scales": True},
+           "128x192 tiles, staged row scales": {"tile_m": 128, "tile_n": 192, "early_row_scales": True},
+           "128x192 tiles in 2x1 clusters, staged row scales": {"tile_m": 128, "tile_n": 192, "early_row_scales": True,
+                                                                "cluster_m": 2}}
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
@@ -185,7 +189,8 @@ OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales":
 def test_kernel_options_match_reference(layout, recipe, option, n, band):
     """The table's instance, and built with the kernel options the grouped benchmark times (64-row tiles: one
     consumer warp group; 64x256: two side by side along N; 128x192: serial promotion; 2x1 clusters: each W tile
-    multicast to a pair of m tiles, the second past its group where the group has an odd count of tiles; row-wise,
+    multicast to a pair of m tiles, the second past its group where the group has an odd count of tiles; the
+    128-row tiles' row-wise scales staged in shared memory by a producer warp; row-wise,
     with the scales loaded after the main loop or as the unit starts), writes the same rows as the reference,
     walking N fastest (band 1) and in bands of m tiles (``band_m``'s two answers); N = 203 (odd) takes the
     epilogue's 16-bit stores, the even N its paired ones."""

@@ -81,7 +81,8 @@ class KernelInstance:
     ctas_per_sm: int = 1
     # Output slice buffers of the epilogue (Sm90GemmConfig.epi_stages); 0 (every table row): as many as fit.
     epi_stages: int = 0
-    # Grouped row-wise 64-row tiles: the unit's scales loaded as it starts (Sm90GroupedGemmConfig.early_row_scales).
+    # Grouped row-wise tiles: the unit's scales in hand before its main loop ends (Sm90GroupedGemmConfig.
+    # early_row_scales: 64-row tiles load them into registers as it starts, 128-row ones have warp 1 stage them).
     early_row_scales: bool = False
 
     @property

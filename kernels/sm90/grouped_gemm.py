@@ -25,6 +25,7 @@ main loop.
 |---|---|---|---|
 | TMA producer | warp 0 of warp group 0 | 40 | per work unit, each K tile's A rows and W tile into a stage |
 | scale producer | warp 1 of warp group 0 (block scales) | 40 | the same walk: each K tile's A and W scales |
+| scale stager | warp 1 (row-wise 128-row tiles, early row scales) | 40 | the same walk: each unit's scales, a slot |
 | idle | the other warps of warp group 0 | 40 | (retire after the register hand-off) |
 | MMA consumers | warp groups 1..tile_m/64 (64x256: 1, 2) | 232 | 64 rows (64x256: 128 columns) each: WGMMA, epilogue |
 
@@ -69,6 +70,7 @@ from ..common.stage_release import ConsumerMainloop
 from ..common.tile_scheduler import banded_coords
 from .block_scales import BLOCK_RECIPES, PRODUCER_LANES, SCALE_REGS, ScaleStaging, TileScales
 from .gemm_plan import SM90_SMEM_CAPACITY, cutlass_dtype
+from .grouped_row_scales import StagedRowScales
 from .promoted_mainloops import PromotedMainloops
 
 GROUPED_LAYOUTS = ("contiguous", "masked")
@@ -98,7 +100,8 @@ class Sm90GroupedGemmConfig:
     tile_m: int = 128
     tile_n: int = 128
     stages: int = 0  # 0: as many as shared memory allows
-    # Row-wise 64-row tiles: the unit's scales loaded as it starts (Sm90GroupedFp8GemmEarlyRowScales)
+    # Row-wise: the unit's scales in hand before its main loop ends: 64-row tiles load them as it starts
+    # (Sm90GroupedFp8GemmEarlyRowScales), 128-row tiles have warp 1 stage them in shared memory (StagedRowScales)
     early_row_scales: bool = False
     # CTAs of a cluster along M (2: each W tile multicast to the two CTAs of a pair of m tiles)
     cluster_m: int = 1
@@ -114,7 +117,7 @@ class Sm90GroupedGemmConfig:
         if self.out_dtype not in ("bf16", "fp16"):
             raise ValueError(f"grouped GEMM output {self.out_dtype}: bf16 or fp16")
         if self.tile_n == SERIAL_TILE_N:
-            if self.tile_m != 128 or self.recipe not in ("row", "tensor") or self.early_row_scales:
+            if self.tile_m != 128 or self.recipe not in ("row", "tensor"):
                 raise ValueError(f"the {SERIAL_TILE_N}-wide tile (serial promotion) is 128 rows of the row-wise or "
                                  f"per-tensor recipe, not {self.recipe} {self.tile_m}x{self.tile_n}")
         elif self.tile_n == WIDE_TILE_N:
@@ -124,9 +127,8 @@ class Sm90GroupedGemmConfig:
         elif self.tile_m not in (64, 128) or self.tile_n % 16 or not 16 <= self.tile_n <= 128:
             raise ValueError(f"grouped GEMM tile {self.tile_m}x{self.tile_n}: tile_m 64 or 128, tile_n a multiple "
                              f"of 16 up to 128, 64x{WIDE_TILE_N} or 128x{SERIAL_TILE_N}")
-        if self.early_row_scales and (self.recipe != "row" or self.tile_m != 64):
-            raise ValueError(f"early row scales are for the row-wise recipe's 64-row tile, not {self.recipe} "
-                             f"{self.tile_m}x{self.tile_n}")
+        if self.early_row_scales and self.recipe != "row":
+            raise ValueError(f"early row scales are the row-wise recipe's, not {self.recipe}'s")
         if self.cluster_m not in (1, 2) or self.cluster_m == 2 and (self.tile_m != 128
                                                                     or self.recipe not in ("row", "tensor")):
             raise ValueError(f"grouped GEMM clusters: 1, or 2 CTAs along M with 128-row tiles of the row-wise or "
@@ -204,14 +206,17 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         tma_b, tB = cute.nvgpu.cpasync.make_tiled_tma_atom(op_b, w3, cute.slice_(b_smem, (None, None, 0)), (bN, bK),
                                                            num_multicast=self.cluster_m)
 
+        slot_rows, slot_cols = self._scale_slot_sizes()
+
         @cute.struct
         class SharedStorage:
-            mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2]
+            # the stages' full / empty pairs, then the unit scale slot's (Sm90GroupedFp8GemmStagedRowScales)
+            mainloop_barriers: cute.struct.MemRange[cutlass.Int64, self.stages * 2 + self.slot_barriers]
             sA: cute.struct.Align[cute.struct.MemRange[self.a_dtype, cute.cosize(a_smem)], 1024]
             sB: cute.struct.Align[cute.struct.MemRange[self.b_dtype, cute.cosize(b_smem)], 1024]
-            # block scales of each stage's K tile (a 1-element placeholder for the epilogue-scaled recipes)
-            sSA: cute.struct.Align[cute.struct.MemRange[Float32, bM * self.stages if self.block_scaled else 1], 16]
-            sSB: cute.struct.Align[cute.struct.MemRange[Float32, bN * self.stages if self.block_scaled else 1], 16]
+            # block scales of each stage's K tile, or the unit's row-wise scales (1-element placeholders else)
+            sSA: cute.struct.Align[cute.struct.MemRange[Float32, slot_rows], 16]
+            sSB: cute.struct.Align[cute.struct.MemRange[Float32, slot_cols], 16]
 
         self.shared_storage = SharedStorage
         rows, n, experts = a3.shape[0], w3.shape[0], w3.shape[2]
@@ -225,6 +230,12 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         grid_dims, extra = self._launch_shape(grid)
         launch.launch(grid=grid_dims, block=(self.threads_per_cta, 1, 1), smem=SharedStorage.size_in_bytes(),
                       stream=stream, **extra)
+
+    def _scale_slot_sizes(self):
+        """(A, W) fp32 words of the scale slots in shared memory: block scales, one per tile row and column of
+        each stage."""
+        bM, bN, _ = self.tile_shape_mnk
+        return (bM * self.stages, bN * self.stages) if self.block_scaled else (1, 1)
 
     def _launch_shape(self, grid):
         """(grid, further launch options) of ``grid`` units in flight (``max_ctas`` bounds it: the SMs, or the
@@ -279,6 +290,7 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
 
         smem = SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        self._init_unit_scales(storage, tidx)
         stage_bytes = (cute.size_in_bytes(self.a_dtype, cute.slice_(a_smem, (None, None, 0)))
                        + cute.size_in_bytes(self.b_dtype, cute.slice_(b_smem, (None, None, 0))))
         cm = self.cluster_m
@@ -340,9 +352,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                     else:
                         unit = unit_bound
                 mainloop.producer_tail(state)
-            if cutlass.const_expr(self.block_scaled):
-                if warp_idx == 1:
-                    self._stage_scales_walk(walk, mainloop, mSA, mSB, scale_slots, k_tiles)
+            if warp_idx == 1:
+                self._scale_warp(walk, mainloop, mSA, mSB, scale_slots, k_tiles)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             consumer_mainloop = ConsumerMainloop.create(mainloop)
@@ -374,7 +385,8 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                     mt, tn = self._unit_tile(walk, unit, first_tile, rows)
                     mt = self._own_tile(mt)
                     g = e if cutlass.const_expr(self.masked) else Int32(0)
-                    unit_rows = (start + mt * bM, rows - mt * bM, tn * bN)  # first row, rows to store, first column
+                    # first row, rows to store, first column, and the unit (which of this CTA's it is: the slot's phase)
+                    unit_rows = (start + mt * bM, rows - mt * bM, tn * bN, unit)
                     self._scales_at_unit_start(row_scales, tile_coords, mSA, mSB, g, e, unit_rows, n)
                     scales = None
                     if cutlass.const_expr(self.block_scaled):
@@ -473,6 +485,17 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
                                                (self._cluster_rank(), 0, 0), mode=0)
         return 0
 
+    # ---- warp 1 of the producer warp group -------------------------------------------------------------------
+    slot_barriers = 0  # mbarriers after the stages' (Sm90GroupedFp8GemmStagedRowScales: its slot's two)
+
+    def _init_unit_scales(self, storage, tidx):
+        """(Every thread, before the pipelines' init.) Nothing here: the unit scale slot's barriers."""
+
+    def _scale_warp(self, walk, mainloop, mSA, mSB, slots, k_tiles):
+        """Warp 1: the block scales' staging; idle for the epilogue-scaled recipes."""
+        if cutlass.const_expr(self.block_scaled):
+            self._stage_scales_walk(walk, mainloop, mSA, mSB, slots, k_tiles)
+
     @cute.jit
     def _stage_scales_walk(self, walk, mainloop, mSA, mSB, slots, k_tiles):
         """Warp 1 with block scales: the TMA warp's walk, staging each K tile's A scales (the unit's rows of its
@@ -520,19 +543,35 @@ class Sm90GroupedFp8Gemm(PromotedMainloops):
         """Row-wise recipe: each fragment element's row scale into ``dst[0]`` and column scale into ``dst[1]``, all
         before the first store (loads after a store to memory that may alias wait for it). A thread's elements
         share 2 rows and 16 column pairs: the repeated loads fold into one each."""
-        r0, valid_rows, c0 = unit_rows
-        # (indices clamped into the group's rows and N, not predicated: the fragments stay in registers)
+        self._acquire_unit_scales(unit_rows)
         for i in cutlass.range(cute.size(dst[0]), unroll_full=True):
             m, c = tile_coords[i]
-            dst[0][i] = Float32(mSA[r0 + cutlass.min(m, valid_rows - 1), g])
-            dst[1][i] = Float32(mSB[cutlass.min(c0 + c, n - 1), e])
+            dst[0][i] = self._row_scale(mSA, m, g, unit_rows)
+            dst[1][i] = self._col_scale(mSB, c, e, unit_rows, n)
+        self._release_unit_scales()
+
+    def _row_scale(self, mSA, m, g, unit_rows):
+        """Row ``m`` of the unit's tile's A scale (the index clamped into the group's rows, not predicated: the
+        fragments stay in registers)."""
+        r0, valid_rows = unit_rows[0], unit_rows[1]
+        return Float32(mSA[r0 + cutlass.min(m, valid_rows - 1), g])
+
+    def _col_scale(self, mSB, c, e, unit_rows, n):
+        """Column ``c`` of the unit's tile's W scale (clamped into N)."""
+        return Float32(mSB[cutlass.min(unit_rows[2] + c, n - 1), e])
+
+    def _acquire_unit_scales(self, unit_rows):
+        """Before the unit's first scale read: nothing (they are read from global memory)."""
+
+    def _release_unit_scales(self):
+        """After its last: nothing."""
 
     @cute.jit
     def _store_tile(self, acc, tile_coords, mD, mSA, mSB, g, e, unit_rows, n, row_scales):
         """Scale the tile in fp32 and store the rows of its group (``unit_rows``: its first row, the rows to store,
         its first column; columns below N). Row-wise, ``row_scales`` holds each element's row and column scales
         (``_load_row_scales``); their products go into ``row_scales[0]``."""
-        r0, valid_rows, c0 = unit_rows
+        r0, valid_rows, c0 = unit_rows[0], unit_rows[1], unit_rows[2]
         gD = mD[(None, None, g)]
         alpha = Float32(1.0)
         if cutlass.const_expr(self.cfg.recipe == "tensor"):
@@ -645,21 +684,33 @@ class Sm90GroupedFp8GemmSerial(Sm90GroupedFp8Gemm):
         """Row-wise: each element of the accumulator times its row scale times its column scale (the same
         product and rounding as the base class's), every load before the first store."""
         if cutlass.const_expr(self.cfg.recipe == "row"):
-            r0, valid_rows, c0 = unit_rows
+            self._acquire_unit_scales(unit_rows)
             size = cute.size(acc)
             chunk = size // SCALE_CHUNKS
             for h in cutlass.range_constexpr(SCALE_CHUNKS):
                 for i in cutlass.range_constexpr(h * chunk, (h + 1) * chunk):
                     m, c = tile_coords[i]
-                    acc[i] = acc[i] * (Float32(mSA[r0 + cutlass.min(m, valid_rows - 1), g])
-                                       * Float32(mSB[cutlass.min(c0 + c, n - 1), e]))
+                    acc[i] = acc[i] * (self._row_scale(mSA, m, g, unit_rows)
+                                       * self._col_scale(mSB, c, e, unit_rows, n))
                 # (a chunk's scale loads stay after the chunk before: all of them at once would not fit)
                 fence_registers(acc)
+            self._release_unit_scales()
         return None  # (_scaled multiplies by nothing more)
+
+
+class Sm90GroupedFp8GemmStagedRowScales(StagedRowScales, Sm90GroupedFp8Gemm):
+    """The 128x128 tile (row-wise) with its unit scales staged in shared memory (``StagedRowScales``)."""
+
+
+class Sm90GroupedFp8GemmSerialStagedRowScales(StagedRowScales, Sm90GroupedFp8GemmSerial):
+    """The 128x192 tile (row-wise) with its unit scales staged in shared memory (``StagedRowScales``)."""
 
 
 def grouped_kernel(cfg: Sm90GroupedGemmConfig) -> Sm90GroupedFp8Gemm:
     """The kernel object that builds ``cfg``."""
+    staged = cfg.early_row_scales and cfg.tile_m == 128
     if cfg.tile_n == SERIAL_TILE_N:
-        return Sm90GroupedFp8GemmSerial(cfg)
+        return (Sm90GroupedFp8GemmSerialStagedRowScales if staged else Sm90GroupedFp8GemmSerial)(cfg)
+    if staged:
+        return Sm90GroupedFp8GemmStagedRowScales(cfg)
     return (Sm90GroupedFp8GemmEarlyRowScales if cfg.early_row_scales else Sm90GroupedFp8Gemm)(cfg)
