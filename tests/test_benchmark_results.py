@@ -389,8 +389,11 @@ def test_run_all_option_runs_time_both_ways_and_save_nothing(tmp_path):
     assert all("--no-save" in c for c in commands)
     assert sum("--sort-routing" in c for c in commands) == 1
     grouped = [c for c in commands if c.startswith("benchmarks.bench_grouped")]
-    # each tile against the table's, twice in turns
-    assert [("--tile-n 256" in c, "--tile-n 192" in c) for c in grouped] == [
-        (False, False), (True, False)] * 2 + [(False, False), (False, True)] * 2
+    # each wide tile against the narrow one, named in full, twice in turns: row-wise and per tensor at decode,
+    # then 128x192 against 128x128 at prefill without clusters
+    tiles = [(c.split("--tile-m ")[1].split()[0], c.split("--tile-n ")[1].split()[0]) for c in grouped]
+    assert tiles == [("64", "128"), ("64", "256")] * 4 + [("128", "128"), ("128", "192")] * 2
+    assert [c.count("--recipe tensor") for c in grouped[:8]] == [0] * 4 + [1] * 4
+    assert all("--cluster-m 1" in c for c in grouped[8:])
     _, commands, out = _run_all(tmp_path, "bench")
     assert not any("--no-save" in c for c in commands)  # options are no part of bench
