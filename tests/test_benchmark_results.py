@@ -397,3 +397,16 @@ def test_run_all_option_runs_time_both_ways_and_save_nothing(tmp_path):
     assert all("--cluster-m 1" in c for c in grouped[8:])
     _, commands, out = _run_all(tmp_path, "bench")
     assert not any("--no-save" in c for c in commands)  # options are no part of bench
+
+
+def test_run_all_prefill_options_test_the_options_then_time_each_against_the_table(tmp_path):
+    rc, commands, out = _run_all(tmp_path, "options-prefill")
+    assert rc == 0, out
+    lines = out.splitlines()
+    tests = [i for i, line in enumerate(lines) if line.startswith("py -m pytest -m gpu")]
+    assert len(tests) == 1 and "tests/test_grouped_gpu.py -k clusters or staged" in lines[tests[0]]
+    assert tests[0] < min(i for i, line in enumerate(lines) if line.startswith("py -m benchmarks.bench_grouped"))
+    grouped = [c for c in commands if c.startswith("benchmarks.bench_grouped")]
+    options = [c.split("--layouts contiguous")[1].replace("--no-save", "").strip() for c in grouped]
+    assert options == ["", "--cluster-m 1", "--cluster-m 2", "--early-row-scales on"] * 2
+    assert all("--no-save" in c and "--tokens 4096,8192,16384" in c for c in grouped)
