@@ -15,7 +15,7 @@
 #   bash benchmarks/run_all.sh OPTION...      runs that decide kernel options, both ways in one run (no result file):
 #     options-routing  the MoE routing kernels against the sort path, the MoE block at decode and prefill ~3 min
 #     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode (row-wise and per tensor) and
-#                      128x192 against 128x128 at prefill, each timed twice in turns                  ~9 min
+#                      128x192 against 128x128 at prefill (both layouts), each timed twice in turns   ~10 min
 #     options-prefill  the grouped GEMM at prefill: the table's picks against its tiles without clusters, with
 #                      them everywhere and with the row-wise scales staged in shared memory (their GPU tests
 #                      first), timed twice in turns                                                  ~8 min
@@ -104,7 +104,7 @@ options_tiles() {
   need_floor
   # each tile named in full (a field left out keeps the table's pick, which already holds the wide tiles)
   local decode="--models qwen3_30b,dsv3,qwen3_235b --tokens 1,16,64,128 --routing uniform --layouts contiguous,masked"
-  local prefill="--models mixtral,dsv3,qwen3_235b --tokens 4096,16384 --routing uniform --layouts contiguous"
+  local prefill="--models mixtral,dsv3,qwen3_235b --tokens 4096,16384 --routing uniform --layouts contiguous,masked"
   for recipe in row tensor; do
     for round in 1 2; do
       "$py" -m benchmarks.bench_grouped $decode --recipe $recipe --tile-m 64 --tile-n 128 --no-save
@@ -121,7 +121,8 @@ options_prefill() {
   need_floor
   # at prefill, the table's picks (2x1 clusters, W multicast to pairs of m tiles, where sm90_grouped.clusters_pay)
   # against the same tiles without clusters, with them everywhere, and with each unit's row-wise scales staged in
-  # shared memory by a producer warp during its main loop (early row scales on the 128-row tiles)
+  # shared memory by a producer warp during its main loop (early row scales on the 128-row tiles), alone and in
+  # clusters everywhere
   local prefill="--models mixtral,dsv3,qwen3_235b,qwen3_30b --tokens 4096,8192,16384 --routing uniform --layouts contiguous"
   timeout 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_grouped_gpu.py \
     -k "clusters or staged"  # correct before timed
@@ -130,6 +131,7 @@ options_prefill() {
     "$py" -m benchmarks.bench_grouped $prefill --cluster-m 1 --no-save
     "$py" -m benchmarks.bench_grouped $prefill --cluster-m 2 --no-save
     "$py" -m benchmarks.bench_grouped $prefill --early-row-scales on --no-save
+    "$py" -m benchmarks.bench_grouped $prefill --early-row-scales on --cluster-m 2 --no-save
   done
 }
 

@@ -408,5 +408,6 @@ def test_run_all_prefill_options_test_the_options_then_time_each_against_the_tab
     assert tests[0] < min(i for i, line in enumerate(lines) if line.startswith("py -m benchmarks.bench_grouped"))
     grouped = [c for c in commands if c.startswith("benchmarks.bench_grouped")]
     options = [c.split("--layouts contiguous")[1].replace("--no-save", "").strip() for c in grouped]
-    assert options == ["", "--cluster-m 1", "--cluster-m 2", "--early-row-scales on"] * 2
+    assert options == ["", "--cluster-m 1", "--cluster-m 2", "--early-row-scales on",
+                       "--early-row-scales on --cluster-m 2"] * 2
     assert all("--no-save" in c and "--tokens 4096,8192,16384" in c for c in grouped)
