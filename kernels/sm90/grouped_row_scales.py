@@ -9,7 +9,14 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from .unit_scales import SCALE_WARP_LANES, UnitScales, init_unit_scale_barriers, wait_unit_scales
+from .unit_scales import (
+    SCALE_WARP_LANES,
+    UnitScales,
+    hand_over_unit_scales,
+    init_unit_scale_barriers,
+    release_unit_scales,
+    wait_unit_scales,
+)
 
 
 class StagedRowScales:
@@ -92,15 +99,7 @@ class StagedRowScales:
                     rows_r[i] = Float32(mSA[cutlass.min(r0 + i * lanes + lane, last), g])
                 for i in cutlass.range_constexpr(col_loads):
                     cols_r[i] = Float32(mSB[cutlass.min(tn * bN + i * lanes + lane, n_last), e])
-                cute.arch.mbarrier_wait(slot.empty, (self._units_before(unit) % 2) ^ 1)
-                for i in cutlass.range_constexpr(row_loads):
-                    slot.rows[i * lanes + lane] = rows_r[i]
-                for i in cutlass.range_constexpr(col_loads):
-                    if cutlass.const_expr((i + 1) * lanes <= bN):
-                        slot.cols[i * lanes + lane] = cols_r[i]
-                    elif i * lanes + lane < bN:
-                        slot.cols[i * lanes + lane] = cols_r[i]
-                cute.arch.mbarrier_arrive(slot.full)
+                hand_over_unit_scales(slot, rows_r, cols_r, self._units_before(unit), lane)
                 unit += self._unit_stride()
             else:
                 unit = unit_bound
@@ -109,7 +108,7 @@ class StagedRowScales:
         wait_unit_scales(self._slot, self._units_before(unit_rows[3]))
 
     def _release_unit_scales(self):
-        cute.arch.mbarrier_arrive(self._slot.empty)
+        release_unit_scales(self._slot)
 
     def _row_scale(self, mSA, m, g, unit_rows):
         return self._slot.rows[m]

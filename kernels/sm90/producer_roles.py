@@ -51,6 +51,7 @@ from .split_k import k_tile_range
 from .tma_loads import ATileScalesByTma, TmaLoads
 from .unit_scales import (
     SCALE_WARP_LANES,
+    hand_over_unit_scales,
     init_unit_scale_barriers,
     make_unit_scales,
     release_unit_scales,
@@ -251,15 +252,7 @@ class RowScaleProducer(TmaProducer):
                 rows[i] = Float32(mSA[cutlass.min(tm * bM + i * lanes + lane, m_last), 0])
             for i in cutlass.range_constexpr(col_loads):
                 cols[i] = Float32(mSB[0, cutlass.min(tn * bN + i * lanes + lane, n_last)])
-            cute.arch.mbarrier_wait(slot.empty, (handed % 2) ^ 1)
-            for i in cutlass.range_constexpr(row_loads):
-                slot.rows[i * lanes + lane] = rows[i]
-            for i in cutlass.range_constexpr(col_loads):
-                if cutlass.const_expr((i + 1) * lanes <= bN):
-                    slot.cols[i * lanes + lane] = cols[i]
-                elif i * lanes + lane < bN:  # (the 16-column tail of an 80- or 144-wide tile)
-                    slot.cols[i * lanes + lane] = cols[i]
-            cute.arch.mbarrier_arrive(slot.full)
+            hand_over_unit_scales(slot, rows, cols, handed, lane)
             handed += 1
             unit += num_clusters
 

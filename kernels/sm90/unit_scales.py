@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import cutlass
 import cutlass.cute as cute
 
 SCALE_WARP_LANES = 32  # warp 1's lanes, which arrive on the slot's full barrier
@@ -55,6 +56,24 @@ def init_unit_scale_barriers(barriers, consumer_threads: int):
     """(One thread, before the pipelines' init fence.)"""
     cute.arch.mbarrier_init(barriers, SCALE_WARP_LANES)
     cute.arch.mbarrier_init(barriers + 1, consumer_threads)
+
+
+@cute.jit
+def hand_over_unit_scales(slot: UnitScales, rows: cute.Tensor, cols: cute.Tensor, handed, lane):
+    """(Warp 1, once per unit, in schedule order.) Once the consumers have released the slot (``handed``: the
+    units handed over before), store this lane's loaded row and column scales (``rows`` / ``cols``: lane ``lane``
+    of each 32 in turn) into it and mark it full."""
+    lanes = SCALE_WARP_LANES
+    bN = cute.size(slot.cols)
+    cute.arch.mbarrier_wait(slot.empty, (handed % 2) ^ 1)
+    for i in cutlass.range_constexpr(cute.size(rows)):
+        slot.rows[i * lanes + lane] = rows[i]
+    for i in cutlass.range_constexpr(cute.size(cols)):
+        if cutlass.const_expr((i + 1) * lanes <= bN):
+            slot.cols[i * lanes + lane] = cols[i]
+        elif i * lanes + lane < bN:  # (the 16-column tail of an 80- or 144-wide tile)
+            slot.cols[i * lanes + lane] = cols[i]
+    cute.arch.mbarrier_arrive(slot.full)
 
 
 @cute.jit
