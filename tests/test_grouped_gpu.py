@@ -168,15 +168,16 @@ def test_ill_formed_offsets_stay_inside_the_tensors():
     assert torch.equal(guarded[:total], want)
 
 
-OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "early_row_scales": False},
-           "64-row tiles, early row scales": {"tile_m": 64, "early_row_scales": True},
+OPTIONS = {"the table's": {}, "64-row tiles": {"tile_m": 64, "tile_n": 128, "early_row_scales": False},
+           "64-row tiles, early row scales": {"tile_m": 64, "tile_n": 128, "early_row_scales": True},
            "64x256 tiles": {"tile_m": 64, "tile_n": 256, "early_row_scales": False},
            "64x256 tiles, early row scales": {"tile_m": 64, "tile_n": 256, "early_row_scales": True},
-           "128x192 tiles": {"tile_m": 128, "tile_n": 192, "early_row_scales": False},
+           "128x192 tiles": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 1},
            "128x128 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 128, "early_row_scales": False, "cluster_m": 2},
            "128x192 tiles in 2x1 clusters": {"tile_m": 128, "tile_n": 192, "early_row_scales": False, "cluster_m": 2},
-           "128x128 tiles, staged row scales": {"tile_m": 128, "tile_n": 128, "early_row_scales": True},
-           "128x192 tiles, staged row scales": {"tile_m": 128, "tile_n": 192, "early_row_scales": True},
+           "128x128 tiles, staged row scales": {"tile_m": 128, "tile_n": 128, "early_row_scales": True, "cluster_m": 1},
+           "128x192 tiles, staged row scales": {"tile_m": 128, "tile_n": 192, "early_row_scales": True,
+                                                 "cluster_m": 1},
            "128x192 tiles in 2x1 clusters, staged row scales": {"tile_m": 128, "tile_n": 192, "early_row_scales": True,
                                                                 "cluster_m": 2}}
 
