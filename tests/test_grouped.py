@@ -60,10 +60,10 @@ def test_describe_reads_layout_and_recipe(layout, recipe):
 
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 @pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
-def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
-    """Up to 64 rows per group the row-wise recipe's tile loads its scales as each unit starts, at any K; the other
-    recipes and the 128-row tile load them (or their block scales) as before, and the kernel refuses early row
-    scales for the other recipes."""
+def test_the_row_wise_tiles_load_their_scales_early(layout, recipe):
+    """At any rows per group and K the row-wise recipe's tiles load their scales early (the 64-row ones as each unit
+    starts, the 128-row ones staged in shared memory during the main loop); the other recipes load them (or their
+    block scales) after the main loop, and the kernel refuses early row scales for the other recipes."""
     from cutedsl_gemm.kernels.sm90.grouped_gemm import Sm90GroupedGemmConfig
 
     e = 8
@@ -71,7 +71,7 @@ def test_the_row_wise_64_row_tile_loads_its_scales_early(layout, recipe):
         shape_rows = rows * e if layout == "contiguous" else rows
         inst = G.select(_describe(_call(layout, recipe, e=e, rows=shape_rows, k=k)), SMS)
         assert inst.tile_m == (64 if rows <= 64 else 128), (rows, k)
-        assert inst.early_row_scales == (rows <= 64 and recipe == "row"), (rows, k, inst.name)
+        assert inst.early_row_scales == (recipe == "row"), (rows, k, inst.name)
         assert G.config(inst).early_row_scales == inst.early_row_scales
     for tile_m in (64, 128):
         cfg = Sm90GroupedGemmConfig(recipe=recipe, tile_m=tile_m, early_row_scales=True)
@@ -232,11 +232,11 @@ def test_wide_decode_tiles_where_the_narrow_ones_fill_more_than_a_wave(layout, e
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 @pytest.mark.parametrize("recipe", ["row", "tensor", "1x128_128x128"])
 def test_many_rows_per_group_take_the_128x192_tile_where_measured(layout, recipe):
-    """From 65 rows per group: 128x192 for contiguous groups of the per-tensor and row-wise recipes, 128x128 for
-    the masked layout and the DeepSeek recipe."""
+    """From 65 rows per group: 128x192 in both layouts for the per-tensor and row-wise recipes, 128x128 for the
+    DeepSeek recipe."""
     p = _describe(_call(layout, recipe, e=8, rows=4096 if layout == "contiguous" else 512, n=2048, k=512))
     inst = G.select(p, SMS)
-    serial = layout == "contiguous" and recipe != "1x128_128x128"
+    serial = recipe != "1x128_128x128"
     assert (inst.tile_m, inst.tile_n) == ((128, 192) if serial else (128, 128))
     M.validate(inst)
 
@@ -313,12 +313,21 @@ def test_bands_only_where_an_experts_weight_overflows_l2():
     assert G.band_m(1024, 1024, "e4m3", 1 << 20) == 1  # exactly L2's size still fits
 
 
+def _plain_128_row_tile(layout: str, recipe: str, tile_n: int = 128, cluster_m: int = 1):
+    """The table's lone-CTA 128-row instance of ``layout`` and ``recipe`` as a tile_m x ``tile_n`` kernel in
+    ``cluster_m`` x 1 clusters, its scales loaded after the main loop."""
+    import dataclasses
+
+    base = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe=recipe, out_dtype="bf16", tile_m=128, cluster_m=1)[0]
+    return dataclasses.replace(base, tile_n=tile_n, cluster_m=cluster_m, early_row_scales=False)
+
+
 @pytest.mark.compile
 @pytest.mark.parametrize("layout", ["contiguous", "masked"])
 def test_ptx_holds_wgmma_tma_and_group_reads(layout):
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16", tile_m=128, tile_n=128)[0]
+    inst = _plain_128_row_tile(layout, "row")
     rep = inspect_instance(inst)
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n128k32\.f32\.e4m3\.e4m3")
     tma = set(re.findall(r"cp\.async\.bulk\.tensor\.(\dd)\.shared::cta\.global\.tile", rep.ptx))
@@ -342,9 +351,7 @@ def test_clustered_tiles_multicast_w_to_the_pair_of_m_tiles(tile_n):
 
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    base = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=128,
-                    tile_n=tile_n)[0]
-    inst = dataclasses.replace(base, cluster_m=2)
+    inst = _plain_128_row_tile("contiguous", "row", tile_n=tile_n, cluster_m=2)
     assert G.config(inst).cluster_m == 2 and "c2x1" in inst.name
     rep = inspect_instance(inst)
     loads = {(op.split(".")[4], op.split(".")[5], ".multicast::cluster" in op)
@@ -396,7 +403,7 @@ def test_grouped_epilogue_pairs_its_stores():
     """Two bf16 columns per 32-bit store where N is even (half the store instructions), 16-bit ones otherwise."""
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe="row", out_dtype="bf16", tile_m=128, tile_n=128)[0]
+    inst = _plain_128_row_tile("contiguous", "row")
     rep = inspect_instance(inst)
     # a thread's 64 elements of the 128 x 128 tile: 32 pairs
     assert len(re.findall(r"st\.global\.b32", rep.ptx)) == 128 * 128 // 256 // 2
@@ -466,8 +473,7 @@ def test_128_row_tiles_read_staged_row_scales_from_shared_memory(layout, tile_n,
     from cutedsl_gemm.kernels.sm90.grouped_gemm import StagedRowScales, grouped_kernel
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    base = M.select(op=M.GROUPED_GEMM, schedule=layout, recipe="row", out_dtype="bf16", tile_m=128, tile_n=128)[0]
-    plain = dataclasses.replace(base, tile_n=tile_n, cluster_m=cluster_m)
+    plain = _plain_128_row_tile(layout, "row", tile_n=tile_n, cluster_m=cluster_m)
     staged = dataclasses.replace(plain, early_row_scales=True)
     assert isinstance(grouped_kernel(G.config(staged)), StagedRowScales)
     assert not isinstance(grouped_kernel(G.config(plain)), StagedRowScales)
@@ -489,13 +495,11 @@ def test_128_row_tiles_read_staged_row_scales_from_shared_memory(layout, tile_n,
 def test_the_128x192_tile_promotes_serially_without_spills(recipe):
     """128x192: two warp groups of 64x192 WGMMAs, each K tile retired (wait_group 0) before the next is issued,
     the row-wise scales multiplied into the accumulator before the stores, no spills."""
-    import dataclasses
 
     from cutedsl_gemm.families import sm90_grouped as G
     from cutedsl_gemm.tools.ptx_inspect import inspect_instance
 
-    inst = M.select(op=M.GROUPED_GEMM, schedule="contiguous", recipe=recipe, out_dtype="bf16", tile_m=128)[0]
-    wide = dataclasses.replace(inst, tile_n=192)
+    wide = _plain_128_row_tile("contiguous", recipe, tile_n=192)
     rep = inspect_instance(wide)
     assert rep.has(r"wgmma\.mma_async\.sync\.aligned\.m64n192k32\.f32\.e4m3\.e4m3")
     assert rep.has(r"wgmma\.wait_group\.sync\.aligned\s+0\b")

@@ -438,12 +438,15 @@ TABLE: Tuple[TileConfig, ...] = (
     # (docs/design.md: 1.01x geomean over 48 MoE GEMMs; no rule by K held across two runs). Per tensor and
     # row-wise, two tiles wider along N (docs/design.md 2.10): 64x256 first, taken only where
     # the 64x128 tiles of the groups expected to hold rows fill more than one wave (sm90_grouped.select; 1.05x
-    # geomean over 48 decode GEMMs, 1.3x on Qwen3-30B's down projection), and 128x192 for contiguous groups of
-    # many rows (1.03x geomean over 12 prefill GEMMs, up to 1.09x on the down projections); both timed with the
-    # row-wise recipe, per tensor by the same rule (its epilogue scales by two scalars instead of two vectors).
-    # Before 128x192, the same tile in 2x1 clusters (W multicast to pairs of m tiles) for contiguous groups of 4096
-    # rows and more, taken only at long K (sm90_grouped.clusters_pay: 1.02-1.08x on Mixtral's down projection, K =
-    # 14336, at 4096 rows per expert, 0.97-1.03x at 2048; 0.76-0.99x at K <= 7168 or 1024 rows per expert).
+    # geomean over 48 decode GEMMs, 1.3x on Qwen3-30B's down projection), and 128x192 for groups of many rows
+    # (contiguous: 1.03x geomean over 12 prefill GEMMs, up to 1.09x on the down projections; masked: 1.04x over
+    # 12, up to 1.13x); both timed with the row-wise recipe, per tensor by the same rule (its epilogue scales by
+    # two scalars instead of two vectors). Before 128x192, the same tile in 2x1 clusters (W multicast to pairs of
+    # m tiles) for contiguous groups of 4096 rows and more, taken only at long K (sm90_grouped.clusters_pay:
+    # 1.02-1.08x on Mixtral's down projection, K = 14336, at 4096 rows per expert, 0.97-1.03x at 2048; 0.76-0.99x
+    # at K <= 7168 or 1024 rows per expert). The row-wise 128-row tiles stage each unit's scales in shared memory
+    # (a producer warp loads them during the main loop: 1.01x geomean over 24 prefill GEMMs, 1.02-1.07x on
+    # Qwen3-30B and Qwen3-235B, 1.025x in clusters); the 128x128 tile remains DeepSeek's.
     *(
         TileConfig(SM90, GROUPED_GEMM, layout, recipes, tm, tn, cluster_m=cm, accum="promoted", m_min=lo, m_max=hi,
                    early_row_scales=early, ab_dtypes=(("e4m3", "e4m3"),), out_dtypes=("bf16", "fp16"),
@@ -454,9 +457,11 @@ TABLE: Tuple[TileConfig, ...] = (
             (("tensor",), 64, 256, 1, 1, 64, False),
             (("row",), 64, 128, 1, 1, 64, True),
             (("tensor", "1x128_128x128"), 64, 128, 1, 1, 64, False),
-            *(((("tensor", "row"), 128, 192, 2, 4096, 1 << 31, False),
-               (("tensor", "row"), 128, 192, 1, 65, 1 << 31, False)) if layout == "contiguous" else ()),
-            (("tensor", "row", "1x128_128x128"), 128, 128, 1, 65, 1 << 31, False),
+            *(((("row",), 128, 192, 2, 4096, 1 << 31, True),
+               (("tensor",), 128, 192, 2, 4096, 1 << 31, False)) if layout == "contiguous" else ()),
+            (("row",), 128, 192, 1, 65, 1 << 31, True),
+            (("tensor",), 128, 192, 1, 65, 1 << 31, False),
+            (("1x128_128x128",), 128, 128, 1, 65, 1 << 31, False),
         )
     ),
     # Blackwell (sm_100a): the tcgen05 GEMM (kernels/sm100), compiled once per out dtype, bias and CTA mode; the
