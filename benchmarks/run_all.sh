@@ -17,8 +17,10 @@
 #     options-tiles    the grouped GEMM's 64x256 tile against 64x128 at decode (row-wise and per tensor) and
 #                      128x192 against 128x128 at prefill (both layouts), each timed twice in turns   ~10 min
 #     options-prefill  the grouped GEMM at prefill: the table's picks against its tiles without clusters, with
-#                      them everywhere and with the row-wise scales staged in shared memory (their GPU tests
-#                      first), timed twice in turns                                                  ~8 min
+#                      them everywhere and with the row-wise scales read after the main loop (their GPU tests
+#                      first), timed twice in turns                                                  ~7 min
+#     options-mid-m    the dense GEMM at M = 96 and 128: every candidate tile over the sweep's layers, twice in
+#                      turns (benchmarks.audit_picks scores dispatch's picks from the log)           ~6 min
 #   bash benchmarks/run_all.sh                tests, then bench
 # Each piece but floor measures the floors first if floor.json is missing or from another GPU. With LOG_DIR set,
 # each piece's output also goes to $LOG_DIR/<piece>.log. The times assume compiled kernels in the disk cache: a
@@ -28,7 +30,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python}
 PIECES="floor bench-gemm bench-ops bench-sweep bench-decode bench-models bench-moe"
-OPTIONS="options-routing options-tiles options-prefill"
+OPTIONS="options-routing options-tiles options-prefill options-mid-m"
 
 run_tests() {
   "$py" -m pytest -m gpu -q -rs -p no:cacheprovider tests  # -rs: every skip with its reason
@@ -119,10 +121,9 @@ options_tiles() {
 
 options_prefill() {
   need_floor
-  # at prefill, the table's picks (2x1 clusters, W multicast to pairs of m tiles, where sm90_grouped.clusters_pay)
-  # against the same tiles without clusters, with them everywhere, and with each unit's row-wise scales staged in
-  # shared memory by a producer warp during its main loop (early row scales on the 128-row tiles), alone and in
-  # clusters everywhere
+  # at prefill, the table's picks (row-wise scales staged in shared memory on the 128-row tiles; 2x1 clusters, W
+  # multicast to pairs of m tiles, where sm90_grouped.clusters_pay) against the same tiles without clusters, with
+  # them everywhere, and with the scales read after the main loop
   local prefill="--models mixtral,dsv3,qwen3_235b,qwen3_30b --tokens 4096,8192,16384 --routing uniform --layouts contiguous"
   timeout 300 "$py" -m pytest -m gpu -q -p no:cacheprovider tests/test_grouped_gpu.py \
     -k "clusters or staged"  # correct before timed
@@ -130,9 +131,18 @@ options_prefill() {
     "$py" -m benchmarks.bench_grouped $prefill --no-save
     "$py" -m benchmarks.bench_grouped $prefill --cluster-m 1 --no-save
     "$py" -m benchmarks.bench_grouped $prefill --cluster-m 2 --no-save
-    "$py" -m benchmarks.bench_grouped $prefill --early-row-scales on --no-save
-    "$py" -m benchmarks.bench_grouped $prefill --early-row-scales on --cluster-m 2 --no-save
+    "$py" -m benchmarks.bench_grouped $prefill --early-row-scales off --no-save
   done
+}
+
+options_mid_m() {
+  need_floor
+  # the dense GEMM from M = 65 to 128 rows: every candidate tile, dispatch's among them, over the sweep's 13 layers,
+  # twice in turns; benchmarks.audit_picks reads the log back (no GPU) and scores dispatch's picks against the
+  # best tile of each shape
+  local tiles="64x64c1x1s,64x64c1x1,64x96c2x2,64x128c1x1,64x128c2x1,128x64c1x1,128x96c1x1,128x128c1x1,128x128c2x1"
+  "$py" -m benchmarks.tune_tiles --splits 0 --rounds 2 --recipes tensor,row --accums promoted --ms 96,128 \
+    --nk sweep --tiles "$tiles"
 }
 
 piece() {  # one piece: bench-gemm runs the function bench_gemm, after a line naming the GPU and its clocks

@@ -88,7 +88,7 @@ def direct_call(inst, qa, b, sa_k, sb_k, out, mnk, want_splits, bias=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="1,16,64,128")
-    p.add_argument("--nk", default="8192x8192")
+    p.add_argument("--nk", default="8192x8192", help="NxK,... or 'sweep': bench_sweep's 13 layers")
     p.add_argument("--recipes", default="row,1x128_128x128")
     p.add_argument("--tiles", default=DEFAULT_TILES, help="TMxTNcCMxCN,...")
     p.add_argument("--accums", default="promoted,fast")
@@ -103,9 +103,14 @@ def main(argv=None):
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     common.require_gpu("tune_tiles")
     common.FLUSH = args.flush
+    if args.nk == "sweep":
+        from .bench_sweep import LAYERS  # (bench_sweep imports this module)
+
+        nks = [(n, k) for _, n, k in LAYERS]
+    else:
+        nks = [tuple(map(int, nk.split("x"))) for nk in args.nk.split(",")]
     for recipe in args.recipes.split(","):
-        for nk in args.nk.split(","):
-            n, k = map(int, nk.split("x"))
+        for n, k in nks:
             for m in map(int, args.ms.split(",")):
                 sweep_shape(args, recipe, m, n, k)
 

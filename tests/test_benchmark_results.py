@@ -408,6 +408,26 @@ def test_run_all_prefill_options_test_the_options_then_time_each_against_the_tab
     assert tests[0] < min(i for i, line in enumerate(lines) if line.startswith("py -m benchmarks.bench_grouped"))
     grouped = [c for c in commands if c.startswith("benchmarks.bench_grouped")]
     options = [c.split("--layouts contiguous")[1].replace("--no-save", "").strip() for c in grouped]
-    assert options == ["", "--cluster-m 1", "--cluster-m 2", "--early-row-scales on",
-                       "--early-row-scales on --cluster-m 2"] * 2
+    assert options == ["", "--cluster-m 1", "--cluster-m 2", "--early-row-scales off"] * 2
     assert all("--no-save" in c and "--tokens 4096,8192,16384" in c for c in grouped)
+
+
+def test_run_all_mid_m_option_times_every_candidate_and_dispatchs_picks(tmp_path):
+    """options-mid-m: one tune_tiles run at M = 96 and 128 over the sweep's layers whose tiles hold every tile
+    dispatch picks there (else audit_picks scores a pick it has no time for as nan)."""
+    from benchmarks.bench_sweep import LAYERS
+    from benchmarks.tune_tiles import candidates, tile_label
+    from cutedsl_gemm.selection import dispatch
+
+    rc, commands, out = _run_all(tmp_path, "options-mid-m")
+    assert rc == 0, out
+    tunes = [c for c in commands if c.startswith("benchmarks.tune_tiles")]
+    assert len(tunes) == 1 and "--nk sweep" in tunes[0] and "--ms 96,128" in tunes[0]
+    assert "--rounds 2" in tunes[0] and "--recipes tensor,row" in tunes[0]
+    tiles = tunes[0].split("--tiles ")[1].split()[0].split(",")
+    for recipe in ("tensor", "row"):
+        timed = {tile_label(i) for i in candidates(recipe, tiles, ["promoted"])}
+        for m in (96, 128):
+            for _, n, k in LAYERS:
+                pick = dispatch.select_gemm("sm_90a", recipe, "e4m3", "e4m3", "bf16", None, m, n=n, sms=132, k=k)
+                assert tile_label(pick) in timed, (recipe, m, n, k, tile_label(pick))
