@@ -158,9 +158,9 @@ def run_gemm(model, gemm, n, k, experts, layouts, sizes, routing, tokens, gen, f
         if check and layout == "contiguous":
             err = R.rel_error(ours(), R.reference_grouped_mm(oa, ob, osa, osb, offs, recipe=RECIPES[recipe],
                                                              out_dtype=torch.float64))
-        out.append([model, gemm, layout, routing, tokens, rows_total, hit, n, k, t, torch_fp8, torch_bf16, dense,
-                    flops / (t * 1e-6) / 1e12, torch_fp8 / t, torch_bf16 / t, dense / t, floor_us,
-                    100 * floor_us / t, err])
+        row = [model, gemm, layout, routing, tokens, rows_total, hit, n, k, t, torch_fp8, torch_bf16, dense,
+               flops / (t * 1e-6) / 1e12, torch_fp8 / t, torch_bf16 / t, dense / t, floor_us, 100 * floor_us / t, err]
+        out.append([float(f"{v:.4g}") if isinstance(v, float) else v for v in row])  # as printed: 4 figures
         print(" | ".join(f"{v:.4g}" if isinstance(v, float) else str(v) for v in out[-1]), flush=True)
     return out
 
