@@ -7,13 +7,19 @@
         python -m benchmarks.profile_kernels --what grouped     the grouped row-wise GEMMs of Qwen3-30B-A3B at decode
     ncu --nvtx --nvtx-include "weight-only-1/" --launch-count 1 --set full \\
         python -m benchmarks.profile_kernels --what weight-only  the int4 weight-only GEMM at M = 1 and 16
+    ncu --nvtx --nvtx-include "grouped-gateup-1024/" --nvtx-include "dense-gateup-1024/" --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section SourceCounters --section InstructionStats \
+        python -m benchmarks.profile_kernels --what grouped-vs-dense
+                                                               Mixtral's gate_up at 1024 rows per expert: the
+                                                               grouped GEMM over the 8 experts and the dense GEMM
+                                                               over one, as the dense loop runs it (per clock)
     python -m benchmarks.profile_kernels --what attention      one layer's decode attention of Qwen3-30B-A3B (32
                                                                query heads on 4 kv heads) over 513 positions: SDPA
                                                                after repeat_kv, with enable_gqa, and packed
                                                                (tools.models.packed_gqa_sdpa), per batch
 
 Each profiled call runs warm, alone in an NVTX range named after it (``grouped-<gemm>-<tokens>``,
-``weight-only-<M>``), so that ncu takes exactly it.
+``grouped-gateup-<rows>`` / ``dense-gateup-<rows>``, ``weight-only-<M>``), so that ncu takes exactly it.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ import torch
 from . import common
 from .common import require_gpu
 
-WHATS = ("moe-rest", "grouped", "weight-only", "attention")
+WHATS = ("moe-rest", "grouped", "grouped-vs-dense", "weight-only", "attention")
 #: Qwen3-30B-A3B's experts: (experts, top-k, hidden, intermediate)
 QWEN3_30B_EXPERTS = (128, 8, 2048, 768)
+#: Mixtral-8x7B's: (experts, top-k, hidden, intermediate)
+MIXTRAL_EXPERTS = (8, 2, 4096, 14336)
 
 
 def _ranged(name: str, fn) -> None:
@@ -61,6 +69,25 @@ def grouped(tokens=(16, 128)) -> None:
             b = qw.transpose(1, 2)
             _ranged(f"grouped-{gemm.replace('_', '')}-{t}",
                     functools.partial(cutedsl_gemm.grouped_scaled_mm, qa, b, sa, sw, offs))
+
+
+def grouped_vs_dense(rows=1024) -> None:
+    """Mixtral's gate_up GEMM (N = 28672, K = 4096) at ``rows`` rows per expert, row-wise: the grouped GEMM over
+    its 8 experts, and the dense GEMM over the first expert's rows, the call the dense loop repeats per expert."""
+    import cutedsl_gemm
+
+    from .bench_grouped import _weights
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, _, h, i = MIXTRAL_EXPERTS
+    _, qw, sw = _weights(e, 2 * i, h, gen)
+    x = torch.randn(e * rows, h, device="cuda", generator=gen, dtype=torch.bfloat16)
+    qa, sa = cutedsl_gemm.quantize_fp8(x, "row")
+    b = qw.transpose(1, 2)
+    offs = torch.arange(1, e + 1, device="cuda", dtype=torch.int32) * rows
+    _ranged(f"grouped-gateup-{rows}", functools.partial(cutedsl_gemm.grouped_scaled_mm, qa, b, sa, sw, offs))
+    _ranged(f"dense-gateup-{rows}", functools.partial(cutedsl_gemm.scaled_mm, qa[:rows], b[0], sa[:rows], sw[0],
+                                                        out_dtype=torch.bfloat16))
 
 
 def weight_only(ms=(1, 16), n=8192, k=8192) -> None:
@@ -157,7 +184,8 @@ def main(argv=None):
     if args.what == "moe-rest":
         moe_rest(args.attention)
     else:
-        {"grouped": grouped, "weight-only": weight_only, "attention": attention}[args.what]()
+        {"grouped": grouped, "grouped-vs-dense": grouped_vs_dense, "weight-only": weight_only,
+         "attention": attention}[args.what]()
 
 
 if __name__ == "__main__":
